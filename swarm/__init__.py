@@ -1,0 +1,49 @@
+"""Swarm: train one PyTorch model on many unreliable machines.
+
+The ``swarm`` package is the core every other package stands on, and the
+application on top of them:
+
+- identity (``Identity``, ``PeerID``): Ed25519 keys and the ids derived from them
+- wire format (``pack``/``unpack``): msgpack with size limits, typed errors
+- errors: one class per meaning, rooted at ``SwarmError``
+- clocks: injected wall clocks for expiration times
+- ``swarm.cli``: the ``swarm`` command
+
+Implementation lives in private modules (``_identity.py`` ...); this module
+only re-exports the public names.
+"""
+
+from ._clock import ManualClock, WallClock, system_clock
+from ._errors import (
+    BootstrapError,
+    ClosedError,
+    ConfigError,
+    DeadlineError,
+    PeerUnreachableError,
+    ProtocolError,
+    RecordRejectedError,
+    RejectReason,
+    SwarmError,
+)
+from ._identity import Identity, PeerID, verify_signature
+from ._wire import pack, unpack
+
+__all__ = [
+    "BootstrapError",
+    "ClosedError",
+    "ConfigError",
+    "DeadlineError",
+    "Identity",
+    "ManualClock",
+    "PeerID",
+    "PeerUnreachableError",
+    "ProtocolError",
+    "RecordRejectedError",
+    "RejectReason",
+    "SwarmError",
+    "WallClock",
+    "pack",
+    "system_clock",
+    "unpack",
+    "verify_signature",
+]

@@ -1,0 +1,68 @@
+"""Typed errors. Each class means one thing; whose fault it is shows in the name.
+
+``SwarmError`` is the root of everything Swarm raises on purpose. A caller that
+wants to exclude or ban a misbehaving peer catches ``ProtocolError`` (the remote
+side broke the protocol), not ``Exception``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class SwarmError(Exception):
+    """Base class of every error Swarm raises deliberately."""
+
+
+class ConfigError(SwarmError, ValueError):
+    """The local configuration is invalid; the message says what to change.
+
+    The CLI turns it into exit code 2.
+    """
+
+
+class ProtocolError(SwarmError):
+    """Bytes from another peer are malformed, oversized or violate the protocol.
+
+    This is the one error class every decoder of untrusted input raises. It never
+    means a local bug: the remote side (or the network) is at fault.
+    """
+
+
+class PeerUnreachableError(SwarmError):
+    """A peer did not answer (connection refused, no reply before the deadline)."""
+
+
+class DeadlineError(SwarmError, TimeoutError):
+    """An operation did not finish before its deadline."""
+
+
+class ClosedError(SwarmError):
+    """The local side closed the resource this operation needed."""
+
+
+class BootstrapError(SwarmError):
+    """None of the initial peers answered, so the node could not join a swarm."""
+
+
+class RejectReason(enum.Enum):
+    """Why a DHT record was refused. Each value reads as one line of explanation."""
+
+    MALFORMED = "the record does not decode to the record layout"
+    OVERSIZED = "the key, sub-key or value exceeds its size limit"
+    EXPIRED = "the expiration time has already passed"
+    TOO_FAR_IN_FUTURE = "the expiration time is further ahead than the allowed lifetime"
+    FORGED = "the key names an owner but the signature does not verify for that owner"
+    NOT_OWNER = "the key names an owner other than the local peer, so it cannot be signed"
+    TOO_MANY_SUBKEYS = "the key already holds the maximum number of sub-keys"
+    NOT_STORED = "no node that is responsible for the key accepted the record"
+
+
+class RecordRejectedError(SwarmError):
+    """A DHT record was refused; ``reason`` says why."""
+
+    def __init__(self, reason: RejectReason, detail: str = "") -> None:
+        self.reason = reason
+        self.detail = detail
+        message = reason.value if not detail else f"{reason.value}: {detail}"
+        super().__init__(message)
