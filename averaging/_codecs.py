@@ -1,0 +1,219 @@
+"""Codecs for tensor parts on the wire: raw little-endian bytes behind a header.
+
+A blob is a 12-byte header followed by the payload::
+
+    u8 codec | u8 dtype | u16 reserved (0) | u32 length | u32 block size
+
+``length`` is the number of values, ``dtype`` the dtype they decode to (only
+float32 today). No pickle and no msgpack: ``decode`` reads untrusted bytes and
+raises only ``swarm.ProtocolError`` (unknown codec or dtype, sizes that do not
+add up). It does not reject NaN or Inf: a quantized blob with a NaN scale
+decodes to NaNs, and the caller checks ``all_finite`` (the all-reduce treats
+such a part as a failure of whoever sent it).
+
+Codecs:
+
+- ``NONE``: float32, exact.
+- ``FLOAT16``: IEEE half; values beyond +-65504 become +-Inf (and are then
+  rejected as non-finite), so use it for gradients and parameters, not sums.
+- ``UINT8`` (blockwise absmax, 8 bits; Dettmers et al. 2022, "8-bit optimizers
+  via block-wise quantization", sec. 2): per block of ``block_size`` values one
+  float32 scale ``absmax / 127``; values are ``round(x / scale)`` in
+  [-127, 127] stored offset by 127. Error per value <= absmax / 254 of its block.
+- ``UINT4`` (asymmetric group quantization, 4 bits, as in Flash Communication,
+  Li et al. 2024, sec. 3): per group of ``block_size`` values (128 by default)
+  float32 minimum and scale ``(max - min) / 15``; values are
+  ``round((x - min) / scale)`` in [0, 15], two per byte, low nibble first.
+  Error per value <= (max - min) / 30 of its group.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import sys
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from swarm import ProtocolError
+
+if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for
+    raise ImportError("averaging._codecs assumes a little-endian host")
+
+HEADER = struct.Struct("<BBHII")
+#: Largest block size a decoder accepts: bounds the padding a blob can ask for.
+MAX_BLOCK_SIZE = 1 << 16
+
+
+class CodecKind(enum.IntEnum):
+    NONE = 0
+    FLOAT16 = 1
+    UINT8 = 2
+    UINT4 = 3
+
+
+class _DType(enum.IntEnum):
+    FLOAT32 = 0
+
+
+@dataclass(frozen=True)
+class Codec:
+    """A codec and its block size (ignored by NONE and FLOAT16)."""
+
+    kind: CodecKind
+    block_size: int = 0
+
+    def __post_init__(self) -> None:
+        quantized = self.kind in (CodecKind.UINT8, CodecKind.UINT4)
+        if quantized and not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"{self.kind.name} needs a block size in [1, {MAX_BLOCK_SIZE}]")
+        if not quantized and self.block_size != 0:
+            raise ValueError(f"{self.kind.name} has no block size")
+
+    def encoded_size(self, length: int) -> int:
+        """Bytes of a blob holding ``length`` values, header included."""
+        return HEADER.size + _payload_size(self.kind, length, self.block_size)
+
+
+NONE = Codec(CodecKind.NONE)
+FLOAT16 = Codec(CodecKind.FLOAT16)
+UINT8 = Codec(CodecKind.UINT8, 4096)
+UINT4 = Codec(CodecKind.UINT4, 128)
+
+
+def _payload_size(kind: CodecKind, n: int, block: int) -> int:
+    if kind is CodecKind.NONE:
+        return 4 * n
+    if kind is CodecKind.FLOAT16:
+        return 2 * n
+    blocks = -(-n // block)
+    if kind is CodecKind.UINT8:
+        return 4 * blocks + n
+    return 8 * blocks + (n + 1) // 2
+
+
+def _frombuffer(data: memoryview, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
+    if count == 0:
+        return torch.empty(0, dtype=dtype)
+    with warnings.catch_warnings():
+        # Received frames are immutable bytes; the tensor is only ever read.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=dtype, count=count, offset=offset)
+
+
+def _padded_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x`` as (blocks, block) rows; the tail is padded with the last value."""
+    n = x.numel()
+    blocks = -(-n // block)
+    if blocks * block == n:
+        return x.reshape(blocks, block)
+    padded = torch.empty(blocks * block, dtype=torch.float32)
+    padded[:n] = x
+    padded[n:] = x[-1]  # does not change the min, max or absmax of the last block
+    return padded.view(blocks, block)
+
+
+def encode(values: torch.Tensor, codec: Codec) -> bytes:
+    """Encode a 1-D float tensor as one blob. Raises ``ValueError`` if it is too long."""
+    x = values.detach().reshape(-1).to(torch.float32)
+    n = x.numel()
+    if n >= 1 << 32:
+        raise ValueError("a blob holds fewer than 2**32 values")
+    header = HEADER.pack(codec.kind, _DType.FLOAT32, 0, n, codec.block_size)
+    if n == 0:
+        return header
+    if codec.kind is CodecKind.NONE:
+        return header + x.contiguous().numpy().tobytes()
+    if codec.kind is CodecKind.FLOAT16:
+        return header + x.to(torch.float16).numpy().tobytes()
+    rows = _padded_blocks(x, codec.block_size)
+    if codec.kind is CodecKind.UINT8:
+        scale = rows.abs().amax(dim=1).div_(127.0)
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = rows.div(safe.unsqueeze(1)).round_().clamp_(-127, 127).add_(127)
+        q_bytes = q.view(-1)[:n].to(torch.uint8)
+        return header + scale.numpy().tobytes() + q_bytes.numpy().tobytes()
+    low = rows.amin(dim=1)
+    scale = rows.amax(dim=1).sub_(low).div_(15.0)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = rows.sub(low.unsqueeze(1)).div_(safe.unsqueeze(1)).round_().clamp_(0, 15)
+    q4 = q.view(-1)[:n].to(torch.uint8)
+    if n % 2:
+        q4 = torch.cat([q4, q4.new_zeros(1)])
+    packed = q4[0::2] | (q4[1::2] << 4)
+    return header + low.numpy().tobytes() + scale.numpy().tobytes() + packed.numpy().tobytes()
+
+
+def peek_length(data: bytes | bytearray | memoryview) -> int:
+    """The number of values a blob declares. Raises ``ProtocolError`` if no header."""
+    if len(data) < HEADER.size:
+        raise ProtocolError(f"tensor blob of {len(data)} bytes is shorter than its header")
+    return int(HEADER.unpack_from(data)[3])
+
+
+def decode(
+    data: bytes | bytearray | memoryview, *, expected_length: int | None = None
+) -> torch.Tensor:
+    """Decode one blob into a 1-D float32 tensor.
+
+    The result may share memory with ``data`` and must be treated as read-only.
+    Raises ``ProtocolError`` (and nothing else) if the header names an unknown
+    codec or dtype, the block size is out of range, the payload size does not
+    match the header, or the length differs from ``expected_length``. NaN and
+    Inf are decoded as such: check ``all_finite``.
+    """
+    view = memoryview(data).cast("B")
+    if len(view) < HEADER.size:
+        raise ProtocolError(f"tensor blob of {len(view)} bytes is shorter than its header")
+    kind_code, dtype_code, reserved, n, block = HEADER.unpack_from(view)
+    try:
+        kind = CodecKind(kind_code)
+    except ValueError:
+        raise ProtocolError(f"unknown codec {kind_code}") from None
+    if dtype_code != _DType.FLOAT32:
+        raise ProtocolError(f"unknown dtype {dtype_code}")
+    if reserved != 0:
+        raise ProtocolError("reserved header bits are set")
+    if expected_length is not None and n != expected_length:
+        raise ProtocolError(f"tensor blob holds {n} values, expected {expected_length}")
+    quantized = kind in (CodecKind.UINT8, CodecKind.UINT4)
+    if quantized and not 1 <= block <= MAX_BLOCK_SIZE:
+        raise ProtocolError(f"block size {block} is outside [1, {MAX_BLOCK_SIZE}]")
+    if not quantized and block != 0:
+        raise ProtocolError(f"{kind.name} has no block size, got {block}")
+    payload = len(view) - HEADER.size
+    if payload != _payload_size(kind, n, block):
+        raise ProtocolError(
+            f"{kind.name} blob of {n} values needs {_payload_size(kind, n, block)} payload bytes,"
+            f" got {payload}"
+        )
+    at = HEADER.size
+    if n == 0:
+        return torch.empty(0, dtype=torch.float32)
+    if kind is CodecKind.NONE:
+        return _frombuffer(view, torch.float32, n, at)
+    if kind is CodecKind.FLOAT16:
+        return _frombuffer(view, torch.float16, n, at).to(torch.float32)
+    blocks = -(-n // block)
+    out = torch.empty(blocks * block, dtype=torch.float32)
+    if kind is CodecKind.UINT8:
+        scale = _frombuffer(view, torch.float32, blocks, at)
+        out[:n] = _frombuffer(view, torch.uint8, n, at + 4 * blocks)
+        out[n:] = 127
+        rows = out.view(blocks, block).sub_(127).mul_(scale.unsqueeze(1))
+        return rows.view(-1)[:n]
+    low = _frombuffer(view, torch.float32, blocks, at)
+    scale = _frombuffer(view, torch.float32, blocks, at + 4 * blocks)
+    packed = _frombuffer(view, torch.uint8, (n + 1) // 2, at + 8 * blocks)
+    out[0:n:2] = packed & 15
+    out[1:n:2] = (packed >> 4)[: n // 2]
+    out[n:] = 0
+    rows = out.view(blocks, block).mul_(scale.unsqueeze(1)).add_(low.unsqueeze(1))
+    return rows.view(-1)[:n]
+
+
+def all_finite(values: torch.Tensor) -> bool:
+    """True if no value is NaN or +-Inf."""
+    return bool(torch.isfinite(values).all())

@@ -1,0 +1,93 @@
+"""The description of one averaging group, as every member of it sees it.
+
+Matchmaking (leader-based, see DESIGN.md) hands every member the same
+``Group``: the same ordered members and the same group id. Everything the
+all-reduce derives from it (part boundaries, chunk boundaries, who reduces
+what) is a pure function of this description, so members agree without
+talking about it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from swarm import ConfigError, PeerID
+
+#: Largest group the all-reduce accepts. Moshpit groups are small (Ryabinin et
+#: al. 2021, sec. 3.2 use groups of tens); the bound keeps contributor masks and
+#: per-chunk bookkeeping small.
+MAX_GROUP_SIZE = 256
+
+
+class MemberMode(enum.Enum):
+    """What a member does in the butterfly all-reduce."""
+
+    #: Sends its data to every reducer, reduces its own part, gets the mean back.
+    NODE = "node"
+    #: Cannot accept connections: reduces nothing (part of size 0), only sends
+    #: its data and receives the mean.
+    CLIENT = "client"
+    #: Has no data of its own (weight 0): only reduces its part for the others.
+    AUX = "aux"
+
+
+@dataclass(frozen=True)
+class GroupMember:
+    """One member: who it is, where to dial it, how fast it is, what it does."""
+
+    peer_id: PeerID
+    host: str
+    port: int
+    bandwidth: float = 1.0
+    mode: MemberMode = MemberMode.NODE
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.bandwidth) and self.bandwidth >= 0):
+            raise ConfigError(f"bandwidth must be a finite number >= 0, got {self.bandwidth}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+
+@dataclass(frozen=True)
+class Group:
+    """An ordered list of members, the group id they agreed on, and who we are.
+
+    ``local_index`` is the only field that differs between members.
+    """
+
+    group_id: bytes
+    members: tuple[GroupMember, ...]
+    local_index: int
+
+    def __post_init__(self) -> None:
+        n = len(self.members)
+        if not 1 <= n <= MAX_GROUP_SIZE:
+            raise ConfigError(f"a group has 1 to {MAX_GROUP_SIZE} members, got {n}")
+        if not 0 <= self.local_index < n:
+            raise ConfigError(f"local_index {self.local_index} is not a member index (0..{n - 1})")
+        if not 1 <= len(self.group_id) <= 64:
+            raise ConfigError("group_id must be 1 to 64 bytes")
+        if len({m.peer_id for m in self.members}) != n:
+            raise ConfigError("a peer appears twice in the group")
+        if not any(m.mode is not MemberMode.CLIENT and m.bandwidth > 0 for m in self.members):
+            raise ConfigError(
+                "no member can reduce: at least one member must be NODE or AUX with bandwidth > 0"
+            )
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def local(self) -> GroupMember:
+        return self.members[self.local_index]
+
+    def senders(self) -> tuple[int, ...]:
+        """Indices of the members that contribute data (everyone but AUX)."""
+        return tuple(i for i, m in enumerate(self.members) if m.mode is not MemberMode.AUX)

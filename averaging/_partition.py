@@ -1,0 +1,128 @@
+"""Cutting the averaged vector into parts and chunks: pure, deterministic code.
+
+Butterfly all-reduce (DESIGN.md; Ryabinin et al. 2021, sec. 3.1) gives member i
+part i of the flattened vector to reduce. Parts are sized in proportion to each
+member's declared bandwidth, so a fast link reduces more; client-mode members
+get a part of size 0. Every member must compute the same boundaries from the
+same ``Group``, so the arithmetic is exact: bandwidths become exact fractions
+(``fractions.Fraction`` of a float is exact) and the remainder of the integer
+division goes to the largest fractional remainders, ties to the lower index.
+
+A part is streamed in chunks of ``chunk_elements`` elements (the last chunk of
+a part may be shorter), so that sending, reducing and receiving overlap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+
+from ._group import Group, MemberMode
+
+
+def part_sizes(total: int, bandwidths: Sequence[float], modes: Sequence[MemberMode]) -> list[int]:
+    """Split ``total`` elements into one part per member, proportional to bandwidth.
+
+    Client-mode members and members with bandwidth 0 get 0 elements. The sizes
+    sum to ``total``. Raises ``ValueError`` if ``total`` is negative, the
+    sequences differ in length, or no member can take a part while ``total > 0``.
+    """
+    if total < 0:
+        raise ValueError(f"total must be >= 0, got {total}")
+    if len(bandwidths) != len(modes):
+        raise ValueError("one bandwidth and one mode per member")
+    shares = [
+        Fraction(b) if mode is not MemberMode.CLIENT and b > 0 else Fraction(0)
+        for b, mode in zip(bandwidths, modes, strict=True)
+    ]
+    denominator = sum(shares, Fraction(0))
+    if denominator == 0:
+        if total == 0:
+            return [0] * len(shares)
+        raise ValueError("no member can reduce a part (all are client-mode or have bandwidth 0)")
+    exact = [total * s / denominator for s in shares]
+    sizes = [int(x) for x in exact]  # floor: every x >= 0
+    remainder = total - sum(sizes)
+    # Largest remainder first, ties to the lower index: the same on every member.
+    order = sorted(range(len(exact)), key=lambda i: (-(exact[i] - sizes[i]), i))
+    for i in order[:remainder]:
+        sizes[i] += 1
+    return sizes
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Part and chunk boundaries of one flattened vector for one group."""
+
+    total: int
+    part_bounds: tuple[tuple[int, int], ...]
+    chunk_elements: int
+
+    @classmethod
+    def for_group(cls, group: Group, total: int, chunk_elements: int) -> Partition:
+        if chunk_elements < 1:
+            raise ValueError("chunk_elements must be >= 1")
+        sizes = part_sizes(
+            total, [m.bandwidth for m in group.members], [m.mode for m in group.members]
+        )
+        bounds: list[tuple[int, int]] = []
+        start = 0
+        for size in sizes:
+            bounds.append((start, start + size))
+            start += size
+        return cls(total, tuple(bounds), chunk_elements)
+
+    def part_size(self, part: int) -> int:
+        start, end = self.part_bounds[part]
+        return end - start
+
+    def num_chunks(self, part: int) -> int:
+        return -(-self.part_size(part) // self.chunk_elements)
+
+    def chunk_sizes(self, part: int) -> list[int]:
+        size, step = self.part_size(part), self.chunk_elements
+        return [min(step, size - start) for start in range(0, size, step)]
+
+    def chunk_bounds(self, part: int, chunk: int) -> tuple[int, int]:
+        """Bounds of ``chunk`` within ``part``, relative to the start of the part."""
+        start = chunk * self.chunk_elements
+        return start, min(start + self.chunk_elements, self.part_size(part))
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One contiguous float32 vector holding ``tensors`` in order.
+
+    If ``tensors`` is a single contiguous float32 tensor, the result is a view of
+    it (no copy, and writing the vector writes the tensor); otherwise it is a
+    new vector, and ``unflatten_into`` copies it back. Raises ``ValueError`` for
+    non-floating tensors.
+    """
+    for t in tensors:
+        if not t.is_floating_point():
+            raise ValueError(f"can only average floating point tensors, got {t.dtype}")
+    if len(tensors) == 1 and tensors[0].dtype == torch.float32 and tensors[0].is_contiguous():
+        return tensors[0].detach().view(-1)
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float32)
+    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+
+
+def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Write ``flat`` back into ``tensors`` in place (a no-op if ``flat`` is their view).
+
+    Raises ``ValueError`` if the sizes do not match.
+    """
+    total = sum(t.numel() for t in tensors)
+    if flat.numel() != total:
+        raise ValueError(f"vector has {flat.numel()} elements, tensors hold {total}")
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            piece = flat[offset : offset + n]
+            if piece.data_ptr() != t.data_ptr() or t.dtype != torch.float32:
+                t.copy_(piece.view(t.shape))
+            offset += n

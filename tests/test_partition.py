@@ -1,0 +1,124 @@
+import random
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from averaging._group import Group, GroupMember, MemberMode
+from averaging._partition import Partition, flatten, part_sizes, unflatten_into
+from swarm import ConfigError, PeerID
+
+N, C, A = MemberMode.NODE, MemberMode.CLIENT, MemberMode.AUX
+
+
+def make_group(modes: list[MemberMode], bandwidths: list[float], local: int = 0) -> Group:
+    members = tuple(
+        GroupMember(PeerID(bytes([i]) * 20), "127.0.0.1", 1000 + i, bw, mode)
+        for i, (mode, bw) in enumerate(zip(modes, bandwidths, strict=True))
+    )
+    return Group(b"g", members, local)
+
+
+def test_equal_bandwidths_split_evenly_remainder_to_lowest() -> None:
+    assert part_sizes(10, [1.0, 1.0, 1.0], [N, N, N]) == [4, 3, 3]
+    assert part_sizes(9, [1.0, 1.0, 1.0], [N, N, N]) == [3, 3, 3]
+
+
+def test_proportional_to_bandwidth() -> None:
+    assert part_sizes(100, [1.0, 3.0], [N, N]) == [25, 75]
+    assert part_sizes(7, [0.1, 0.2, 0.7], [N, N, N]) == [1, 1, 5]
+
+
+def test_client_and_zero_bandwidth_get_nothing() -> None:
+    assert part_sizes(10, [5.0, 1.0, 1.0], [C, N, A]) == [0, 5, 5]
+    assert part_sizes(10, [1.0, 0.0], [N, N]) == [10, 0]
+
+
+def test_no_reducer_is_an_error() -> None:
+    with pytest.raises(ValueError):
+        part_sizes(10, [1.0, 1.0], [C, C])
+    assert part_sizes(0, [1.0], [C]) == [0]
+    with pytest.raises(ConfigError, match="no member can reduce"):
+        make_group([C, C], [1.0, 1.0])
+
+
+@given(
+    st.integers(0, 10**9),
+    st.lists(
+        st.tuples(st.floats(0, 1e6, allow_nan=False), st.sampled_from([N, C, A])),
+        min_size=1,
+        max_size=20,
+    ),
+)
+def test_sizes_sum_and_are_near_proportional(total: int, members: list) -> None:
+    bws = [b for b, _ in members]
+    modes = [m for _, m in members]
+    eligible = [b if m is not C else 0.0 for b, m in members]
+    if sum(eligible) == 0:
+        if total:
+            with pytest.raises(ValueError):
+                part_sizes(total, bws, modes)
+        return
+    sizes = part_sizes(total, bws, modes)
+    assert sum(sizes) == total
+    s = sum(eligible)
+    for size, b in zip(sizes, eligible, strict=True):
+        assert abs(size - total * b / s) < 1 + 1e-6 * total
+        if b == 0:
+            assert size == 0
+    # Deterministic: the same answer every time, and the order of evaluation does not matter.
+    assert part_sizes(total, bws, modes) == sizes
+
+
+def test_partition_chunks() -> None:
+    group = make_group([N, C, N], [1.0, 1.0, 3.0])
+    p = Partition.for_group(group, 21, chunk_elements=4)
+    assert p.part_bounds == ((0, 5), (5, 5), (5, 21))
+    assert p.chunk_sizes(0) == [4, 1]
+    assert p.num_chunks(1) == 0 and p.chunk_sizes(1) == []
+    assert p.chunk_sizes(2) == [4, 4, 4, 4]
+    assert p.chunk_bounds(0, 1) == (4, 5)
+
+
+def test_flatten_single_tensor_is_a_view() -> None:
+    t = torch.arange(12, dtype=torch.float32).view(3, 4)
+    flat = flatten([t])
+    flat[5] = -1
+    assert t[1, 1] == -1
+    unflatten_into(flat, [t])
+    assert t[1, 1] == -1
+
+
+def test_flatten_and_back() -> None:
+    rng = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randn(3, 4, generator=rng),
+        torch.randn(5, generator=rng).double(),
+        torch.randn(2, 2, generator=rng).t(),
+    ]
+    flat = flatten(tensors)
+    assert flat.shape == (12 + 5 + 4,) and flat.dtype == torch.float32
+    assert torch.equal(flat[:12], tensors[0].reshape(-1))
+    assert torch.equal(flat[17:], tensors[2].reshape(-1))
+    flat.mul_(2)
+    expected = [t.clone() * 2 for t in tensors]
+    unflatten_into(flat, tensors)
+    for t, e in zip(tensors, expected, strict=True):
+        assert torch.allclose(t, e)
+    with pytest.raises(ValueError):
+        unflatten_into(flat[:-1], tensors)
+    with pytest.raises(ValueError):
+        flatten([torch.zeros(2, dtype=torch.int64)])
+
+
+def test_same_boundaries_on_every_member() -> None:
+    rnd = random.Random(1)
+    bws = [rnd.uniform(0.1, 100.0) for _ in range(7)]
+    modes = [rnd.choice([N, N, C, A]) for _ in range(7)]
+    modes[0] = N
+    parts = {
+        Partition.for_group(make_group(modes, bws, i), 10**7 + 3, 1 << 16).part_bounds
+        for i in range(7)
+    }
+    assert len(parts) == 1
