@@ -1,0 +1,199 @@
+"""Bookkeeping of the butterfly all-reduce for one part: pure code, no network.
+
+``PartReducer`` is what reducer i keeps for part i: a weighted sum per chunk,
+fed chunk by chunk and in order by each sender. Chunk c is finished when every
+sender that is still alive has delivered it. A sender that fails (its stream
+broke, it missed ``sender_timeout``, it sent NaN/Inf or broke the protocol) is
+excluded from every chunk it has not delivered, and those chunks are averaged
+over the senders that did deliver them, weights renormalised. Whatever a
+failed sender delivered before failing still counts: exclusion is chunk by
+chunk (DESIGN.md, "Butterfly all-reduce").
+
+``ReceivedParts`` is the sender side: which averaged chunks came back from
+which reducer. A reducer that fails leaves the chunks it did not return at the
+sender's local values, which is the same as averaging them over the sender
+alone, and that is how they are recorded.
+
+Because every sender delivers in order, finished chunks always form a prefix
+``[0, completed)`` of the part.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+from swarm import ProtocolError
+
+from ._codecs import all_finite
+
+
+class PartReducer:
+    """Weighted mean of one part over its senders, finished chunk by chunk.
+
+    ``weights`` maps each expected sender (member index) to its weight, a
+    finite number >= 0. A chunk whose contributors all have weight 0 (or that
+    nobody delivered) has no result: every member keeps its local values there.
+    """
+
+    def __init__(self, chunk_sizes: Sequence[int], weights: Mapping[int, float]) -> None:
+        for sender, w in weights.items():
+            if not (math.isfinite(w) and w >= 0):
+                raise ValueError(f"weight of sender {sender} must be finite and >= 0, got {w}")
+        self.chunk_sizes = tuple(chunk_sizes)
+        self._offsets = [0]
+        for size in self.chunk_sizes:
+            self._offsets.append(self._offsets[-1] + size)
+        self._acc = torch.zeros(self._offsets[-1], dtype=torch.float32)
+        self._weights = dict(weights)
+        self._weight_sum = [0.0] * len(self.chunk_sizes)
+        self._contributors: list[set[int]] = [set() for _ in self.chunk_sizes]
+        self._delivered = dict.fromkeys(weights, 0)
+        self._alive = set(weights)
+        self._has_result = [False] * len(self.chunk_sizes)
+        #: Chunks ``[0, completed)`` are finished.
+        self.completed = 0
+        self._advance()
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunk_sizes)
+
+    @property
+    def done(self) -> bool:
+        return self.completed == self.num_chunks
+
+    @property
+    def alive(self) -> frozenset[int]:
+        """Senders not excluded (yet)."""
+        return frozenset(self._alive)
+
+    @property
+    def failed(self) -> frozenset[int]:
+        return frozenset(self._weights) - self._alive
+
+    def delivered(self, sender: int) -> int:
+        """How many chunks ``sender`` has delivered (they are chunks 0..n-1)."""
+        return self._delivered[sender]
+
+    def expects(self, sender: int) -> bool:
+        """Whether ``sender`` is alive and has chunks left to deliver."""
+        return sender in self._alive and self._delivered[sender] < self.num_chunks
+
+    def add(self, sender: int, chunk: int, values: torch.Tensor) -> range:
+        """Accumulate ``sender``'s ``chunk``; return the chunks this finished.
+
+        Data from a sender already excluded is ignored (empty range). Raises
+        ``ProtocolError`` if ``sender`` is unknown, ``chunk`` is not the next
+        chunk expected from it, or ``values`` has the wrong size; the caller
+        then ``fail``s that sender. Values with NaN or Inf exclude the sender
+        (as ``fail`` does) instead of being added.
+        """
+        if sender not in self._weights:
+            raise ProtocolError(f"member {sender} is not a sender of this part")
+        if sender not in self._alive:
+            return range(self.completed, self.completed)
+        expected = self._delivered[sender]
+        if chunk != expected:
+            raise ProtocolError(f"sender {sender} sent chunk {chunk}, expected chunk {expected}")
+        if values.numel() != self.chunk_sizes[chunk]:
+            raise ProtocolError(
+                f"chunk {chunk} has {self.chunk_sizes[chunk]} values, got {values.numel()}"
+            )
+        if not all_finite(values):
+            return self.fail(sender)
+        w = self._weights[sender]
+        start, end = self._offsets[chunk], self._offsets[chunk + 1]
+        self._acc[start:end].add_(values.reshape(-1), alpha=w)
+        self._weight_sum[chunk] += w
+        self._contributors[chunk].add(sender)
+        self._delivered[sender] = chunk + 1
+        return self._advance()
+
+    def fail(self, sender: int) -> range:
+        """Exclude ``sender`` from every chunk it has not delivered; return finished chunks."""
+        self._alive.discard(sender)
+        return self._advance()
+
+    def fail_all(self, senders: Iterable[int]) -> range:
+        for s in senders:
+            self._alive.discard(s)
+        return self._advance()
+
+    def _advance(self) -> range:
+        first = self.completed
+        while self.completed < self.num_chunks and all(
+            self._delivered[s] > self.completed for s in self._alive
+        ):
+            c = self.completed
+            total = self._weight_sum[c]
+            if total > 0:
+                self._acc[self._offsets[c] : self._offsets[c + 1]].div_(total)
+                self._has_result[c] = True
+            self.completed += 1
+        return range(first, self.completed)
+
+    def result(self, chunk: int) -> torch.Tensor | None:
+        """The weighted mean of a finished chunk (a view), or None if it has no result."""
+        if chunk >= self.completed:
+            raise ValueError(f"chunk {chunk} is not finished")
+        if not self._has_result[chunk]:
+            return None
+        return self._acc[self._offsets[chunk] : self._offsets[chunk + 1]]
+
+    def contributors(self, chunk: int) -> frozenset[int]:
+        """Senders whose data is in ``chunk``'s result (empty if it has none)."""
+        if not self._has_result[chunk]:
+            return frozenset()
+        return frozenset(self._contributors[chunk])
+
+
+class ReceivedParts:
+    """Which averaged chunks a member got back, and whose data is in each.
+
+    ``num_chunks[j]`` is the number of chunks of part j. Chunks not (yet)
+    received are recorded as ``{local_index}``: they hold the local values.
+    """
+
+    def __init__(self, num_chunks: Sequence[int], local_index: int) -> None:
+        self.local_index = local_index
+        self._received = [0] * len(num_chunks)
+        self._num_chunks = tuple(num_chunks)
+        self._failed: set[int] = set()
+        local = frozenset({local_index})
+        self._contributors: list[list[frozenset[int]]] = [[local] * n for n in num_chunks]
+
+    def next_chunk(self, part: int) -> int:
+        return self._received[part]
+
+    def is_complete(self, part: int) -> bool:
+        return self._received[part] == self._num_chunks[part]
+
+    def received(self, part: int, chunk: int, contributors: frozenset[int]) -> None:
+        """Record that ``chunk`` of ``part`` arrived, averaged over ``contributors``.
+
+        An empty ``contributors`` means the reducer had no result for it (the
+        local values stay). Raises ``ProtocolError`` if it is not the next chunk.
+        """
+        if part in self._failed:
+            raise ValueError(f"reducer of part {part} already failed")
+        expected = self._received[part]
+        if chunk != expected or chunk >= self._num_chunks[part]:
+            raise ProtocolError(f"reducer of part {part} sent chunk {chunk}, expected {expected}")
+        if contributors:
+            self._contributors[part][chunk] = contributors
+        self._received[part] = chunk + 1
+
+    def reducer_failed(self, part: int) -> None:
+        """The chunks of ``part`` not received keep their local values."""
+        if not self.is_complete(part):
+            self._failed.add(part)
+
+    @property
+    def failed_reducers(self) -> frozenset[int]:
+        return frozenset(self._failed)
+
+    def contributors(self) -> tuple[tuple[frozenset[int], ...], ...]:
+        return tuple(tuple(chunks) for chunks in self._contributors)
