@@ -1,0 +1,115 @@
+"""The built-in ``digits`` task: a tiny MLP on scikit-learn's handwritten digits.
+
+The data set (1,797 8x8 images, ten classes) ships inside the scikit-learn
+package, so nothing is downloaded. Pixels are scaled to [0, 1]. The split into
+training and test sets is stratified and fixed by ``SPLIT_SEED``, so every peer
+of a run holds the same test set; each peer then reads the training set in
+its own seeded random order. The network (64-128-10) trains in a few seconds
+on one CPU core, which is what tests and benchmarks of the swarm need.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.optim.optimizer import ParamsT
+
+from ._task import Task
+
+#: Seed of the train/test split; the same on every peer, whatever its stream seed.
+SPLIT_SEED = 0
+#: Share of each class held out for evaluation.
+TEST_FRACTION = 0.2
+HIDDEN = 128
+LEARNING_RATE = 1e-2
+
+DigitsBatch = tuple[torch.Tensor, torch.Tensor]
+
+
+@functools.cache
+def digits_split() -> tuple[DigitsBatch, DigitsBatch]:
+    """``((train_x, train_y), (test_x, test_y))``: float32 features in [0, 1], int64 labels.
+
+    Loaded once per process and shared read-only by every peer in it.
+    """
+    from sklearn.datasets import load_digits  # slow import, paid only when used
+
+    data = load_digits()
+    features = torch.as_tensor(data.data, dtype=torch.float32) / 16.0
+    labels = torch.as_tensor(data.target, dtype=torch.int64)
+    generator = torch.Generator().manual_seed(SPLIT_SEED)
+    train_parts, test_parts = [], []
+    for label in range(10):
+        members = torch.nonzero(labels == label).flatten()
+        members = members[torch.randperm(len(members), generator=generator)]
+        n_test = round(len(members) * TEST_FRACTION)
+        test_parts.append(members[:n_test])
+        train_parts.append(members[n_test:])
+    # Sorted so that the order of the training set does not depend on class order.
+    train, test = torch.cat(train_parts).sort().values, torch.cat(test_parts).sort().values
+    return (features[train], labels[train]), (features[test], labels[test])
+
+
+def _make_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 10))
+
+
+def _make_optimizer(params: ParamsT) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=LEARNING_RATE)
+
+
+def _batches(seed: int, batch_size: int) -> Iterator[DigitsBatch]:
+    (features, labels), _ = digits_split()
+    yield from shuffled_batches(features, labels, seed=seed, batch_size=batch_size)
+
+
+def shuffled_batches(
+    features: torch.Tensor, labels: torch.Tensor, *, seed: int, batch_size: int
+) -> Iterator[DigitsBatch]:
+    """Endless batches of ``batch_size`` samples: the data in a fresh seeded random
+    order on every pass, batches running on across the end of a pass.
+
+    Raises ``ValueError`` for a ``batch_size`` below 1 or an empty data set.
+    """
+    if batch_size < 1 or len(labels) == 0:
+        raise ValueError("need batch_size >= 1 and a non-empty data set")
+    generator = torch.Generator().manual_seed(seed)
+    pending = torch.empty(0, dtype=torch.int64)
+    while True:
+        while len(pending) < batch_size:
+            pending = torch.cat([pending, torch.randperm(len(labels), generator=generator)])
+        index, pending = pending[:batch_size], pending[batch_size:]
+        yield features[index], labels[index]
+
+
+def _loss(model: nn.Module, batch: DigitsBatch) -> tuple[torch.Tensor, int]:
+    features, labels = batch
+    return F.cross_entropy(model(features), labels), len(labels)
+
+
+def _evaluate(model: nn.Module) -> dict[str, float]:
+    _, (features, labels) = digits_split()
+    with torch.no_grad():
+        logits = model(features)
+        loss = F.cross_entropy(logits, labels).item()
+        accuracy = (logits.argmax(dim=1) == labels).float().mean().item()
+    return {"accuracy": accuracy, "loss": loss}
+
+
+def make_digits_task() -> Task[DigitsBatch]:
+    """The ``digits`` task: 64-128-10 MLP, Adam (lr 1e-2), batches of 64."""
+    (_, train_labels), _ = digits_split()
+    return Task(
+        name="digits",
+        make_model=_make_model,
+        batches=_batches,
+        loss=_loss,
+        evaluate=_evaluate,
+        make_optimizer=_make_optimizer,
+        batch_size=64,
+        train_size=len(train_labels),
+    )
