@@ -66,3 +66,21 @@ class RecordRejectedError(SwarmError):
         self.detail = detail
         message = reason.value if not detail else f"{reason.value}: {detail}"
         super().__init__(message)
+
+
+class EndOfStreamError(SwarmError):
+    """The remote side ended its half of a stream cleanly (it sent EOF).
+
+    Not a failure: ``Stream.receive`` raises it once everything the remote sent
+    has been received, and again on every later call.
+    """
+
+
+class StreamResetError(SwarmError):
+    """The remote side aborted a stream: its handler failed, refused the stream
+    (unknown name, too many concurrent streams) or was shut down.
+
+    The message carries the remote's one-line reason. The connection that
+    carried the stream is closed; other streams to the same peer are not
+    affected. It is not a ``ProtocolError``: the remote followed the protocol.
+    """

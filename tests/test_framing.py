@@ -1,0 +1,153 @@
+"""Session frames, without sockets: encode, tamper, decode."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarm import ProtocolError
+from swarm._framing import (
+    CHUNK_SIZE,
+    HEADER_BLOCK_SIZE,
+    Frame,
+    FrameDecoder,
+    FrameEncoder,
+    FrameKind,
+)
+
+KEY = bytes(range(32))
+MAX = 8 * 2**20
+
+
+def encode(
+    kind: FrameKind, payload: bytes, *, encrypt: bool, encoder: FrameEncoder | None = None
+) -> bytes:
+    encoder = encoder or FrameEncoder(KEY, encrypt=encrypt, max_frame_size=MAX)
+    return b"".join(bytes(b) for b in encoder.encode(kind, payload))
+
+
+def decoder(encrypt: bool, max_frame_size: int = MAX) -> FrameDecoder:
+    return FrameDecoder(KEY, encrypt=encrypt, max_frame_size=max_frame_size)
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+@pytest.mark.parametrize(
+    "size", [0, 1, 100, 64 * 1024, 64 * 1024 + 1, CHUNK_SIZE, CHUNK_SIZE + 1, 3 * CHUNK_SIZE + 5]
+)
+def test_round_trip_in_random_splits(encrypt: bool, size: int) -> None:
+    rng = random.Random(size)
+    payload = rng.randbytes(size)
+    encoder = FrameEncoder(KEY, encrypt=encrypt, max_frame_size=MAX)
+    wire = encode(FrameKind.BYTES, payload, encrypt=encrypt, encoder=encoder)
+    wire += encode(FrameKind.EOF, b"", encrypt=encrypt, encoder=encoder)
+    chunks = -(-size // CHUNK_SIZE)  # each 1 MiB chunk carries its own tag
+    assert len(wire) == 2 * HEADER_BLOCK_SIZE + size + 16 * chunks
+    dec = decoder(encrypt)
+    frames: list[Frame] = []
+    offset = 0
+    while offset < len(wire):
+        step = rng.choice([1, 7, 21, 1000, 1 << 17])
+        frames += dec.feed(wire[offset : offset + step])
+        offset += step
+    assert frames == [Frame(FrameKind.BYTES, payload), Frame(FrameKind.EOF, b"")]
+
+
+def test_byte_at_a_time() -> None:
+    encoder = FrameEncoder(KEY, encrypt=True, max_frame_size=MAX)
+    wire = b"".join(
+        encode(k, p, encrypt=True, encoder=encoder)
+        for k, p in [
+            (FrameKind.OPEN, b"\x91\xa4echo"),
+            (FrameKind.MESSAGE, b"\x01"),
+            (FrameKind.EOF, b""),
+        ]
+    )
+    dec = decoder(True)
+    frames = [f for i in range(len(wire)) for f in dec.feed(wire[i : i + 1])]
+    assert [f.kind for f in frames] == [FrameKind.OPEN, FrameKind.MESSAGE, FrameKind.EOF]
+
+
+def test_encrypted_mode_hides_the_payload_plaintext_mode_does_not() -> None:
+    secret = b"the gradients of our model" * 10
+    assert secret not in encode(FrameKind.BYTES, secret, encrypt=True)
+    assert secret in encode(FrameKind.BYTES, secret, encrypt=False)
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_every_flipped_byte_is_refused(encrypt: bool) -> None:
+    wire = encode(FrameKind.MESSAGE, b"hello world", encrypt=encrypt)
+    for position in range(len(wire)):
+        tampered = bytearray(wire)
+        tampered[position] ^= 0x80
+        with pytest.raises(ProtocolError):
+            decoder(encrypt).feed(bytes(tampered))
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_tampered_late_chunk_delivers_nothing(encrypt: bool) -> None:
+    payload = bytes(3 * CHUNK_SIZE)
+    wire = bytearray(encode(FrameKind.BYTES, payload, encrypt=encrypt))
+    wire[-100] ^= 1
+    dec = decoder(encrypt)
+    with pytest.raises(ProtocolError):
+        dec.feed(bytes(wire))
+    with pytest.raises(ProtocolError):  # the decoder stays failed
+        dec.next_buffer()
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_reordered_replayed_or_dropped_frames_are_refused(encrypt: bool) -> None:
+    encoder = FrameEncoder(KEY, encrypt=encrypt, max_frame_size=MAX)
+    first = encode(FrameKind.MESSAGE, b"\x01", encrypt=encrypt, encoder=encoder)
+    second = encode(FrameKind.MESSAGE, b"\x02", encrypt=encrypt, encoder=encoder)
+    for wire in (second + first, first + first, second):
+        with pytest.raises(ProtocolError):
+            decoder(encrypt).feed(wire)
+
+
+def test_keys_are_per_direction() -> None:
+    wire = encode(FrameKind.MESSAGE, b"\x01", encrypt=True)
+    with pytest.raises(ProtocolError):
+        FrameDecoder(bytes(32), encrypt=True, max_frame_size=MAX).feed(wire)
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_oversized_frame_is_refused_after_its_header(encrypt: bool) -> None:
+    big = FrameEncoder(KEY, encrypt=encrypt, max_frame_size=MAX)
+    wire = encode(FrameKind.BYTES, bytes(5000), encrypt=encrypt, encoder=big)
+    dec = decoder(encrypt, max_frame_size=4096)
+    with pytest.raises(ProtocolError, match="max_frame_size"):
+        dec.feed(wire[:HEADER_BLOCK_SIZE])  # refused before any payload arrives
+    small = FrameEncoder(KEY, encrypt=encrypt, max_frame_size=4096)
+    with pytest.raises(ValueError, match="max_frame_size"):
+        next(iter(small.encode(FrameKind.BYTES, bytes(5000))))
+
+
+@given(st.binary(max_size=300), st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_random_bytes_raise_only_protocol_error(data: bytes, encrypt: bool) -> None:
+    dec = decoder(encrypt)
+    with contextlib.suppress(ProtocolError):
+        dec.feed(data)
+
+
+@given(st.data(), st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_truncated_or_garbled_frames_raise_only_protocol_error(
+    data: st.DataObject, encrypt: bool
+) -> None:
+    payload = data.draw(st.binary(max_size=200))
+    wire = encode(FrameKind.MESSAGE, payload, encrypt=encrypt)
+    cut = data.draw(st.integers(0, len(wire)))
+    junk = data.draw(st.binary(max_size=60))
+    garbled = wire[:cut] + junk
+    try:
+        frames = decoder(encrypt).feed(garbled)
+    except ProtocolError:
+        return
+    # Whatever decodes without error is exactly what was sent.
+    assert frames in ([], [Frame(FrameKind.MESSAGE, payload)])
