@@ -117,33 +117,59 @@ def _padded_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 
 def encode(values: torch.Tensor, codec: Codec) -> bytes:
     """Encode a 1-D float tensor as one blob. Raises ``ValueError`` if it is too long."""
-    x = values.detach().reshape(-1).to(torch.float32)
+    return bytes(encode_into(values, codec))
+
+
+def encode_into(values: torch.Tensor, codec: Codec, prefix: bytes = b"") -> bytearray:
+    """``prefix`` followed by the blob of ``values``, built in one buffer.
+
+    The all-reduce puts its frame header in ``prefix``, so a frame costs one
+    allocation and, for ``NONE``, one copy of the values. Raises ``ValueError``
+    if ``values`` has 2**32 values or more.
+    """
+    x = values.detach().reshape(-1)
+    if x.dtype != torch.float32:
+        x = x.to(torch.float32)
     n = x.numel()
     if n >= 1 << 32:
         raise ValueError("a blob holds fewer than 2**32 values")
-    header = HEADER.pack(codec.kind, _DType.FLOAT32, 0, n, codec.block_size)
+    at = len(prefix) + HEADER.size
+    out = bytearray(at + _payload_size(codec.kind, n, codec.block_size))
+    out[: len(prefix)] = prefix
+    HEADER.pack_into(out, len(prefix), codec.kind, _DType.FLOAT32, 0, n, codec.block_size)
     if n == 0:
-        return header
+        return out
     if codec.kind is CodecKind.NONE:
-        return header + x.contiguous().numpy().tobytes()
+        _writable(out, torch.float32, n, at).copy_(x)
+        return out
     if codec.kind is CodecKind.FLOAT16:
-        return header + x.to(torch.float16).numpy().tobytes()
+        _writable(out, torch.float16, n, at).copy_(x)
+        return out
     rows = _padded_blocks(x, codec.block_size)
+    blocks = rows.shape[0]
     if codec.kind is CodecKind.UINT8:
-        scale = rows.abs().amax(dim=1).div_(127.0)
+        scale = _writable(out, torch.float32, blocks, at)
+        torch.amax(rows.abs(), dim=1, out=scale).div_(127.0)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = rows.div(safe.unsqueeze(1)).round_().clamp_(-127, 127).add_(127)
-        q_bytes = q.view(-1)[:n].to(torch.uint8)
-        return header + scale.numpy().tobytes() + q_bytes.numpy().tobytes()
-    low = rows.amin(dim=1)
-    scale = rows.amax(dim=1).sub_(low).div_(15.0)
+        _writable(out, torch.uint8, n, at + 4 * blocks).copy_(q.view(-1)[:n])
+        return out
+    low = _writable(out, torch.float32, blocks, at)
+    scale = _writable(out, torch.float32, blocks, at + 4 * blocks)
+    torch.amin(rows, dim=1, out=low)
+    torch.amax(rows, dim=1, out=scale).sub_(low).div_(15.0)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = rows.sub(low.unsqueeze(1)).div_(safe.unsqueeze(1)).round_().clamp_(0, 15)
     q4 = q.view(-1)[:n].to(torch.uint8)
     if n % 2:
         q4 = torch.cat([q4, q4.new_zeros(1)])
-    packed = q4[0::2] | (q4[1::2] << 4)
-    return header + low.numpy().tobytes() + scale.numpy().tobytes() + packed.numpy().tobytes()
+    packed = _writable(out, torch.uint8, (n + 1) // 2, at + 8 * blocks)
+    torch.bitwise_or(q4[0::2], q4[1::2] << 4, out=packed)
+    return out
+
+
+def _writable(out: bytearray, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
+    return torch.frombuffer(out, dtype=dtype, count=count, offset=offset)
 
 
 def peek_length(data: bytes | bytearray | memoryview) -> int:

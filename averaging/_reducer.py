@@ -74,6 +74,16 @@ class PartReducer:
     def failed(self) -> frozenset[int]:
         return frozenset(self._weights) - self._alive
 
+    def set_weight(self, sender: int, weight: float) -> None:
+        """Set ``sender``'s weight (it arrives with its stream); only before it delivers."""
+        if sender not in self._weights:
+            raise ProtocolError(f"member {sender} is not a sender of this part")
+        if self._delivered[sender]:
+            raise ValueError(f"sender {sender} already delivered data with its old weight")
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ProtocolError(f"weight of sender {sender} must be finite and >= 0, got {weight}")
+        self._weights[sender] = weight
+
     def delivered(self, sender: int) -> int:
         """How many chunks ``sender`` has delivered (they are chunks 0..n-1)."""
         return self._delivered[sender]

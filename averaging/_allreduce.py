@@ -1,0 +1,679 @@
+"""Fault-tolerant butterfly all-reduce within one group, over peer connections.
+
+Member i reduces part i of the flattened vector (``_partition``). Every member
+that has data opens one stream to each reducer (its own part goes over an
+in-memory stream through the very same code), sends a header and then its
+part in chunks; the reducer accumulates the chunks (``PartReducer``) and
+streams each averaged chunk back on the same stream as soon as every live
+sender has delivered it, so sending, reducing and receiving overlap.
+
+Wire protocol of one stream (name ``ALLREDUCE_STREAM``), sender -> reducer:
+
+1. header, msgpack: ``[version, group_id, part, sender, weight, chunk_elements, total]``
+2. chunk frames, raw bytes: ``u32 chunk index | codec blob`` (``_codecs``)
+
+reducer -> sender: result frames, raw bytes:
+``u32 chunk index | contributor bit mask | codec blob``. The mask has one bit
+per member (bit i of byte i // 8), padded to a multiple of 4 bytes; an
+all-zero mask means the chunk has no result (nobody with weight > 0 delivered
+it) and carries no blob. A refused stream is reset with a one-line reason.
+
+Quantized codecs are two-step, as in Flash Communication (Li et al. 2024,
+sec. 3): senders quantize their part, the reducer dequantizes, averages in
+float32 and re-quantizes the result before sending it back; the reducer itself
+uses the decoded re-quantized values, so every member ends with the same bits.
+
+Faults (DESIGN.md, "Butterfly all-reduce"):
+
+- A sender that does not open its stream within ``sender_timeout`` of the
+  reducer's start, or whose next chunk does not arrive within
+  ``sender_timeout``, breaks its stream, breaks the protocol or sends NaN/Inf
+  is excluded from the chunks it did not deliver; they are averaged over
+  those who did, weights renormalised.
+- A reducer whose next averaged chunk does not arrive within
+  ``reducer_timeout``, who breaks its stream or the protocol, or sends NaN/Inf
+  leaves the rest of its part at each member's local values.
+- ``reducer_timeout > sender_timeout`` so a reducer waiting out one slow sender
+  is not itself dropped by the others.
+- Nothing outlives ``round_timeout``: at that deadline every member stops and
+  keeps what it has, so healthy members always finish by it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+from weakref import WeakKeyDictionary
+
+import torch
+import trio
+
+from swarm import ConfigError, PeerID, ProtocolError
+from swarm._wire import expect_bytes, expect_float, expect_int, expect_list
+
+from ._codecs import NONE, Codec, all_finite, decode, encode_into
+from ._faults import FaultPlan, InjectedFault, MemberFault
+from ._group import Group, MemberMode
+from ._partition import Partition, flatten, unflatten_into
+from ._reducer import PartReducer, ReceivedParts
+
+logger = logging.getLogger(__name__)
+
+#: Name of the stream (connection handler) of the all-reduce.
+ALLREDUCE_STREAM = "allreduce"
+PROTOCOL_VERSION = 1
+#: How long a stream for a group id this peer does not (yet) run waits for
+#: that round to start before it is refused: members enter a round a little
+#: apart, but not by seconds.
+UNKNOWN_GROUP_WAIT = 2.0
+#: How long a reducer waits for a stream's header.
+HEADER_TIMEOUT = 5.0
+#: Group ids of recently finished rounds, refused at once rather than after
+#: ``UNKNOWN_GROUP_WAIT``.
+_FINISHED_MEMORY = 256
+#: Bytes of frame that are not the codec blob, at most (index + mask of 256 members).
+_FRAME_OVERHEAD = 4 + 32
+_CHUNK_INDEX = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class AllReduceConfig:
+    """Deadlines and chunking of one all-reduce round (seconds, elements).
+
+    Defaults follow hivemind's (sender 5 s, reducer 10 s). ``chunk_elements``
+    sizes the unit of overlap: 2**19 float32 values are 2 MiB per frame, big
+    enough that per-frame costs vanish and small enough to pipeline; it must
+    fit ``ConnectionConfig.max_frame_size`` (8 MiB by default) as float32.
+    """
+
+    sender_timeout: float = 5.0
+    reducer_timeout: float = 10.0
+    round_timeout: float = 60.0
+    chunk_elements: int = 1 << 19
+
+    def __post_init__(self) -> None:
+        for name in ("sender_timeout", "reducer_timeout", "round_timeout"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name}={value} must be a positive number of seconds")
+        if self.reducer_timeout <= self.sender_timeout:
+            raise ConfigError(
+                f"reducer_timeout ({self.reducer_timeout}) must exceed sender_timeout"
+                f" ({self.sender_timeout}): a reducer waits up to sender_timeout for a slow"
+                " sender before it can answer, and must not be dropped meanwhile"
+            )
+        if not 1 <= self.chunk_elements <= (1 << 21) - 1024:
+            raise ConfigError(
+                f"chunk_elements={self.chunk_elements} must be in [1, 2**21 - 1024]"
+                " so that a float32 chunk fits one 8 MiB frame"
+            )
+
+
+@dataclass(frozen=True)
+class AllReduceResult:
+    """What one member's all-reduce did.
+
+    ``contributors[j][c]`` is the set of members whose data is averaged into
+    chunk c of part j of the local result. ``{local_index}`` alone means the
+    chunk kept its local values (its reducer failed, or only we delivered it).
+    An auxiliary member has no result of its own: its sets are empty except
+    for the part it reduced.
+    """
+
+    group_id: bytes
+    local_index: int
+    part_bounds: tuple[tuple[int, int], ...]
+    chunk_elements: int
+    contributors: tuple[tuple[frozenset[int], ...], ...]
+    #: Senders our reducer excluded from at least one chunk of our part.
+    failed_senders: frozenset[int]
+    #: Reducers whose part we did not get back whole (a remote failure).
+    failed_reducers: frozenset[int]
+    #: True if the round deadline stopped the round before everything finished.
+    timed_out: bool
+
+    def part_contributors(self, part: int) -> frozenset[int]:
+        """Members whose data is in every chunk of ``part`` of the local result."""
+        chunks = self.contributors[part]
+        if not chunks:
+            return frozenset()
+        return frozenset.intersection(*chunks)
+
+
+# The parts of the connections API (swarm._connections) the all-reduce uses.
+
+
+class StreamLike(Protocol):
+    remote: PeerID
+
+    async def send(self, message: Any) -> None: ...
+    async def send_bytes(self, data: bytes | bytearray | memoryview) -> None: ...
+    async def receive(self) -> Any: ...
+    async def aclose(self) -> None: ...
+
+
+class Network(Protocol):
+    @property
+    def peer_id(self) -> PeerID: ...
+
+    def set_handler(self, name: str, handler: Callable[[Any], Awaitable[None]]) -> None: ...
+
+    def open_stream(
+        self, peer_id: PeerID, address: tuple[str, int], name: str
+    ) -> AbstractAsyncContextManager[Any]: ...
+
+
+async def all_reduce(
+    net: Network,
+    group: Group,
+    tensors: Sequence[torch.Tensor],
+    *,
+    weight: float = 1.0,
+    codec: Codec = NONE,
+    config: AllReduceConfig | None = None,
+    fault_plan: FaultPlan | None = None,
+) -> AllReduceResult:
+    """Average ``tensors`` with ``group``, in place; return who contributed where.
+
+    Every member calls this with the same ``group`` (but its own
+    ``local_index``), tensors of the same shapes, and the same ``config``.
+    The result written into ``tensors`` is, chunk by chunk, the ``weight``-ed
+    mean over the members that delivered that chunk to its reducer, or the
+    local values where the reducer failed. An ``AUX`` member's tensors only
+    give the shapes; they are not changed.
+
+    Returns at the latest ``config.round_timeout`` after the call, also when
+    peers fail (``timed_out`` tells). Raises ``ConfigError`` for a bad weight
+    and ``InjectedFault`` if the fault plan says so. On cancellation, the
+    tensors hold a mix of averaged and local chunks (each chunk whole) and
+    the cancellation propagates; remote members see us fail.
+    """
+    config = config if config is not None else AllReduceConfig()
+    plan = fault_plan if fault_plan is not None else FaultPlan()
+    me = group.local_index
+    fault = plan.for_member(me)
+    if fault.fail_before_sending:
+        raise InjectedFault("fault plan: fail before sending")
+    if not (math.isfinite(weight) and weight >= 0):
+        raise ConfigError(f"weight must be a finite number >= 0, got {weight}")
+    if net.peer_id != group.local.peer_id:
+        raise ConfigError("the group's local member is not this peer")
+    flat = flatten(tensors)
+    partition = Partition.for_group(group, flat.numel(), config.chunk_elements)
+    rnd = _Round(net, group, partition, flat, weight, codec, config, fault)
+    with trio.move_on_after(config.round_timeout) as deadline:
+        with _registry(net).register(rnd) if rnd.reducer is not None else _nothing():
+            async with trio.open_nursery() as nursery:
+                if rnd.reducer is not None:
+                    nursery.start_soon(rnd.reduce)
+                if group.local.mode is not MemberMode.AUX:
+                    for part in range(group.size):
+                        if partition.part_size(part) > 0:
+                            nursery.start_soon(rnd.send_part, part)
+    if group.local.mode is not MemberMode.AUX:
+        unflatten_into(flat, tensors)
+    return rnd.result(timed_out=deadline.cancelled_caught)
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+class _Round:
+    """One member's state for one round: its reducer role and its sender role."""
+
+    def __init__(
+        self,
+        net: Network,
+        group: Group,
+        partition: Partition,
+        flat: torch.Tensor,
+        weight: float,
+        codec: Codec,
+        config: AllReduceConfig,
+        fault: MemberFault,
+    ) -> None:
+        self.net = net
+        self.group = group
+        self.partition = partition
+        self.flat = flat
+        self.weight = weight
+        self.codec = codec
+        self.config = config
+        self.fault = fault
+        me = group.local_index
+        self._mask_size = -(-group.size // 32) * 4
+        self.received = ReceivedParts([partition.num_chunks(j) for j in range(group.size)], me)
+        # Reducer role.
+        self.reducer: PartReducer | None = None
+        if partition.part_size(me) > 0:
+            self.reducer = PartReducer(
+                partition.chunk_sizes(me), dict.fromkeys(group.senders(), 0.0)
+            )
+        self._incoming_send, self._incoming_receive = trio.open_memory_channel[
+            tuple[StreamLike, int, float, trio.Event]
+        ](0)
+        self._connected: set[int] = set()
+        n_chunks = partition.num_chunks(me) if self.reducer is not None else 0
+        self._chunk_done = [trio.Event() for _ in range(n_chunks)]
+        self._frames: dict[int, bytes | bytearray] = {}
+        self._frame_waiters: dict[int, set[int]] = {}
+        self._responders: set[int] = set()
+
+    # ----------------------------------------------------------------- reducer
+
+    def check_header(self, stream: StreamLike, message: Any) -> tuple[int, float]:
+        """Validate a sender's header; return (sender index, weight).
+
+        Raises ``ProtocolError`` with the one-line reason for the refusal.
+        """
+        fields = expect_list(message, 7, "all-reduce header")
+        version = expect_int(fields[0], "version")
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"all-reduce protocol version {version}, expected {PROTOCOL_VERSION}"
+            )
+        part = expect_int(fields[2], "part")
+        if part != self.group.local_index:
+            raise ProtocolError(
+                f"part {part} is not reduced here (this is member {self.group.local_index})"
+            )
+        sender = expect_int(fields[3], "sender", lo=0, hi=self.group.size - 1)
+        weight = expect_float(fields[4], "weight")
+        if weight < 0:
+            raise ProtocolError("weight must be >= 0")
+        if expect_int(fields[5], "chunk_elements") != self.partition.chunk_elements:
+            raise ProtocolError(f"chunk_elements differ: ours is {self.partition.chunk_elements}")
+        if expect_int(fields[6], "total") != self.partition.total:
+            raise ProtocolError(f"vector sizes differ: ours has {self.partition.total} elements")
+        member = self.group.members[sender]
+        if stream.remote != member.peer_id:
+            raise ProtocolError(f"member {sender} of the group is another peer")
+        if member.mode is MemberMode.AUX:
+            raise ProtocolError(f"member {sender} is auxiliary and sends no data")
+        return sender, weight
+
+    async def accept(self, stream: StreamLike, sender: int, weight: float) -> None:
+        """Hand an incoming sender stream to the reducer; return when it is served.
+
+        Raises ``ProtocolError`` (the refusal) if the sender already has a
+        stream, or the reducer stopped accepting (round over, or the sender is
+        later than ``sender_timeout``).
+        """
+        done = trio.Event()
+        try:
+            await self._incoming_send.send((stream, sender, weight, done))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise ProtocolError("the round no longer accepts senders") from None
+        await done.wait()
+
+    async def reduce(self) -> None:
+        """The reducer role: accept senders, serve each, until all are served."""
+        assert self.reducer is not None
+        reducer = self.reducer
+        expected = set(self.group.senders())
+        async with trio.open_nursery() as nursery:
+            with self._incoming_receive:
+                with trio.move_on_after(self.config.sender_timeout):
+                    while expected - self._connected - reducer.failed:
+                        stream, sender, weight, done = await self._incoming_receive.receive()
+                        if sender in self._connected or sender in reducer.failed:
+                            nursery.start_soon(_refuse, done, stream, "duplicate sender stream")
+                            continue
+                        self._connected.add(sender)
+                        reducer.set_weight(sender, weight)
+                        self._responders.add(sender)
+                        nursery.start_soon(self._serve_sender, stream, sender, done)
+            late = expected - self._connected
+            if late:
+                logger.info("all-reduce: senders %s did not connect in time", sorted(late))
+                self._completed(reducer.fail_all(late))
+
+    async def _serve_sender(self, stream: StreamLike, sender: int, done: trio.Event) -> None:
+        """Receive one sender's chunks and stream the averaged chunks back.
+
+        The per-sender boundary: any failure excludes this sender (and ends
+        this stream) and nothing else.
+        """
+        assert self.reducer is not None
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._receive_chunks, stream, sender)
+                try:
+                    await self._reply(stream, sender)
+                except Exception as e:  # per-peer boundary
+                    logger.info("all-reduce: replying to member %d failed: %r", sender, e)
+                    self._completed(self.reducer.fail(sender))
+                    await stream.aclose()
+                nursery.cancel_scope.cancel()
+        finally:
+            self._release_responder(sender)
+            done.set()
+
+    async def _receive_chunks(self, stream: StreamLike, sender: int) -> None:
+        assert self.reducer is not None
+        reducer = self.reducer
+        sizes = reducer.chunk_sizes
+        try:
+            while reducer.expects(sender):
+                with trio.move_on_after(self.config.sender_timeout) as wait:
+                    frame = await stream.receive()
+                if wait.cancelled_caught:
+                    logger.info("all-reduce: member %d missed sender_timeout", sender)
+                    self._completed(reducer.fail(sender))
+                    break
+                data = _expect_frame(frame, "chunk frame")
+                if len(data) < _CHUNK_INDEX.size:
+                    raise ProtocolError("chunk frame shorter than its index")
+                (chunk,) = _CHUNK_INDEX.unpack_from(data)
+                if chunk != reducer.delivered(sender):
+                    raise ProtocolError(f"chunk {chunk} out of order")
+                values = decode(memoryview(data)[_CHUNK_INDEX.size :], expected_length=sizes[chunk])
+                self._completed(reducer.add(sender, chunk, values))
+            # Excluded or finished: drain whatever it still sends, so a slow
+            # sender is never blocked writing to us while it waits for results.
+            while True:
+                await stream.receive()
+        except Exception as e:  # per-peer boundary
+            if reducer.expects(sender):
+                logger.info("all-reduce: member %d failed as a sender: %r", sender, e)
+                self._completed(reducer.fail(sender))
+
+    async def _reply(self, stream: StreamLike, sender: int) -> None:
+        for chunk, done in enumerate(self._chunk_done):
+            await done.wait()
+            await self.fault.before_reply(chunk)
+            await stream.send_bytes(self._frames[chunk])
+            self._frame_sent(chunk, sender)
+
+    def _completed(self, chunks: range) -> None:
+        """Encode each newly finished chunk once, for every responder, and wake them."""
+        assert self.reducer is not None
+        for chunk in chunks:
+            contributors = self.reducer.contributors(chunk)
+            mask = bytearray(self._mask_size)
+            for i in contributors:
+                mask[i // 8] |= 1 << (i % 8)
+            prefix = _CHUNK_INDEX.pack(chunk) + bytes(mask)
+            values = self.reducer.result(chunk)
+            frame = prefix if values is None else encode_into(values, self.codec, prefix)
+            self._frames[chunk] = frame
+            self._frame_waiters[chunk] = set(self._responders)
+            if not self._responders:
+                del self._frames[chunk]
+            self._chunk_done[chunk].set()
+
+    def _frame_sent(self, chunk: int, sender: int) -> None:
+        waiting = self._frame_waiters.get(chunk)
+        if waiting is None:
+            return
+        waiting.discard(sender)
+        if not waiting:
+            del self._frame_waiters[chunk]
+            self._frames.pop(chunk, None)
+
+    def _release_responder(self, sender: int) -> None:
+        self._responders.discard(sender)
+        for chunk in list(self._frame_waiters):
+            self._frame_sent(chunk, sender)
+
+    # ------------------------------------------------------------------ sender
+
+    async def send_part(self, part: int) -> None:
+        """The sender role for one part: send it, receive it averaged.
+
+        The per-reducer boundary: any failure (or ``reducer_timeout``) leaves
+        the chunks of this part not yet received at their local values.
+        """
+        member = self.group.members[part]
+        try:
+            if part == self.group.local_index:
+                local, remote = _local_stream_pair(member.peer_id)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._serve_local, remote)
+                    try:
+                        await self._exchange(local, part)
+                    finally:
+                        await local.aclose()
+            else:
+                async with self.net.open_stream(
+                    member.peer_id, member.address, ALLREDUCE_STREAM
+                ) as stream:
+                    await self._exchange(stream, part)
+        except Exception as e:  # per-peer boundary
+            logger.info("all-reduce: reducer of part %d failed: %r", part, e)
+        self.received.reducer_failed(part)
+
+    async def _serve_local(self, stream: _LocalStream) -> None:
+        """Our own part, reduced by our own reducer, through the same code."""
+        try:
+            header = await stream.receive()
+            sender, weight = self.check_header(stream, header)
+            await self.accept(stream, sender, weight)
+        except Exception as e:  # per-peer boundary (here: ourselves)
+            logger.info("all-reduce: local reducer refused: %r", e)
+        finally:
+            await stream.aclose()
+
+    async def _exchange(self, stream: StreamLike, part: int) -> None:
+        g = self.group
+        await stream.send(
+            [
+                PROTOCOL_VERSION,
+                g.group_id,
+                part,
+                g.local_index,
+                self.weight,
+                self.partition.chunk_elements,
+                self.partition.total,
+            ]
+        )
+        failure: list[BaseException] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._send_chunks, stream, part, nursery.cancel_scope, failure)
+            try:
+                await self._receive_results(stream, part)
+            except Exception as e:  # per-peer boundary, re-raised outside the nursery
+                failure.insert(0, e)
+            nursery.cancel_scope.cancel()
+        if failure and not self.received.is_complete(part):
+            raise failure[0]
+
+    async def _send_chunks(
+        self,
+        stream: StreamLike,
+        part: int,
+        scope: trio.CancelScope,
+        failure: list[BaseException],
+    ) -> None:
+        start, _ = self.partition.part_bounds[part]
+        try:
+            for chunk in range(self.partition.num_chunks(part)):
+                await self.fault.before_send(chunk)
+                a, b = self.partition.chunk_bounds(part, chunk)
+                frame = encode_into(
+                    self.flat[start + a : start + b], self.codec, _CHUNK_INDEX.pack(chunk)
+                )
+                await stream.send_bytes(frame)
+        except Exception as e:  # per-peer boundary: ends this exchange
+            failure.append(e)
+            scope.cancel()
+
+    async def _receive_results(self, stream: StreamLike, part: int) -> None:
+        start, _ = self.partition.part_bounds[part]
+        senders = set(self.group.senders())
+        header = _CHUNK_INDEX.size + self._mask_size
+        while not self.received.is_complete(part):
+            chunk = self.received.next_chunk(part)
+            with trio.fail_after(self.config.reducer_timeout):
+                frame = await stream.receive()
+            data = _expect_frame(frame, "result frame")
+            if len(data) < header:
+                raise ProtocolError("result frame shorter than its header")
+            (index,) = _CHUNK_INDEX.unpack_from(data)
+            if index != chunk:
+                raise ProtocolError(f"result chunk {index} out of order, expected {chunk}")
+            mask = data[_CHUNK_INDEX.size : header]
+            contributors = frozenset(
+                i for i in range(self.group.size) if mask[i // 8] >> (i % 8) & 1
+            )
+            if not contributors <= senders:
+                raise ProtocolError("result names contributors that are not senders")
+            if contributors:
+                a, b = self.partition.chunk_bounds(part, chunk)
+                values = decode(memoryview(data)[header:], expected_length=b - a)
+                if not all_finite(values):
+                    raise ProtocolError("the reducer sent NaN or Inf")
+                self.flat[start + a : start + b].copy_(values)
+            elif len(data) != header:
+                raise ProtocolError("a result without contributors carries no values")
+            self.received.received(part, chunk, contributors)
+
+    # ------------------------------------------------------------------ result
+
+    def result(self, *, timed_out: bool) -> AllReduceResult:
+        me = self.group.local_index
+        if self.group.local.mode is MemberMode.AUX:
+            contributors: list[tuple[frozenset[int], ...]] = [
+                tuple(frozenset() for _ in range(self.partition.num_chunks(j)))
+                for j in range(self.group.size)
+            ]
+            if self.reducer is not None:
+                contributors[me] = tuple(
+                    self.reducer.contributors(c) if c < self.reducer.completed else frozenset()
+                    for c in range(self.reducer.num_chunks)
+                )
+            table = tuple(contributors)
+        else:
+            table = self.received.contributors()
+        failed_reducers = frozenset(
+            j
+            for j in range(self.group.size)
+            if self.group.local.mode is not MemberMode.AUX and not self.received.is_complete(j)
+        )
+        return AllReduceResult(
+            group_id=self.group.group_id,
+            local_index=me,
+            part_bounds=self.partition.part_bounds,
+            chunk_elements=self.partition.chunk_elements,
+            contributors=table,
+            failed_senders=self.reducer.failed if self.reducer is not None else frozenset(),
+            failed_reducers=failed_reducers,
+            timed_out=timed_out,
+        )
+
+
+def _expect_frame(obj: Any, what: str) -> bytes | bytearray:
+    if not isinstance(obj, bytes | bytearray):
+        raise ProtocolError(f"{what}: expected raw bytes, got {type(obj).__name__}")
+    return obj
+
+
+async def _refuse(done: trio.Event, stream: StreamLike, reason: str) -> None:
+    logger.info("all-reduce: refused a stream from %s: %s", stream.remote, reason)
+    await stream.aclose()
+    done.set()
+
+
+# ---------------------------------------------------------------- the registry
+
+
+class _Registry:
+    """The rounds this peer runs now, by group id; routes incoming streams."""
+
+    def __init__(self) -> None:
+        self._rounds: dict[bytes, _Round] = {}
+        self._finished: deque[bytes] = deque(maxlen=_FINISHED_MEMORY)
+        self._changed = trio.Event()
+
+    @contextmanager
+    def register(self, rnd: _Round) -> Iterator[None]:
+        gid = rnd.group.group_id
+        if gid in self._rounds:
+            raise ConfigError(f"a round of group {gid.hex()} is already running on this peer")
+        self._rounds[gid] = rnd
+        self._changed.set()
+        self._changed = trio.Event()
+        try:
+            yield
+        finally:
+            del self._rounds[gid]
+            self._finished.append(gid)
+
+    async def handle(self, stream: StreamLike) -> None:
+        """The connection handler of ``ALLREDUCE_STREAM``.
+
+        Raises ``ProtocolError`` to refuse a stream (the connections manager
+        resets it with that reason): malformed header, unknown group after
+        ``UNKNOWN_GROUP_WAIT``, finished round, header inconsistent with the
+        group. Otherwise returns when the round has served the stream.
+        """
+        with trio.move_on_after(HEADER_TIMEOUT) as wait:
+            header = await stream.receive()
+        if wait.cancelled_caught:
+            raise ProtocolError("no all-reduce header in time")
+        fields = expect_list(header, 7, "all-reduce header")
+        gid = expect_bytes(fields[1], "group id", max_size=64)
+        with trio.move_on_after(UNKNOWN_GROUP_WAIT):
+            while gid not in self._rounds and gid not in self._finished:
+                await self._changed.wait()
+        rnd = self._rounds.get(gid)
+        if rnd is None:
+            raise ProtocolError(f"no all-reduce round for group {gid.hex()[:16]} here")
+        sender, weight = rnd.check_header(stream, header)
+        await rnd.accept(stream, sender, weight)
+
+
+_registries: WeakKeyDictionary[Any, _Registry] = WeakKeyDictionary()
+
+
+def _registry(net: Network) -> _Registry:
+    registry = _registries.get(net)
+    if registry is None:
+        registry = _registries[net] = _Registry()
+        net.set_handler(ALLREDUCE_STREAM, registry.handle)
+    return registry
+
+
+# ------------------------------------------------------ the in-memory stream
+
+
+class _LocalStream:
+    """One end of an in-memory stream, for the part a member reduces itself."""
+
+    def __init__(
+        self,
+        remote: PeerID,
+        send: trio.MemorySendChannel[Any],
+        receive: trio.MemoryReceiveChannel[Any],
+    ) -> None:
+        self.remote = remote
+        self._send = send
+        self._receive = receive
+
+    async def send(self, message: Any) -> None:
+        await self._send.send(message)
+
+    async def send_bytes(self, data: bytes | bytearray | memoryview) -> None:
+        # Frames are fresh buffers that the sender never touches again.
+        await self._send.send(data)
+
+    async def receive(self) -> Any:
+        return await self._receive.receive()
+
+    async def aclose(self) -> None:
+        await self._send.aclose()
+        await self._receive.aclose()
+
+
+def _local_stream_pair(peer: PeerID) -> tuple[_LocalStream, _LocalStream]:
+    a_send, b_receive = trio.open_memory_channel[Any](2)
+    b_send, a_receive = trio.open_memory_channel[Any](2)
+    return _LocalStream(peer, a_send, a_receive), _LocalStream(peer, b_send, b_receive)

@@ -1,0 +1,333 @@
+"""The butterfly all-reduce over real sockets on 127.0.0.1, several peers in one process.
+
+Faults come from a ``FaultPlan`` and are counted in chunks, and slow peers are
+slower than any deadline by orders of magnitude, so every outcome asserted here
+is determined: no test waits on a sleep to win a race. The invariant checked
+everywhere: each chunk of a healthy member's result is the exact weighted mean
+over the members recorded as its contributors, those are the members the fault
+plan says delivered it, and healthy members finish by the round deadline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+
+import pytest
+import torch
+import trio
+
+from averaging._allreduce import AllReduceConfig, AllReduceResult, all_reduce
+from averaging._codecs import FLOAT16, NONE, UINT4, UINT8, Codec
+from averaging._faults import FaultPlan, InjectedFault, MemberFault
+from averaging._group import Group, GroupMember, MemberMode
+from swarm import ConfigError, Identity
+from swarm._connections import ConnectionConfig, Connections, open_connections
+
+TOTAL = 1000
+CHUNK = 64
+# Generous against a loaded machine; faults are slower than these by far.
+CONFIG = AllReduceConfig(
+    sender_timeout=1.0, reducer_timeout=2.0, round_timeout=8.0, chunk_elements=CHUNK
+)
+FOREVER = 1e6
+N, C, A = MemberMode.NODE, MemberMode.CLIENT, MemberMode.AUX
+
+
+@asynccontextmanager
+async def open_peers(n: int, *, encrypt: bool = False) -> AsyncIterator[list[Connections]]:
+    async with AsyncExitStack() as stack:
+        nets = [
+            await stack.enter_async_context(
+                open_connections(
+                    Identity.from_seed(bytes([i + 1]) * 32),
+                    config=ConnectionConfig(encrypt=encrypt),
+                )
+            )
+            for i in range(n)
+        ]
+        yield nets
+
+
+def make_groups(
+    nets: Sequence[Connections],
+    modes: Sequence[MemberMode] | None = None,
+    bandwidths: Sequence[float] | None = None,
+    group_id: bytes = b"group-1",
+) -> list[Group]:
+    modes = modes or [N] * len(nets)
+    bandwidths = bandwidths or [1.0] * len(nets)
+    members = tuple(
+        GroupMember(net.peer_id, "127.0.0.1", net.port, bw, mode)
+        for net, mode, bw in zip(nets, modes, bandwidths, strict=True)
+    )
+    return [Group(group_id, members, i) for i in range(len(nets))]
+
+
+def member_data(i: int, total: int = TOTAL) -> torch.Tensor:
+    return torch.randn(total, generator=torch.Generator().manual_seed(100 + i))
+
+
+@dataclass
+class Outcome:
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    results: list[AllReduceResult | BaseException | None]
+    finished_at: list[float]
+    started_at: float
+
+
+async def run_round(
+    nets: Sequence[Connections],
+    groups: Sequence[Group],
+    weights: Sequence[float],
+    *,
+    codec: Codec = NONE,
+    plan: FaultPlan | None = None,
+    inputs: list[torch.Tensor] | None = None,
+    scopes: dict[int, trio.CancelScope] | None = None,
+) -> Outcome:
+    n = len(nets)
+    inputs = inputs or [member_data(i) for i in range(n)]
+    # Two tensors per member, so flatten/unflatten_into are exercised too.
+    tensors = [[x[:300].clone().view(30, 10), x[300:].clone()] for x in inputs]
+    outcome = Outcome(inputs, [], [None] * n, [0.0] * n, trio.current_time())
+    scopes = scopes or {}
+
+    async def member(i: int) -> None:
+        with scopes.get(i, trio.CancelScope()):
+            try:
+                outcome.results[i] = await all_reduce(
+                    nets[i],
+                    groups[i],
+                    tensors[i],
+                    weight=weights[i],
+                    codec=codec,
+                    config=CONFIG,
+                    fault_plan=plan,
+                )
+            except InjectedFault as e:
+                outcome.results[i] = e
+        outcome.finished_at[i] = trio.current_time()
+
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(member, i)
+    outcome.outputs = [torch.cat([t[0].reshape(-1), t[1]]) for t in tensors]
+    return outcome
+
+
+def check(
+    outcome: Outcome,
+    weights: Sequence[float],
+    healthy: Sequence[int],
+    expected: dict[tuple[int, int], frozenset[int] | str],
+    *,
+    atol: float = 1e-5,
+    stragglers: Sequence[int] = (),
+) -> None:
+    """Every chunk of every healthy member is the weighted mean of its recorded
+    contributors, which are ``expected[(part, chunk)]`` ("local": only the member
+    itself, because the reducer failed). Healthy members finish by the deadline."""
+    for i in healthy:
+        result = outcome.results[i]
+        assert isinstance(result, AllReduceResult), result
+        assert outcome.finished_at[i] - outcome.started_at <= CONFIG.round_timeout + 0.5
+        assert result.timed_out == (i in stragglers)
+        for part, (start, _) in enumerate(result.part_bounds):
+            for chunk, contributors in enumerate(result.contributors[part]):
+                want = expected[(part, chunk)]
+                assert contributors == (frozenset({i}) if want == "local" else want), (
+                    i,
+                    part,
+                    chunk,
+                    contributors,
+                )
+                a = start + chunk * result.chunk_elements
+                b = min(a + result.chunk_elements, result.part_bounds[part][1])
+                total_w = sum(weights[s] for s in contributors)
+                mean = sum(weights[s] * outcome.inputs[s][a:b] for s in contributors) / total_w
+                assert torch.allclose(outcome.outputs[i][a:b], mean, atol=atol, rtol=0), (
+                    i,
+                    part,
+                    chunk,
+                )
+
+
+def uniform(
+    groups: Sequence[Group], contributors: frozenset[int]
+) -> dict[tuple[int, int], frozenset[int] | str]:
+    from averaging._partition import Partition
+
+    p = Partition.for_group(groups[0], TOTAL, CHUNK)
+    return {(j, c): contributors for j in range(groups[0].size) for c in range(p.num_chunks(j))}
+
+
+WEIGHTS = [1.0, 2.0, 0.5, 1.5]
+ALL4 = frozenset(range(4))
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
+async def test_exact_weighted_mean_without_faults(encrypt: bool) -> None:
+    async with open_peers(4, encrypt=encrypt) as nets:
+        groups = make_groups(nets, bandwidths=[1.0, 3.0, 0.5, 2.0])
+        outcome = await run_round(nets, groups, WEIGHTS)
+    check(outcome, WEIGHTS, range(4), uniform(groups, ALL4))
+    for i in range(1, 4):
+        assert torch.equal(outcome.outputs[i], outcome.outputs[0])
+    results = [r for r in outcome.results if isinstance(r, AllReduceResult)]
+    assert all(not r.failed_senders and not r.failed_reducers for r in results)
+    assert results[0].part_contributors(1) == ALL4
+
+
+@pytest.mark.parametrize(
+    ("codec", "atol"), [(FLOAT16, 4e-3), (UINT8, 0.06), (UINT4, 0.8)], ids=["f16", "u8", "u4"]
+)
+async def test_quantized_codecs_close_to_mean_and_identical(codec: Codec, atol: float) -> None:
+    async with open_peers(3) as nets:
+        groups = make_groups(nets)
+        outcome = await run_round(nets, groups, WEIGHTS[:3], codec=codec)
+    check(outcome, WEIGHTS[:3], range(3), uniform(groups, frozenset(range(3))), atol=atol)
+    # Two-step quantization: the reducer keeps what it sent, so all members agree bit for bit.
+    assert torch.equal(outcome.outputs[1], outcome.outputs[0])
+    assert torch.equal(outcome.outputs[2], outcome.outputs[0])
+
+
+async def test_client_and_auxiliary_members() -> None:
+    async with open_peers(4) as nets:
+        groups = make_groups(nets, modes=[N, C, A, N], bandwidths=[1.0, 5.0, 2.0, 1.0])
+        outcome = await run_round(nets, groups, WEIGHTS)
+    result = outcome.results[0]
+    assert isinstance(result, AllReduceResult)
+    assert result.part_bounds[1] == (250, 250)  # client mode: nothing to reduce
+    check(outcome, WEIGHTS, [0, 1, 3], uniform(groups, frozenset({0, 1, 3})))
+    aux = outcome.results[2]
+    assert isinstance(aux, AllReduceResult)
+    assert torch.equal(outcome.outputs[2], outcome.inputs[2])  # aux tensors untouched
+    assert all(c == frozenset({0, 1, 3}) for c in aux.contributors[2])
+
+
+def without(
+    groups: Sequence[Group], victim: int, from_chunk: int
+) -> dict[tuple[int, int], frozenset[int] | str]:
+    """A sender that delivered chunks [0, from_chunk) of every part and nothing after."""
+    table = uniform(groups, ALL4)
+    return {k: (ALL4 if k[1] < from_chunk else ALL4 - {victim}) for k in table}
+
+
+def reducer_lost(
+    groups: Sequence[Group], victim: int, from_chunk: int
+) -> dict[tuple[int, int], frozenset[int] | str]:
+    """A reducer that returned chunks [0, from_chunk) of its part and nothing after."""
+    table = uniform(groups, ALL4)
+    return {k: ("local" if k[0] == victim and k[1] >= from_chunk else ALL4) for k in table}
+
+
+async def test_member_fails_before_sending() -> None:
+    plan = FaultPlan({2: MemberFault(fail_before_sending=True)})
+    async with open_peers(4) as nets:
+        groups = make_groups(nets)
+        outcome = await run_round(nets, groups, WEIGHTS, plan=plan)
+    assert isinstance(outcome.results[2], InjectedFault)
+    expected = {k: ("local" if k[0] == 2 else ALL4 - {2}) for k in uniform(groups, ALL4)}
+    check(outcome, WEIGHTS, [0, 1, 3], expected)
+    for i in (0, 1, 3):
+        result = outcome.results[i]
+        assert isinstance(result, AllReduceResult)
+        assert result.failed_reducers == {2} and result.failed_senders == {2}
+
+
+async def test_member_fails_while_sending() -> None:
+    plan = FaultPlan({2: MemberFault(fail_after_sending=2)})
+    async with open_peers(4) as nets:
+        groups = make_groups(nets)
+        outcome = await run_round(nets, groups, WEIGHTS, plan=plan)
+    check(outcome, WEIGHTS, [0, 1, 3], without(groups, 2, 2))
+
+
+async def test_member_sends_very_slowly() -> None:
+    plan = FaultPlan({2: MemberFault(send_delay=FOREVER, send_delay_after=1)})
+    async with open_peers(4) as nets:
+        groups = make_groups(nets)
+        outcome = await run_round(nets, groups, WEIGHTS, plan=plan)
+    check(outcome, WEIGHTS, [0, 1, 3], without(groups, 2, 1))
+    # The slow member itself is not stuck either: it gets the others' mean.
+    check(outcome, WEIGHTS, [2], without(groups, 2, 1))
+
+
+async def test_member_fails_while_reducing() -> None:
+    plan = FaultPlan({1: MemberFault(fail_after_reducing=2)})
+    async with open_peers(4) as nets:
+        groups = make_groups(nets)
+        outcome = await run_round(nets, groups, WEIGHTS, plan=plan)
+    # Member 1 still sends and receives: it is healthy except as reducer of part 1.
+    check(outcome, WEIGHTS, range(4), reducer_lost(groups, 1, 2))
+    for i in (0, 2, 3):
+        result = outcome.results[i]
+        assert isinstance(result, AllReduceResult) and result.failed_reducers == {1}
+
+
+async def test_member_reduces_very_slowly() -> None:
+    plan = FaultPlan({1: MemberFault(reduce_delay=FOREVER, reduce_delay_after=1)})
+    async with open_peers(4) as nets:
+        groups = make_groups(nets)
+        outcome = await run_round(nets, groups, WEIGHTS, plan=plan)
+    # The slow reducer keeps serving until the round deadline stops it; its
+    # values as a member are right all the same.
+    check(outcome, WEIGHTS, range(4), reducer_lost(groups, 1, 1), stragglers=[1])
+    for i in (0, 2, 3):
+        assert outcome.finished_at[i] - outcome.started_at < CONFIG.round_timeout
+
+
+async def test_member_cancelled() -> None:
+    scope = trio.CancelScope()
+    plan = FaultPlan({3: MemberFault(cancel_before_chunk=0, cancel=scope.cancel)})
+    async with open_peers(4) as nets:
+        groups = make_groups(nets)
+        outcome = await run_round(nets, groups, WEIGHTS, plan=plan, scopes={3: scope})
+    assert scope.cancelled_caught and outcome.results[3] is None
+    expected = {k: ("local" if k[0] == 3 else ALL4 - {3}) for k in uniform(groups, ALL4)}
+    check(outcome, WEIGHTS, [0, 1, 2], expected)
+
+
+async def test_nan_sender_is_excluded_from_that_chunk_on() -> None:
+    inputs = [member_data(i) for i in range(4)]
+    inputs[1][500 + CHUNK + 3] = float("nan")  # part 2 is [500, 750): its chunk 1
+    async with open_peers(4) as nets:
+        groups = make_groups(nets)
+        outcome = await run_round(nets, groups, WEIGHTS, inputs=inputs)
+    expected = {k: (ALL4 - {1} if k[0] == 2 and k[1] >= 1 else ALL4) for k in uniform(groups, ALL4)}
+    check(outcome, WEIGHTS, [0, 2, 3], expected)
+    result = outcome.results[2]
+    assert isinstance(result, AllReduceResult) and result.failed_senders == {1}
+
+
+async def test_stream_for_unknown_group_is_refused() -> None:
+    async with open_peers(2) as nets:
+        groups = make_groups(nets)
+        other = make_groups(nets, group_id=b"other")
+        # Member 1 runs another group: member 0's part-1 stream is refused, and
+        # member 0 excludes member 1 as a sender after sender_timeout.
+        outcome = Outcome([], [], [None, None], [0.0, 0.0], trio.current_time())
+        x = [member_data(0), member_data(1)]
+
+        async def one(i: int, group: Group) -> None:
+            outcome.results[i] = await all_reduce(nets[i], group, [x[i]], config=CONFIG)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, 0, groups[0])
+            nursery.start_soon(one, 1, other[1])
+    r0 = outcome.results[0]
+    assert isinstance(r0, AllReduceResult)
+    assert r0.failed_reducers == {1} and r0.failed_senders == {1}
+    assert torch.equal(x[0], member_data(0))
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ConfigError, match="must exceed sender_timeout"):
+        AllReduceConfig(sender_timeout=5.0, reducer_timeout=5.0)
+    with pytest.raises(ConfigError, match="chunk_elements"):
+        AllReduceConfig(chunk_elements=1 << 22)
+    with pytest.raises(ConfigError):
+        AllReduceConfig(round_timeout=float("nan"))
