@@ -345,7 +345,7 @@ class _Round:
         assert self.reducer is not None
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._receive_chunks, stream, sender)
+                nursery.start_soon(self._receive_chunks, stream, sender, nursery.cancel_scope)
                 try:
                     await self._reply(stream, sender)
                 except Exception as e:  # per-peer boundary
@@ -357,7 +357,16 @@ class _Round:
             self._release_responder(sender)
             done.set()
 
-    async def _receive_chunks(self, stream: StreamLike, sender: int) -> None:
+    async def _receive_chunks(
+        self, stream: StreamLike, sender: int, serving: trio.CancelScope
+    ) -> None:
+        """Feed one sender's chunks to the reducer, then drain its stream.
+
+        When the stream ends or breaks, replying is pointless (a sender leaves
+        only once it has everything or has given up on us): ``serving`` is
+        cancelled. A sender excluded for ``sender_timeout`` keeps its stream
+        and still gets the results.
+        """
         assert self.reducer is not None
         reducer = self.reducer
         sizes = reducer.chunk_sizes
@@ -385,6 +394,7 @@ class _Round:
             if reducer.expects(sender):
                 logger.info("all-reduce: member %d failed as a sender: %r", sender, e)
                 self._completed(reducer.fail(sender))
+            serving.cancel()
 
     async def _reply(self, stream: StreamLike, sender: int) -> None:
         for chunk, done in enumerate(self._chunk_done):

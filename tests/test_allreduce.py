@@ -29,7 +29,7 @@ TOTAL = 1000
 CHUNK = 64
 # Generous against a loaded machine; faults are slower than these by far.
 CONFIG = AllReduceConfig(
-    sender_timeout=1.0, reducer_timeout=2.0, round_timeout=8.0, chunk_elements=CHUNK
+    sender_timeout=2.0, reducer_timeout=4.0, round_timeout=15.0, chunk_elements=CHUNK
 )
 FOREVER = 1e6
 N, C, A = MemberMode.NODE, MemberMode.CLIENT, MemberMode.AUX
@@ -273,11 +273,8 @@ async def test_member_reduces_very_slowly() -> None:
     async with open_peers(4) as nets:
         groups = make_groups(nets)
         outcome = await run_round(nets, groups, WEIGHTS, plan=plan)
-    # The slow reducer keeps serving until the round deadline stops it; its
-    # values as a member are right all the same.
-    check(outcome, WEIGHTS, range(4), reducer_lost(groups, 1, 1), stragglers=[1])
-    for i in (0, 2, 3):
-        assert outcome.finished_at[i] - outcome.started_at < CONFIG.round_timeout
+    # The slow reducer stops serving once every sender has given up on it.
+    check(outcome, WEIGHTS, range(4), reducer_lost(groups, 1, 1))
 
 
 async def test_member_cancelled() -> None:
