@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from swarm._errors import ConfigError
+from swarm import ConfigError
 from trainer._task import Task
 
 CONTEXT = 64

@@ -13,6 +13,8 @@ from trainer._state import (
     MAX_DIMS,
     TensorSpec,
     flatten_state,
+    parse_state_header,
+    state_header,
     tensor_from_bytes,
     tensor_to_bytes,
     unflatten_state,
@@ -42,18 +44,12 @@ def assert_same(a: Any, b: Any) -> None:
 
 
 def through_bytes(obj: Any) -> Any:
-    """Flatten, send the skeleton and specs as msgpack and tensors as raw bytes, rebuild."""
+    """Send the header as msgpack and the tensors as raw bytes, as state transfer does."""
     flat = flatten_state(obj)
-    header = unpack(
-        pack(
-            {"skeleton": flat.skeleton, "specs": [TensorSpec.of(t).to_wire() for t in flat.tensors]}
-        )
-    )
-    specs = [TensorSpec.from_wire(s) for s in header["specs"]]
-    tensors = [
-        tensor_from_bytes(s, tensor_to_bytes(t)) for s, t in zip(specs, flat.tensors, strict=True)
-    ]
-    return unflatten_state(header["skeleton"], tensors)
+    skeleton, specs = parse_state_header(unpack(pack(state_header(flat))))
+    payloads = [tensor_to_bytes(t) for t in flat.tensors]
+    tensors = [tensor_from_bytes(s, p) for s, p in zip(specs, payloads, strict=True)]
+    return unflatten_state(skeleton, tensors)
 
 
 def test_optimizer_state_round_trip() -> None:
@@ -158,6 +154,21 @@ def test_over_deep_skeleton_raises_protocol_error() -> None:
 def test_malformed_tensor_specs_raise_protocol_error(wire: Any) -> None:
     with pytest.raises(ProtocolError):
         TensorSpec.from_wire(wire, max_bytes=2**30)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        None,
+        {"skeleton": 1},
+        {"skeleton": 1, "tensors": {}},
+        {"skeleton": 1, "tensors": [["float32", [1]]], "extra": 0},
+        {"skeleton": 1, "tensors": [["float32", [100]], ["float32", [200]]]},  # 1200 bytes
+    ],
+)
+def test_malformed_or_oversized_state_headers_raise_protocol_error(header: Any) -> None:
+    with pytest.raises(ProtocolError):
+        parse_state_header(header, max_total_bytes=1000)
 
 
 def test_tensor_bytes_of_wrong_length_raise_protocol_error() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from swarm import ConfigError
-from trainer._task import Task, builtin_task_names, load_task
+from trainer._task import Task, builtin_task_names, load_task, shuffled_batches
 from trainer._tasks_digits import digits_split
 
 torch.set_num_threads(1)
@@ -69,6 +69,28 @@ def test_digits_streams_are_seeded_and_each_pass_covers_the_training_set() -> No
     assert len(y) == 3 * task.train_size
 
 
+@pytest.mark.parametrize(
+    ("tensors", "batch_size"),
+    [
+        ((), 1),
+        ((torch.zeros(3), torch.zeros(4)), 1),
+        ((torch.zeros(0),), 1),
+        ((torch.zeros(3),), 0),
+    ],
+)
+def test_shuffled_batches_refuses_bad_input(
+    tensors: tuple[torch.Tensor, ...], batch_size: int
+) -> None:
+    with pytest.raises(ValueError):
+        next(shuffled_batches(*tensors, seed=0, batch_size=batch_size))
+
+
+def test_shuffled_batches_keeps_rows_together() -> None:
+    x = torch.arange(10)
+    for a, b in itertools.islice(shuffled_batches(x, x * 10, seed=0, batch_size=4), 5):
+        assert torch.equal(a * 10, b)
+
+
 def train_digits(steps: int, seed: int = 0) -> tuple[torch.nn.Module, dict[str, float]]:
     task = load_task("digits")
     model, optimizer, _ = task.build(seed=seed)
@@ -81,11 +103,12 @@ def train_digits(steps: int, seed: int = 0) -> tuple[torch.nn.Module, dict[str, 
     return model, task.run_evaluation(model)
 
 
-def test_digits_reaches_90_percent_in_40_steps_deterministically() -> None:
-    model, metrics = train_digits(40)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_digits_reaches_90_percent_in_40_steps_deterministically(seed: int) -> None:
+    model, metrics = train_digits(40, seed)
     assert metrics["accuracy"] >= 0.9
     assert set(metrics) == {"accuracy", "loss"}
-    model2, metrics2 = train_digits(40)
+    model2, metrics2 = train_digits(40, seed)
     assert metrics == metrics2
     for a, b in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(a, b)

@@ -12,7 +12,7 @@ File layout (all integers little-endian)::
 
     b"SWARMCK1"                  magic and format version
     u32 header_size
-    header                       msgpack: {"skeleton": ..., "tensors": [spec, ...]}
+    header                       msgpack: state_header, {"skeleton": ..., "tensors": [spec, ...]}
     tensor data                  each tensor's raw bytes, in spec order
     u32 crc32                    of every byte before it
 
@@ -39,7 +39,14 @@ from torch import nn
 from swarm._errors import ConfigError, ProtocolError
 from swarm._wire import pack, unpack
 
-from ._state import TensorSpec, flatten_state, tensor_from_bytes, tensor_to_bytes, unflatten_state
+from ._state import (
+    flatten_state,
+    parse_state_header,
+    state_header,
+    tensor_from_bytes,
+    tensor_to_bytes,
+    unflatten_state,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +55,10 @@ MAGIC = b"SWARMCK1"
 MAX_HEADER_SIZE = 64 * 2**20
 _U32 = struct.Struct("<I")
 _CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)\.swarm$")
-_TEMP_PREFIX = ".checkpoint-"
+# save_checkpoint's temporary files for checkpoint-<epoch>.swarm, see _temp_prefix.
+_CHECKPOINT_TEMP_NAME = re.compile(r"^\.checkpoint-\d+\.swarm\..*\.tmp$")
 _TEMP_SUFFIX = ".tmp"
+_FIELDS = {"epoch", "model", "optimizer", "scheduler", "extra"}
 
 
 @dataclass(frozen=True)
@@ -136,13 +145,9 @@ def save_checkpoint(path: str | os.PathLike[str], checkpoint: Checkpoint) -> Non
     """
     target = Path(path)
     flat = flatten_state(checkpoint._tree())
-    specs = [TensorSpec.of(t) for t in flat.tensors]
-    header = pack(
-        {"skeleton": flat.skeleton, "tensors": [s.to_wire() for s in specs]},
-        max_size=MAX_HEADER_SIZE,
-    )
+    header = pack(state_header(flat), max_size=MAX_HEADER_SIZE)
     fd, temp_name = tempfile.mkstemp(
-        prefix=f"{_TEMP_PREFIX}{target.name}.", suffix=_TEMP_SUFFIX, dir=target.parent
+        prefix=f".{target.name}.", suffix=_TEMP_SUFFIX, dir=target.parent
     )
     try:
         with os.fdopen(fd, "wb") as file:
@@ -187,9 +192,7 @@ def _read(file: IO[bytes], size: int) -> Checkpoint:
     if header_size > MAX_HEADER_SIZE:
         raise ProtocolError(f"header of {header_size} bytes exceeds {MAX_HEADER_SIZE}")
     header = unpack(reader.read(header_size), max_size=MAX_HEADER_SIZE)
-    if not isinstance(header, dict) or not isinstance(header.get("tensors"), list):
-        raise ProtocolError("header is not a checkpoint header")
-    specs = [TensorSpec.from_wire(s, max_bytes=size) for s in header["tensors"]]
+    skeleton, specs = parse_state_header(header, max_total_bytes=size)
     expected = len(MAGIC) + _U32.size + header_size + sum(s.nbytes for s in specs) + _U32.size
     if expected != size:
         raise ProtocolError(f"file is {size} bytes, its header implies {expected}")
@@ -198,14 +201,8 @@ def _read(file: IO[bytes], size: int) -> Checkpoint:
     (stored_crc,) = _U32.unpack(reader.read(_U32.size))
     if crc != stored_crc:
         raise ProtocolError("checksum mismatch")
-    tree = unflatten_state(header.get("skeleton"), tensors)
-    if not isinstance(tree, dict) or set(tree) != {
-        "epoch",
-        "model",
-        "optimizer",
-        "scheduler",
-        "extra",
-    }:
+    tree = unflatten_state(skeleton, tensors)
+    if not isinstance(tree, dict) or set(tree) != _FIELDS:
         raise ProtocolError("the state is not a checkpoint")
     try:
         return Checkpoint(**tree)
@@ -295,7 +292,7 @@ class CheckpointDir:
         """
         self.directory.mkdir(parents=True, exist_ok=True)
         for entry in self.directory.iterdir():
-            if entry.name.startswith(_TEMP_PREFIX) and entry.name.endswith(_TEMP_SUFFIX):
+            if _CHECKPOINT_TEMP_NAME.match(entry.name):
                 with contextlib.suppress(OSError):
                     entry.unlink()
         path = self.path_for(checkpoint.epoch)

@@ -5,8 +5,12 @@ nested ``state`` and ``param_groups``, a scheduler ``state_dict``, counters) is
 a tree of dicts, lists, tuples, scalars and tensors. ``flatten_state`` splits it
 into a *skeleton* that msgpack can carry and the list of tensors the skeleton
 points to; ``unflatten_state`` puts them back together. Checkpoint files and the
-state transfer to newcomers both use this split: the skeleton and one
-``TensorSpec`` per tensor travel as msgpack, the tensor data as raw bytes.
+state transfer to newcomers both use this split: ``state_header`` (the skeleton
+and one ``TensorSpec`` per tensor) travels as msgpack, the tensor data as raw
+bytes (``tensor_to_bytes``). A receiver checks the header with
+``parse_state_header`` before it reads any tensor data, which bounds what it
+will accept, then rebuilds each tensor with ``tensor_from_bytes`` and the state
+with ``unflatten_state``.
 
 Skeleton grammar (a skeleton from another peer is untrusted input):
 
@@ -172,6 +176,33 @@ def flatten_state(obj: Any) -> FlatState:
 
     skeleton = visit(obj, 0)
     return FlatState(skeleton, tensors)
+
+
+def state_header(flat: FlatState) -> dict[str, Any]:
+    """The msgpack-able description of ``flat``: its skeleton and its tensors' specs."""
+    return {
+        "skeleton": flat.skeleton,
+        "tensors": [TensorSpec.of(t).to_wire() for t in flat.tensors],
+    }
+
+
+def parse_state_header(
+    obj: Any, *, max_total_bytes: int | None = None
+) -> tuple[Any, list[TensorSpec]]:
+    """The skeleton and tensor specs of an untrusted ``state_header``.
+
+    Raises ``ProtocolError`` if it is malformed or its tensors add up to more than
+    ``max_total_bytes``. The skeleton itself is checked by ``unflatten_state``.
+    """
+    if not isinstance(obj, dict) or set(obj) != {"skeleton", "tensors"}:
+        raise ProtocolError("state header: expected a map of skeleton and tensors")
+    if not isinstance(obj["tensors"], list):
+        raise ProtocolError("state header: tensors must be a list of specs")
+    specs = [TensorSpec.from_wire(s, max_bytes=max_total_bytes) for s in obj["tensors"]]
+    total = sum(s.nbytes for s in specs)
+    if max_total_bytes is not None and total > max_total_bytes:
+        raise ProtocolError(f"state of {total} bytes exceeds the limit of {max_total_bytes}")
+    return obj["skeleton"], specs
 
 
 def unflatten_state(skeleton: Any, tensors: Sequence[torch.Tensor]) -> Any:

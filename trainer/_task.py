@@ -17,6 +17,7 @@ Minimal custom task::
             evaluate=my_evaluate,           # model -> {"loss": ..., "accuracy": ...}
         )
 
+For a data set held in tensors, ``shuffled_batches`` is a ready-made ``batches``.
 ``load_task("digits")`` returns a built-in task; ``load_task("path/to/file.py:make_task")``
 imports the file and calls its factory.
 """
@@ -163,6 +164,32 @@ class Task(Generic[Batch]):
         return result
 
 
+def shuffled_batches(
+    *tensors: torch.Tensor, seed: int, batch_size: int
+) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Endless batches from an in-memory data set, for a task's ``batches``.
+
+    ``tensors`` share their first dimension (e.g. features and labels); each
+    batch holds the same ``batch_size`` rows of each. Every pass over the data
+    is in a fresh random order drawn from ``seed``, and batches run on across
+    the end of a pass, so all batches are full. Raises ``ValueError`` for no
+    tensors, tensors of different lengths, an empty data set or a
+    ``batch_size`` below 1.
+    """
+    if not tensors or len({len(t) for t in tensors}) != 1 or len(tensors[0]) == 0:
+        raise ValueError("need one or more non-empty tensors of the same length")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    size = len(tensors[0])
+    generator = torch.Generator().manual_seed(seed)
+    pending = torch.empty(0, dtype=torch.int64)
+    while True:
+        while len(pending) < batch_size:
+            pending = torch.cat([pending, torch.randperm(size, generator=generator)])
+        index, pending = pending[:batch_size], pending[batch_size:]
+        yield tuple(t[index] for t in tensors)
+
+
 def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -192,7 +219,8 @@ def builtin_task_names() -> list[str]:
 def load_task(spec: str) -> Task[Any]:
     """The task named by ``spec``: a built-in name, or ``"path/to/file.py:factory"``.
 
-    For a file, the module is imported from its path and ``factory()`` is called
+    For a file (relative to the working directory), the module is imported from
+    its path and ``factory()`` is called
     with no arguments; it must return a ``Task``. Raises ``ConfigError`` with a
     message that says what to change for an unknown built-in name, a missing
     file, a file that fails to import, a missing or non-callable factory, a

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.optim.optimizer import ParamsT
 
-from ._task import Task
+from ._task import Task, shuffled_batches
 
 #: Seed of the train/test split; the same on every peer, whatever its stream seed.
 SPLIT_SEED = 0
@@ -64,26 +64,8 @@ def _make_optimizer(params: ParamsT) -> torch.optim.Optimizer:
 
 def _batches(seed: int, batch_size: int) -> Iterator[DigitsBatch]:
     (features, labels), _ = digits_split()
-    yield from shuffled_batches(features, labels, seed=seed, batch_size=batch_size)
-
-
-def shuffled_batches(
-    features: torch.Tensor, labels: torch.Tensor, *, seed: int, batch_size: int
-) -> Iterator[DigitsBatch]:
-    """Endless batches of ``batch_size`` samples: the data in a fresh seeded random
-    order on every pass, batches running on across the end of a pass.
-
-    Raises ``ValueError`` for a ``batch_size`` below 1 or an empty data set.
-    """
-    if batch_size < 1 or len(labels) == 0:
-        raise ValueError("need batch_size >= 1 and a non-empty data set")
-    generator = torch.Generator().manual_seed(seed)
-    pending = torch.empty(0, dtype=torch.int64)
-    while True:
-        while len(pending) < batch_size:
-            pending = torch.cat([pending, torch.randperm(len(labels), generator=generator)])
-        index, pending = pending[:batch_size], pending[batch_size:]
-        yield features[index], labels[index]
+    stream = shuffled_batches(features, labels, seed=seed, batch_size=batch_size)
+    return ((x, y) for x, y in stream)
 
 
 def _loss(model: nn.Module, batch: DigitsBatch) -> tuple[torch.Tensor, int]:
