@@ -63,6 +63,7 @@ class FrameKind(enum.IntEnum):
     BYTES = 3  # raw bytes, delivered as they are
     EOF = 4  # empty: the sender will send nothing more on this stream
     RESET = 5  # msgpack str: the sender aborts the stream, with its reason
+    DONE = 6  # empty, listener only: the handler returned, the connection is free again
 
 
 _KINDS = frozenset(int(k) for k in FrameKind)

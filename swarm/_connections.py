@@ -1,0 +1,857 @@
+"""Authenticated, encrypted peer connections over trio TCP.
+
+``open_connections`` listens on one TCP port and dials other peers on demand.
+Every connection starts with the handshake of ``_handshake`` (each side proves
+the Ed25519 key behind its peer id; session keys from ephemeral X25519) and
+then carries the frames of ``_framing`` (AES-256-GCM, or GMAC-authenticated
+plaintext when ``ConnectionConfig.encrypt`` is False).
+
+Streams and connections. A stream is one bidirectional, ordered conversation
+with a named handler on the remote peer. Streams are *pooled*, not multiplexed:
+a connection carries one stream at a time, so TCP itself provides the flow
+control and backpressure of every stream. The dialer opens a stream with an
+OPEN frame naming the handler; the stream ends cleanly when both sides have
+sent EOF, and the connection then returns to the dialer's pool for the next
+stream to that peer. A stream that ends any other way (an error, a
+cancellation, a reset) closes its connection. Only the dialer opens streams on
+a connection; the listener serves them.
+
+Limits:
+
+- ``max_frame_size``: a frame announcing more is a ``ProtocolError`` for the
+  receiver, which drops the connection; sending more raises ``ValueError``.
+- ``max_streams_per_peer``: a dialer never has more streams open to one peer:
+  ``open_stream`` *waits* for a free slot (bounded by the caller's deadline).
+  A listener refuses a stream beyond its limit (a peer configured differently)
+  with a reset, which the dialer sees as ``StreamResetError``.
+- ``max_connections``: inbound connections beyond it are closed at once,
+  which the dialer sees as ``PeerUnreachableError``.
+- ``idle_timeout``: the dialer closes a pooled connection idle this long; the
+  listener drops a connection that has no stream for twice as long, so the
+  dialer closes first and does not reuse a connection the listener is dropping.
+
+Errors: ``PeerUnreachableError`` (refused, unreachable, connection lost),
+``ProtocolError`` (the remote broke the protocol: bad handshake, identity other
+than expected, failed authentication, oversized frame), ``DeadlineError`` (a
+call or handshake ran out of time), ``ClosedError`` (we closed the stream or the
+manager), ``StreamResetError`` (the remote aborted the stream),
+``EndOfStreamError`` (the remote finished sending; not a failure).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import socket
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager, suppress
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import trio
+
+from ._errors import (
+    ClosedError,
+    ConfigError,
+    DeadlineError,
+    EndOfStreamError,
+    PeerUnreachableError,
+    ProtocolError,
+    StreamResetError,
+    SwarmError,
+)
+from ._framing import MAX_FRAME_SIZE_LIMIT, Frame, FrameDecoder, FrameEncoder, FrameKind
+from ._handshake import Handshake, HandshakeResult
+from ._identity import Identity, PeerID
+from ._wire import expect_list, expect_str, pack, unpack
+
+logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+Address = tuple[str, int]
+#: Serves one stream opened by a remote peer. It runs in the manager's nursery;
+#: an exception it raises resets and closes that stream only.
+Handler = Callable[["Stream"], Awaitable[None]]
+
+MAX_NAME_LENGTH = 256
+_MIN_FRAME_SIZE = 1024
+_MAX_RESET_REASON = 200
+_HANDSHAKE_READ = 4096
+#: How long a listener spends telling a dialer why its stream was reset.
+_RESET_GRACE = 1.0
+
+
+@dataclass(frozen=True)
+class ConnectionConfig:
+    """Limits and modes of a peer's connections; validated on construction.
+
+    ``encrypt=False`` keeps authentication (handshake signatures, and a GMAC
+    tag on every frame, so frames cannot be forged, injected, replayed or
+    reordered) but sends payloads in the clear: for trusted clusters where
+    confidentiality is not needed. A session is encrypted if either side asks.
+    ``swarm_key`` makes this a private swarm: every handshake must prove it.
+    """
+
+    encrypt: bool = True
+    max_frame_size: int = 8 * 2**20
+    max_connections: int = 256
+    max_streams_per_peer: int = 16
+    connect_timeout: float = 5.0
+    handshake_timeout: float = 5.0
+    idle_timeout: float = 60.0
+    swarm_key: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if not _MIN_FRAME_SIZE <= self.max_frame_size <= MAX_FRAME_SIZE_LIMIT:
+            raise ConfigError(
+                f"max_frame_size={self.max_frame_size} must be in "
+                f"[{_MIN_FRAME_SIZE}, {MAX_FRAME_SIZE_LIMIT}]"
+            )
+        if self.max_connections < 1:
+            raise ConfigError(f"max_connections={self.max_connections} must be at least 1")
+        if self.max_streams_per_peer < 1:
+            raise ConfigError(
+                f"max_streams_per_peer={self.max_streams_per_peer} must be at least 1"
+            )
+        for name in ("connect_timeout", "handshake_timeout", "idle_timeout"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"{name}={value} must be a positive number of seconds")
+        if self.swarm_key is not None and len(self.swarm_key) < 16:
+            raise ConfigError("swarm_key must be at least 16 bytes (use 32 random bytes)")
+
+
+class _Connection:
+    """One TCP connection after its handshake: whole frames in and out.
+
+    Receiving is resumable: a cancelled ``receive_frame`` loses nothing, since
+    the decoder keeps every byte received. A send that does not complete (error
+    or cancellation) leaves a partial frame on the wire, so the connection is
+    then ``broken`` and ``send_broken``: it must not carry anything more. A
+    remote that breaks the protocol makes it ``broken`` too; the dialer closes
+    it at once, the listener first tells the dialer why (``_reset``).
+    """
+
+    def __init__(
+        self,
+        stream: trio.SocketStream,
+        result: HandshakeResult,
+        config: ConnectionConfig,
+        leftover: bytes,
+        *,
+        dialer: bool,
+    ) -> None:
+        self._stream = stream
+        self._dialer = dialer
+        self.socket = stream.socket
+        self.remote = result.remote_peer
+        self.encrypted = result.encrypt
+        self.max_frame_size = config.max_frame_size
+        self._encoder = FrameEncoder(
+            result.send_key, encrypt=result.encrypt, max_frame_size=config.max_frame_size
+        )
+        self._decoder = FrameDecoder(
+            result.receive_key, encrypt=result.encrypt, max_frame_size=config.max_frame_size
+        )
+        self._pending: deque[Frame] = deque()
+        self._leftover = leftover
+        self.broken = False  # never reuse for another stream
+        self.send_broken = False  # a partial frame went out: send nothing more
+        self.receive_error: ProtocolError | None = None
+        self.closed = False
+        self._sending = False
+        self._receiving = False
+
+    def close(self) -> None:
+        """Close the socket now (synchronous, so it is safe in any cleanup path).
+
+        A task blocked in a send or receive on it gets ``ClosedError``.
+        """
+        self.closed = True
+        self.socket.close()
+
+    async def send_frame(self, kind: FrameKind, payload: bytes | bytearray | memoryview) -> None:
+        if self.closed:
+            raise ClosedError("the connection was closed")
+        if self.send_broken:
+            raise ClosedError("the stream is unusable: an earlier send did not complete")
+        if self._sending:
+            raise trio.BusyResourceError("another task is already sending on this stream")
+        size = memoryview(payload).nbytes
+        if size > self.max_frame_size:
+            raise ValueError(f"frame of {size} bytes exceeds max_frame_size={self.max_frame_size}")
+        self._sending = True
+        completed = False
+        try:
+            for buffer in self._encoder.encode(kind, payload):
+                await self._stream.send_all(buffer)
+            completed = True
+        except trio.ClosedResourceError as e:
+            raise ClosedError("the connection was closed") from e
+        except trio.BrokenResourceError as e:
+            raise PeerUnreachableError(
+                f"connection to {self.remote.short()} lost: {e.__cause__}"
+            ) from e
+        finally:
+            self._sending = False
+            if not completed:
+                self.broken = self.send_broken = True
+
+    async def receive_frame(self) -> Frame:
+        if self._leftover:
+            leftover, self._leftover = self._leftover, b""
+            self._pending.extend(self._decode(lambda: self._decoder.feed(leftover)))
+        if self._pending:
+            await trio.lowlevel.checkpoint()
+            return self._pending.popleft()
+        if self.closed:
+            raise ClosedError("the connection was closed")
+        if self._receiving:
+            raise trio.BusyResourceError("another task is already receiving on this stream")
+        self._receiving = True
+        try:
+            while True:
+                buffer = self._decode(self._decoder.next_buffer)
+                try:
+                    count = await self.socket.recv_into(buffer)
+                except trio.ClosedResourceError as e:
+                    raise ClosedError("the connection was closed") from e
+                except OSError as e:
+                    self.broken = True
+                    raise PeerUnreachableError(
+                        f"connection to {self.remote.short()} lost: {e}"
+                    ) from e
+                finally:
+                    buffer.release()
+                if count == 0:
+                    self.broken = True
+                    raise PeerUnreachableError(f"{self.remote.short()} closed the connection")
+                frame = self._decode(lambda: self._decoder.advance(count))  # noqa: B023
+                if frame is not None:
+                    return frame
+        finally:
+            self._receiving = False
+
+    def _decode(self, step: Callable[[], _T]) -> _T:
+        try:
+            return step()
+        except ProtocolError as e:
+            self.fail_receive(e)
+            raise
+
+    def fail_receive(self, error: ProtocolError) -> None:
+        """The remote broke the protocol: never reuse; a dialer closes now."""
+        self.broken = True
+        self.receive_error = error
+        if self._dialer:
+            self.close()
+
+    async def linger(self) -> None:
+        """Half-close, then discard input until the remote closes.
+
+        Closing a socket with unread input makes the kernel send a TCP reset,
+        which can destroy our last frame before the remote reads it; reading
+        the input away first lets that frame (a reset reason) arrive.
+        Bounded by the caller's deadline.
+        """
+        with suppress(OSError):
+            self.socket.shutdown(socket.SHUT_WR)
+        sink = bytearray(65536)
+        with suppress(OSError, trio.ClosedResourceError):
+            while await self.socket.recv_into(sink):
+                pass
+
+
+class Stream:
+    """One bidirectional, ordered, authenticated stream with a remote peer.
+
+    ``remote`` is the peer id the handshake proved. One task may send while
+    another receives; two concurrent sends (or receives) raise
+    ``trio.BusyResourceError``. A cancelled ``receive`` loses nothing and may be
+    retried; a cancelled send breaks the stream (its connection is closed when
+    the stream ends, and later sends raise ``ClosedError``).
+    """
+
+    def __init__(self, connection: _Connection, name: str) -> None:
+        self._connection = connection
+        self.remote: PeerID = connection.remote
+        self.name = name
+        self._sent_eof = False
+        self._received_eof = False
+        self._reset: str | None = None
+        self._closed = False
+        self._done = False  # dialer: the listener's handler has returned
+
+    @property
+    def finished_cleanly(self) -> bool:
+        """True once both sides sent EOF and nothing went wrong."""
+        c = self._connection
+        return (
+            self._sent_eof
+            and self._received_eof
+            and self._reset is None
+            and not self._closed
+            and not c.broken
+            and not c.closed
+        )
+
+    def _check_send(self) -> None:
+        if self._closed:
+            raise ClosedError("the stream was closed")
+        if self._reset is not None:
+            raise StreamResetError(f"{self.remote.short()} reset the stream: {self._reset}")
+        if self._sent_eof:
+            raise ClosedError("send after send_eof")
+
+    async def send(self, message: Any) -> None:
+        """Send one msgpack-able object (``ValueError`` if it is not, or too big).
+
+        Raises ``PeerUnreachableError`` if the connection is lost, ``ClosedError``
+        if we closed the stream or sent EOF, ``StreamResetError`` after a reset.
+        """
+        self._check_send()
+        data = pack(message, max_size=self._connection.max_frame_size)
+        await self._connection.send_frame(FrameKind.MESSAGE, data)
+
+    async def send_bytes(self, data: bytes | bytearray | memoryview) -> None:
+        """Send a raw payload frame, delivered to ``receive`` as ``bytes``.
+
+        The payload is sent in place (no copy in plaintext mode; one encrypted
+        copy per 1 MiB otherwise). At most ``max_frame_size`` bytes, else
+        ``ValueError``; the errors are those of ``send``.
+        """
+        self._check_send()
+        await self._connection.send_frame(FrameKind.BYTES, data)
+
+    async def send_eof(self) -> None:
+        """Tell the remote we will send nothing more; idempotent."""
+        if self._sent_eof:
+            await trio.lowlevel.checkpoint()
+            return
+        self._check_send()
+        await self._connection.send_frame(FrameKind.EOF, b"")
+        self._sent_eof = True
+
+    async def receive(self) -> Any:
+        """The next message: a decoded msgpack object, or ``bytes`` for a raw frame.
+
+        Raises ``EndOfStreamError`` once the remote has sent EOF (and on every
+        later call), ``StreamResetError`` if the remote aborted the stream,
+        ``ProtocolError`` if it broke the protocol (the connection is dropped),
+        ``PeerUnreachableError`` if the connection is lost, ``ClosedError`` if
+        we closed it. Cancellation loses nothing: the next call resumes.
+        """
+        if self._closed:
+            raise ClosedError("the stream was closed")
+        if self._reset is not None:
+            raise StreamResetError(f"{self.remote.short()} reset the stream: {self._reset}")
+        if self._received_eof:
+            await trio.lowlevel.checkpoint()
+            raise EndOfStreamError(f"{self.remote.short()} ended the stream")
+        frame = await self._connection.receive_frame()
+        if frame.kind is FrameKind.BYTES:
+            return frame.payload
+        if frame.kind is FrameKind.MESSAGE:
+            return self._unpack(frame.payload)
+        if frame.kind is FrameKind.EOF:
+            self._received_eof = True
+            raise EndOfStreamError(f"{self.remote.short()} ended the stream")
+        if frame.kind is FrameKind.RESET:
+            reason = self._unpack(frame.payload)
+            self._reset = reason[:_MAX_RESET_REASON] if isinstance(reason, str) else "(no reason)"
+            self._connection.close()
+            raise StreamResetError(f"{self.remote.short()} reset the stream: {self._reset}")
+        error = ProtocolError(f"{self.remote.short()} sent {frame.kind.name} inside a stream")
+        self._connection.fail_receive(error)
+        raise error
+
+    def _unpack(self, payload: bytes) -> Any:
+        try:
+            return unpack(payload, max_size=self._connection.max_frame_size)
+        except ProtocolError as e:
+            self._connection.fail_receive(e)
+            raise
+
+    async def _wait_done(self) -> None:
+        """Dialer, after both EOFs: wait until the remote handler has returned.
+
+        Raises ``StreamResetError`` if the handler failed after ending the
+        stream, ``ProtocolError`` for any other frame.
+        """
+        frame = await self._connection.receive_frame()
+        if frame.kind is FrameKind.DONE:
+            self._done = True
+            return
+        if frame.kind is FrameKind.RESET:
+            reason = self._unpack(frame.payload)
+            self._reset = reason[:_MAX_RESET_REASON] if isinstance(reason, str) else "(no reason)"
+            self._connection.close()
+            raise StreamResetError(f"{self.remote.short()} reset the stream: {self._reset}")
+        error = ProtocolError(f"{self.remote.short()} sent {frame.kind.name} after its EOF")
+        self._connection.fail_receive(error)
+        raise error
+
+    async def aclose(self) -> None:
+        """End the stream. Unless both sides had sent EOF, this closes its
+        connection, which the remote sees as a lost connection. Later
+        operations raise ``ClosedError``. Idempotent; never blocks.
+        """
+        if not self._closed:
+            if not self.finished_cleanly:
+                self._connection.close()
+            self._closed = True
+        await trio.lowlevel.checkpoint()
+
+    def __repr__(self) -> str:
+        return f"Stream({self.name!r}, remote={self.remote.short()})"
+
+
+@dataclass
+class _Pooled:
+    connection: _Connection
+    ready: bool  # the listener's handler returned (DONE arrived): reusable now
+    scope: trio.CancelScope  # the idle watcher's, cancelled to take the connection
+    done: trio.Event  # the idle watcher has exited
+
+
+class Connections:
+    """The connections of one peer: its listener, its handlers, its dial pool.
+
+    Made by ``open_connections``, which owns its tasks; do not construct it.
+    """
+
+    def __init__(self, identity: Identity, config: ConnectionConfig) -> None:
+        self._identity = identity
+        self._config = config
+        self._background = trio.CancelScope()
+        self._nursery: trio.Nursery | None = None
+        self._handlers: dict[str, Handler] = {}
+        self._pool: dict[PeerID, list[_Pooled]] = {}
+        self._slots: dict[PeerID, trio.Semaphore] = {}
+        self._inbound_streams: dict[PeerID, int] = {}
+        self._inbound = 0
+        self._connections: set[_Connection] = set()
+        self._cancel_on_close: set[trio.CancelScope] = set()
+        self._closed = False
+        self.port = 0
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self._identity.peer_id
+
+    @property
+    def config(self) -> ConnectionConfig:
+        return self._config
+
+    def set_handler(self, name: str, handler: Handler) -> None:
+        """Serve streams that remote peers open under ``name`` with ``handler``.
+
+        Replaces any earlier handler of that name (streams it is serving go on).
+        """
+        _check_name(name)
+        self._handlers[name] = handler
+
+    @asynccontextmanager
+    async def open_stream(
+        self, peer_id: PeerID, address: Address, name: str
+    ) -> AsyncIterator[Stream]:
+        """A stream to the handler ``name`` of ``peer_id``, dialing ``address`` if
+        no pooled connection to that peer is idle.
+
+        Waits while ``max_streams_per_peer`` streams to that peer are open.
+        Raises ``PeerUnreachableError`` (refused, no answer in
+        ``connect_timeout``), ``ProtocolError`` (bad handshake, or the remote
+        proved another peer id), ``DeadlineError`` (no handshake within
+        ``handshake_timeout``), ``ClosedError`` (the manager is or gets closed).
+
+        On leaving the block normally, EOF is sent if it was not, and the
+        connection is pooled if the remote's EOF was received too, else closed.
+        On an exception or cancellation the connection is closed, which the
+        remote handler sees as a lost connection.
+        """
+        _check_name(name)
+        slots = self._slots.get(peer_id)
+        if slots is None:
+            slots = self._slots[peer_id] = trio.Semaphore(self._config.max_streams_per_peer)
+        try:
+            with self._cancelled_on_close():
+                await slots.acquire()
+            try:
+                with self._cancelled_on_close():
+                    connection = await self._pooled(peer_id)
+                    if connection is None:
+                        connection = await self._dial(peer_id, address)
+                stream = Stream(connection, name)
+                try:
+                    await connection.send_frame(FrameKind.OPEN, pack([name]))
+                    yield stream
+                    usable = not (connection.broken or connection.closed)
+                    if usable and stream._reset is None and not stream._closed:
+                        await stream.send_eof()
+                except BaseException:
+                    self._drop(connection)
+                    raise
+                if stream.finished_cleanly and not self._closed:
+                    self._pool_connection(connection, ready=stream._done)
+                else:
+                    self._drop(connection)
+            finally:
+                slots.release()
+        finally:
+            if (
+                slots.value == self._config.max_streams_per_peer
+                and not slots.statistics().tasks_waiting
+            ):
+                self._slots.pop(peer_id, None)
+
+    async def call(
+        self,
+        peer_id: PeerID,
+        address: Address,
+        name: str,
+        request: Any,
+        *,
+        timeout: float,  # noqa: ASYNC109 (the contract: one deadline per call)
+    ) -> Any:
+        """Send ``request`` to the handler ``name`` of ``peer_id``; return its one reply.
+
+        The handler must send exactly one message and end the stream. Raises
+        ``DeadlineError`` if all this takes longer than ``timeout`` seconds
+        (dialing included; the stream is closed), ``ProtocolError`` if the
+        handler ends without a reply or sends more than one, and the errors of
+        ``open_stream`` and ``Stream.receive``.
+        """
+        with trio.move_on_after(timeout):
+            async with self.open_stream(peer_id, address, name) as stream:
+                await stream.send(request)
+                await stream.send_eof()
+                try:
+                    reply = await stream.receive()
+                except EndOfStreamError as e:
+                    raise ProtocolError(f"{peer_id.short()} ended {name!r} without a reply") from e
+                try:
+                    await stream.receive()
+                except EndOfStreamError:
+                    pass
+                else:
+                    raise ProtocolError(f"{peer_id.short()} sent more than one reply to {name!r}")
+                await stream._wait_done()
+            return reply
+        raise DeadlineError(f"call {name!r} to {peer_id.short()} did not finish within {timeout} s")
+
+    async def aclose(self) -> None:
+        """Close everything: pending operations raise ``ClosedError``, handlers
+        are cancelled, the listener stops. Idempotent."""
+        self._close()
+        await trio.lowlevel.checkpoint()
+
+    # Internals.
+
+    def _close(self) -> None:
+        self._closed = True
+        for scope in list(self._cancel_on_close):
+            scope.cancel()
+        for connection in list(self._connections):
+            connection.close()
+        self._connections.clear()
+        self._pool.clear()
+        self._background.cancel()
+
+    @contextmanager
+    def _cancelled_on_close(self) -> Iterator[None]:
+        """Turn the manager's closing into ``ClosedError`` for the block."""
+        if self._closed:
+            raise ClosedError("the connections were closed")
+        with trio.CancelScope() as scope:
+            self._cancel_on_close.add(scope)
+            try:
+                yield
+            finally:
+                self._cancel_on_close.discard(scope)
+        if scope.cancelled_caught:
+            raise ClosedError("the connections were closed")
+
+    def _drop(self, connection: _Connection) -> None:
+        connection.close()
+        self._connections.discard(connection)
+
+    async def _pooled(self, peer_id: PeerID) -> _Connection | None:
+        """Take the most recently used ready connection to ``peer_id``, if any."""
+        while True:
+            entries = self._pool.get(peer_id, [])
+            ready = [entry for entry in entries if entry.ready]
+            if not ready:
+                return None
+            entry = ready[-1]
+            self._unpool(entry)
+            entry.scope.cancel()
+            await entry.done.wait()
+            if not entry.connection.closed:
+                return entry.connection
+
+    def _pool_connection(self, connection: _Connection, *, ready: bool) -> None:
+        entry = _Pooled(connection, ready, trio.CancelScope(), trio.Event())
+        assert self._nursery is not None
+        self._pool.setdefault(connection.remote, []).append(entry)
+        self._nursery.start_soon(self._watch_idle, entry)
+
+    def _unpool(self, entry: _Pooled) -> None:
+        entries = self._pool.get(entry.connection.remote, [])
+        if entry in entries:
+            entries.remove(entry)
+            if not entries:
+                del self._pool[entry.connection.remote]
+
+    async def _watch_idle(self, entry: _Pooled) -> None:
+        """Watch a pooled connection until it is taken (``entry.scope`` is
+        cancelled) or must be dropped: idle for ``idle_timeout``, closed by the
+        remote, or anything but the one DONE frame arrives."""
+        try:
+            with entry.scope:
+                with (
+                    trio.move_on_after(self._config.idle_timeout),
+                    suppress(SwarmError, trio.ClosedResourceError, OSError),
+                ):
+                    await self._until_unusable(entry)
+                self._unpool(entry)
+                self._drop(entry.connection)
+        finally:
+            entry.done.set()
+
+    async def _until_unusable(self, entry: _Pooled) -> None:
+        # Receiving is cancel-safe, so taking the connection mid-frame loses nothing.
+        while not entry.ready:
+            frame = await entry.connection.receive_frame()
+            if frame.kind is not FrameKind.DONE:
+                return
+            entry.ready = True
+        await trio.lowlevel.wait_readable(entry.connection.socket)
+
+    async def _dial(self, peer_id: PeerID, address: Address) -> _Connection:
+        host, port = address
+        config = self._config
+        try:
+            with trio.fail_after(config.connect_timeout):
+                socket_stream = await trio.open_tcp_stream(host, port)
+        except trio.TooSlowError as e:
+            raise PeerUnreachableError(
+                f"{peer_id.short()} at {host}:{port} did not answer "
+                f"within {config.connect_timeout} s"
+            ) from e
+        except OSError as e:
+            raise PeerUnreachableError(
+                f"cannot connect to {peer_id.short()} at {host}:{port}: {e}"
+            ) from e
+        try:
+            with trio.fail_after(config.handshake_timeout):
+                connection = await self._handshake(socket_stream, expected_peer=peer_id)
+        except trio.TooSlowError as e:
+            socket_stream.socket.close()
+            raise DeadlineError(
+                f"no handshake with {peer_id.short()} at {host}:{port} "
+                f"within {config.handshake_timeout} s"
+            ) from e
+        except BaseException:
+            socket_stream.socket.close()
+            raise
+        return connection
+
+    async def _handshake(
+        self, socket_stream: trio.SocketStream, *, expected_peer: PeerID | None
+    ) -> _Connection:
+        """Run the handshake on a fresh TCP connection; the caller closes the
+        socket on failure. Raises ``ProtocolError``, ``PeerUnreachableError``."""
+        handshake = Handshake(
+            self._identity,
+            initiator=expected_peer is not None,
+            encrypt=self._config.encrypt,
+            expected_peer=expected_peer,
+            swarm_key=self._config.swarm_key,
+        )
+        try:
+            out = handshake.start()
+            while True:
+                if out:
+                    await socket_stream.send_all(out)
+                if handshake.complete:
+                    break
+                data = await socket_stream.receive_some(_HANDSHAKE_READ)
+                if not data:
+                    raise PeerUnreachableError(
+                        "the remote closed the connection during the handshake"
+                    )
+                out = handshake.receive_data(data)
+        except trio.BrokenResourceError as e:
+            raise PeerUnreachableError(
+                f"connection lost during the handshake: {e.__cause__}"
+            ) from e
+        connection = _Connection(
+            socket_stream,
+            handshake.result,
+            self._config,
+            handshake.unused_data,
+            dialer=expected_peer is not None,
+        )
+        if self._closed:
+            connection.close()
+            raise ClosedError("the connections were closed")
+        self._connections.add(connection)
+        return connection
+
+    async def _run(self, host: str, port: int, *, task_status: trio.TaskStatus[int]) -> None:
+        """Own every background task (listener, inbound connections, handlers,
+        pool watchers) in a nursery that ``_close`` cancels; report the port."""
+        with self._background:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                listeners = await nursery.start(
+                    functools.partial(
+                        trio.serve_tcp,
+                        self._handle_inbound,
+                        port,
+                        host=host,
+                        handler_nursery=nursery,
+                    )
+                )
+                task_status.started(listeners[0].socket.getsockname()[1])
+                await trio.sleep_forever()
+
+    async def _handle_inbound(self, socket_stream: trio.SocketStream) -> None:
+        """Serve one inbound connection; the boundary where its failures stop."""
+        if self._closed or self._inbound >= self._config.max_connections:
+            socket_stream.socket.close()
+            return
+        self._inbound += 1
+        connection: _Connection | None = None
+        try:
+            with trio.move_on_after(self._config.handshake_timeout):
+                connection = await self._handshake(socket_stream, expected_peer=None)
+            if connection is not None:
+                await self._serve_streams(connection)
+        except Exception as e:  # per-connection boundary: a bad peer must not stop the others
+            logger.debug("inbound connection failed: %s: %s", type(e).__name__, e)
+        finally:
+            self._inbound -= 1
+            if connection is not None:
+                self._drop(connection)
+            else:
+                socket_stream.socket.close()
+
+    async def _serve_streams(self, connection: _Connection) -> None:
+        """Serve the streams a dialer opens on ``connection``, one at a time."""
+        remote = connection.remote
+        while True:
+            with trio.move_on_after(2 * self._config.idle_timeout) as idle:
+                try:
+                    frame = await connection.receive_frame()
+                except PeerUnreachableError:
+                    return  # the dialer closed an idle connection: the normal end
+            if idle.cancelled_caught:
+                return
+            if frame.kind is not FrameKind.OPEN:
+                raise ProtocolError(f"{remote.short()} sent {frame.kind.name} outside a stream")
+            fields = expect_list(
+                unpack(frame.payload, max_size=MAX_NAME_LENGTH * 4 + 16), 1, "OPEN"
+            )
+            name = expect_str(fields[0], "stream name", max_size=MAX_NAME_LENGTH)
+            handler = self._handlers.get(name)
+            if handler is None:
+                await self._reset(connection, f"no handler for {name!r}")
+                return
+            if self._inbound_streams.get(remote, 0) >= self._config.max_streams_per_peer:
+                await self._reset(
+                    connection, f"more than {self._config.max_streams_per_peer} streams"
+                )
+                return
+            self._inbound_streams[remote] = self._inbound_streams.get(remote, 0) + 1
+            try:
+                stream = Stream(connection, name)
+                try:
+                    await handler(stream)
+                except Exception as e:  # per-stream boundary: the handler's failure ends its stream
+                    if isinstance(e, SwarmError):
+                        logger.debug("handler %r for %s failed: %s", name, remote.short(), e)
+                    else:
+                        logger.exception("handler %r for %s crashed", name, remote.short())
+                    if not stream._closed and stream._reset is None:
+                        await self._reset(connection, f"{type(e).__name__}: {e}")
+                    return
+                if not await self._finish_inbound(stream):
+                    return
+            finally:
+                count = self._inbound_streams[remote] - 1
+                if count:
+                    self._inbound_streams[remote] = count
+                else:
+                    del self._inbound_streams[remote]
+
+    async def _finish_inbound(self, stream: Stream) -> bool:
+        """After a handler returned: send EOF if it did not, discard what the
+        dialer still sends until its EOF. True if the connection is reusable."""
+        connection = stream._connection
+        if connection.receive_error is not None and not stream._closed:
+            await self._reset(connection, f"ProtocolError: {connection.receive_error}")
+            return False
+        if stream._closed or stream._reset is not None or connection.broken or connection.closed:
+            return False
+        stream._closed = True  # the handler's stream object is finished
+        with trio.move_on_after(self._config.idle_timeout):
+            if not stream._sent_eof:
+                await connection.send_frame(FrameKind.EOF, b"")
+                stream._sent_eof = True
+            while not stream._received_eof:
+                frame = await connection.receive_frame()
+                if frame.kind is FrameKind.EOF:
+                    stream._received_eof = True
+                elif frame.kind is not FrameKind.MESSAGE and frame.kind is not FrameKind.BYTES:
+                    return False
+            await connection.send_frame(FrameKind.DONE, b"")
+            return True
+        return False
+
+    async def _reset(self, connection: _Connection, reason: str) -> None:
+        """Best effort: tell the dialer why its stream ends, then close."""
+        if not (connection.send_broken or connection.closed):
+            with trio.move_on_after(_RESET_GRACE), suppress(SwarmError):
+                await connection.send_frame(FrameKind.RESET, pack(reason[:_MAX_RESET_REASON]))
+                await connection.linger()
+        self._drop(connection)
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LENGTH:
+        raise ValueError(f"a stream name is a string of 1 to {MAX_NAME_LENGTH} characters")
+
+
+@asynccontextmanager
+async def open_connections(
+    identity: Identity,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    config: ConnectionConfig | None = None,
+) -> AsyncIterator[Connections]:
+    """Listen for peer connections on ``host:port`` (0: an ephemeral port, see
+    ``.port``) and dial others on demand, until the block ends.
+
+    Every task (listener, inbound connections, handlers, pool watchers) lives in
+    a nursery owned by this context manager. Leaving the block closes all
+    connections: pending operations raise ``ClosedError`` and handlers are
+    cancelled. Raises ``OSError`` if the port cannot be bound.
+    """
+    config = config if config is not None else ConnectionConfig()
+    try:
+        async with trio.open_nursery() as nursery:
+            net = Connections(identity, config)
+            net.port = await nursery.start(net._run, host, port)
+            try:
+                yield net
+            finally:
+                net._close()
+    except BaseExceptionGroup as group:
+        # Our tasks catch their own failures, so a group holds the body's one
+        # exception: re-raise it as itself, not wrapped.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise

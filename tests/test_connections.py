@@ -1,0 +1,561 @@
+"""Peer connections over real sockets on 127.0.0.1 (ephemeral ports).
+
+Tests wait on events and on ``trio.testing.wait_all_tasks_blocked``; none sleeps
+and hopes. The MITM proxy below flips one byte at a chosen offset of one
+direction of a TCP connection.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from swarm import (
+    ClosedError,
+    ConfigError,
+    DeadlineError,
+    Identity,
+    PeerUnreachableError,
+    ProtocolError,
+)
+from swarm._connections import ConnectionConfig, Connections, Stream, open_connections
+from swarm._errors import EndOfStreamError, StreamResetError
+from swarm._handshake import Handshake
+from swarm._wire import pack
+
+A = Identity.from_seed(b"A" * 32)
+B = Identity.from_seed(b"B" * 32)
+C = Identity.from_seed(b"C" * 32)
+HOST = "127.0.0.1"
+
+PLAIN = ConnectionConfig(encrypt=False)
+MODES = [pytest.param(ConnectionConfig(), id="encrypted"), pytest.param(PLAIN, id="plain")]
+
+
+@asynccontextmanager
+async def two_peers(
+    config_a: ConnectionConfig | None = None, config_b: ConnectionConfig | None = None
+) -> AsyncIterator[tuple[Connections, Connections]]:
+    async with open_connections(A, config=config_a) as a, open_connections(B, config=config_b) as b:
+        yield a, b
+
+
+async def echo(stream: Stream) -> None:
+    async for message in receive_all(stream):
+        await stream.send(message)
+
+
+async def receive_all(stream: Stream) -> AsyncIterator[Any]:
+    while True:
+        try:
+            yield await stream.receive()
+        except EndOfStreamError:
+            return
+
+
+def address(net: Connections) -> tuple[str, int]:
+    return (HOST, net.port)
+
+
+@pytest.mark.parametrize("config", MODES)
+async def test_call_and_stream_both_modes(config: ConnectionConfig) -> None:
+    async with two_peers(config, config) as (a, b):
+        seen: list[bytes] = []
+
+        async def whoami(stream: Stream) -> None:
+            seen.append(stream.remote)
+            request = await stream.receive()
+            await stream.send({"you": bytes(stream.remote), "asked": request})
+
+        b.set_handler("whoami", whoami)
+        b.set_handler("echo", echo)
+        reply = await a.call(B.peer_id, address(b), "whoami", [1, "x"], timeout=5)
+        assert reply == {"you": bytes(A.peer_id), "asked": [1, "x"]}
+        assert seen == [A.peer_id]
+
+        async with a.open_stream(B.peer_id, address(b), "echo") as stream:
+            assert stream.remote == B.peer_id
+            await stream.send({"k": [1, 2.5, None]})
+            await stream.send_bytes(b"raw bytes")
+            await stream.send_bytes(memoryview(bytearray(b"view")))
+            assert await stream.receive() == {"k": [1, 2.5, None]}
+            assert await stream.receive() == b"raw bytes"
+            assert await stream.receive() == b"view"
+            await stream.send_eof()
+            with pytest.raises(EndOfStreamError):
+                await stream.receive()
+            with pytest.raises(EndOfStreamError):  # and again
+                await stream.receive()
+            with pytest.raises(ClosedError):
+                await stream.send(1)
+
+
+async def test_mixed_modes_are_encrypted() -> None:
+    """A session is encrypted if either side asks: plaintext needs both."""
+    async with two_peers(PLAIN, ConnectionConfig()) as (a, b):
+        b.set_handler("echo", echo)
+        assert await a.call(B.peer_id, address(b), "echo", "hi", timeout=5) == "hi"
+        (connection,) = a._connections
+        assert connection.encrypted
+
+
+async def test_sequential_streams_reuse_one_connection() -> None:
+    async with two_peers() as (a, b):
+        b.set_handler("echo", echo)
+        for i in range(5):
+            assert await a.call(B.peer_id, address(b), "echo", i, timeout=5) == i
+        assert len(a._connections) == 1
+        assert len(b._connections) == 1
+
+
+async def test_wrong_peer_id_is_refused() -> None:
+    async with two_peers() as (a, b):
+        b.set_handler("echo", echo)
+        with pytest.raises(ProtocolError, match="expected peer"):
+            await a.call(C.peer_id, address(b), "echo", 1, timeout=5)
+        assert not a._connections
+
+
+async def test_closed_port_is_unreachable() -> None:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        port = s.getsockname()[1]
+    async with open_connections(A) as a:
+        with pytest.raises(PeerUnreachableError):
+            await a.call(B.peer_id, (HOST, port), "echo", 1, timeout=5)
+
+
+async def test_call_deadline() -> None:
+    async with two_peers() as (a, b):
+        started = trio.Event()
+
+        async def stuck(stream: Stream) -> None:
+            started.set()
+            await trio.sleep_forever()
+
+        b.set_handler("stuck", stuck)
+        with pytest.raises(DeadlineError):
+            await a.call(B.peer_id, address(b), "stuck", 1, timeout=0.2)
+        assert started.is_set()
+        # The stuck stream's connection was closed, not pooled; a new call works.
+        b.set_handler("echo", echo)
+        assert await a.call(B.peer_id, address(b), "echo", 2, timeout=5) == 2
+
+
+async def test_handler_failure_resets_only_that_stream() -> None:
+    async with two_peers() as (a, b):
+
+        async def broken(stream: Stream) -> None:
+            await stream.receive()
+            raise ValueError("bad request")
+
+        b.set_handler("broken", broken)
+        b.set_handler("echo", echo)
+        with pytest.raises(StreamResetError, match="bad request"):
+            await a.call(B.peer_id, address(b), "broken", 1, timeout=5)
+        with pytest.raises(StreamResetError, match="no handler"):
+            await a.call(B.peer_id, address(b), "nobody", 1, timeout=5)
+        assert await a.call(B.peer_id, address(b), "echo", 3, timeout=5) == 3
+
+
+async def test_call_requires_exactly_one_reply() -> None:
+    async with two_peers() as (a, b):
+
+        async def silent(stream: Stream) -> None:
+            await stream.receive()
+
+        async def chatty(stream: Stream) -> None:
+            await stream.send(1)
+            await stream.send(2)
+
+        b.set_handler("silent", silent)
+        b.set_handler("chatty", chatty)
+        with pytest.raises(ProtocolError, match="without a reply"):
+            await a.call(B.peer_id, address(b), "silent", 0, timeout=5)
+        with pytest.raises(ProtocolError, match="more than one"):
+            await a.call(B.peer_id, address(b), "chatty", 0, timeout=5)
+
+
+@pytest.mark.parametrize("config", MODES)
+async def test_big_payload_round_trip(config: ConnectionConfig) -> None:
+    payload = random.Random(1).randbytes(20 * 2**20 + 12345)
+    frame = 3 * 2**20 + 7  # odd sizes: frames and 1 MiB chunks do not line up
+    async with two_peers(config, config) as (a, b):
+        b.set_handler("echo", echo)
+        async with a.open_stream(B.peer_id, address(b), "echo") as stream:
+            received: list[bytes] = []
+
+            async def reader() -> None:
+                async for chunk in receive_all(stream):
+                    received.append(chunk)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(reader)
+                view = memoryview(payload)
+                for offset in range(0, len(payload), frame):
+                    await stream.send_bytes(view[offset : offset + frame])
+                await stream.send_eof()
+        assert [len(c) for c in received][:-1] == [frame] * (len(received) - 1)
+        assert hashlib.sha256(b"".join(received)).digest() == hashlib.sha256(payload).digest()
+
+
+async def test_frame_size_limit() -> None:
+    small = ConnectionConfig(max_frame_size=4096)
+    async with two_peers(ConnectionConfig(), small) as (a, b):
+        outcome: list[BaseException] = []
+        delivered: list[Any] = []
+        done = trio.Event()
+
+        async def sink(stream: Stream) -> None:
+            try:
+                async for message in receive_all(stream):
+                    delivered.append(message)
+            except BaseException as e:
+                outcome.append(e)
+                raise
+            finally:
+                done.set()
+
+        b.set_handler("sink", sink)
+        async with a.open_stream(B.peer_id, address(b), "sink") as stream:
+            with pytest.raises(ValueError, match="max_frame_size"):
+                await stream.send_bytes(bytes(9 * 2**20))  # refused locally, nothing sent
+            await stream.send_bytes(b"fits")
+            await stream.send_bytes(bytes(5000))
+            await done.wait()
+            # The listener tells why it drops the connection.
+            with pytest.raises(StreamResetError, match="max_frame_size"):
+                await stream.receive()
+        await trio.testing.wait_all_tasks_blocked()
+        assert delivered == [b"fits"]
+        assert len(outcome) == 1 and isinstance(outcome[0], ProtocolError)
+        assert "max_frame_size" in str(outcome[0])
+        assert not b._connections
+
+
+async def test_dialer_waits_for_a_stream_slot() -> None:
+    """Beyond ``max_streams_per_peer`` streams to one peer, open_stream waits."""
+    config = ConnectionConfig(max_streams_per_peer=2)
+    async with two_peers(config, config) as (a, b):
+        b.set_handler("echo", echo)
+        opened: list[int] = []
+
+        async def hold(i: int, release: trio.Event) -> None:
+            async with a.open_stream(B.peer_id, address(b), "echo") as stream:
+                opened.append(i)
+                await release.wait()
+                await stream.send_eof()
+                async for _ in receive_all(stream):
+                    pass
+
+        releases = [trio.Event() for _ in range(3)]
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(hold, i, releases[i])
+                await trio.testing.wait_all_tasks_blocked()
+            assert opened == [0, 1]  # the third waits for a slot
+            releases[0].set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert opened == [0, 1, 2]
+            releases[1].set()
+            releases[2].set()
+        # Every connection went back to the pool and became ready once its
+        # handler returned (the third stream may or may not have reused one).
+        await trio.testing.wait_all_tasks_blocked()
+        pooled = [entry for entries in a._pool.values() for entry in entries]
+        assert 2 <= len(pooled) == len(a._connections) <= 3
+        assert all(entry.ready for entry in pooled)
+
+
+async def test_listener_refuses_streams_beyond_its_limit() -> None:
+    async with two_peers(ConnectionConfig(), ConnectionConfig(max_streams_per_peer=1)) as (a, b):
+        started = trio.Event()
+        release = trio.Event()
+
+        async def slow(stream: Stream) -> None:
+            started.set()
+            await release.wait()
+            await stream.send("done")
+
+        b.set_handler("slow", slow)
+        async with a.open_stream(B.peer_id, address(b), "slow") as first:
+            await started.wait()
+            with pytest.raises(StreamResetError, match="more than 1 streams"):
+                await a.call(B.peer_id, address(b), "slow", 1, timeout=5)
+            release.set()
+            assert await first.receive() == "done"
+
+
+async def test_max_connections() -> None:
+    async with two_peers(ConnectionConfig(), ConnectionConfig(max_connections=1)) as (a, b):
+        b.set_handler("echo", echo)
+        async with (
+            open_connections(C) as c,
+            a.open_stream(B.peer_id, address(b), "echo") as held,
+        ):
+            await held.send(1)
+            assert await held.receive() == 1
+            with pytest.raises(PeerUnreachableError):
+                await c.call(B.peer_id, address(b), "echo", 2, timeout=5)
+
+
+async def test_closing_the_manager_fails_pending_operations() -> None:
+    async with open_connections(B) as b:
+        started = trio.Event()
+
+        async def stuck(stream: Stream) -> None:
+            started.set()
+            await trio.sleep_forever()
+
+        b.set_handler("stuck", stuck)
+        config = ConnectionConfig(max_streams_per_peer=1)
+        errors: list[BaseException] = []
+        async with open_connections(A, config=config) as a:
+
+            async def receive_forever(stream: Stream) -> None:
+                try:
+                    await stream.receive()
+                except ClosedError as e:
+                    errors.append(e)
+
+            async def open_second() -> None:
+                try:
+                    async with a.open_stream(B.peer_id, address(b), "stuck"):
+                        pass
+                except ClosedError as e:
+                    errors.append(e)
+
+            async with a.open_stream(B.peer_id, address(b), "stuck") as stream:
+                await started.wait()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(receive_forever, stream)
+                    nursery.start_soon(open_second)  # waits for the only slot
+                    await trio.testing.wait_all_tasks_blocked()
+                    await a.aclose()
+            assert len(errors) == 2
+            with pytest.raises(ClosedError):
+                await a.call(B.peer_id, address(b), "stuck", 1, timeout=5)
+
+
+async def test_cancelled_caller_closes_the_stream() -> None:
+    async with two_peers() as (a, b):
+        lost: list[BaseException] = []
+        started = trio.Event()
+        ended = trio.Event()
+
+        async def waiter(stream: Stream) -> None:
+            started.set()
+            try:
+                await stream.receive()
+            except PeerUnreachableError as e:
+                lost.append(e)
+            finally:
+                ended.set()
+
+        b.set_handler("wait", waiter)
+        b.set_handler("echo", echo)
+        with trio.CancelScope() as scope:
+            async with a.open_stream(B.peer_id, address(b), "wait"):
+                await started.wait()
+                scope.cancel()
+                await trio.sleep_forever()
+        await ended.wait()
+        assert len(lost) == 1
+        assert not a._connections
+        assert await a.call(B.peer_id, address(b), "echo", 5, timeout=5) == 5
+
+
+async def test_cancelled_receive_loses_nothing() -> None:
+    async with two_peers() as (a, b):
+        go = trio.Event()
+
+        async def later(stream: Stream) -> None:
+            await go.wait()
+            await stream.send("late")
+
+        b.set_handler("later", later)
+        async with a.open_stream(B.peer_id, address(b), "later") as stream:
+            with trio.move_on_after(0.05):
+                await stream.receive()
+            go.set()
+            assert await stream.receive() == "late"
+
+
+async def test_idle_pooled_connection_is_closed(mock_clock: trio.testing.MockClock) -> None:
+    config = ConnectionConfig(idle_timeout=10)
+    async with two_peers(config, config) as (a, b):
+        b.set_handler("echo", echo)
+        assert await a.call(B.peer_id, address(b), "echo", 1, timeout=5) == 1
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(a._connections) == 1
+        mock_clock.jump(9)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(a._connections) == 1
+        mock_clock.jump(2)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not a._connections
+        assert await a.call(B.peer_id, address(b), "echo", 2, timeout=5) == 2
+
+
+# A man in the middle: forwards TCP both ways, flipping one bit at an offset.
+
+
+async def _pump(source: trio.SocketStream, sink: trio.SocketStream, flip_at: int | None) -> None:
+    offset = 0
+    try:
+        while data := await source.receive_some(65536):
+            if flip_at is not None and offset <= flip_at < offset + len(data):
+                tampered = bytearray(data)
+                tampered[flip_at - offset] ^= 0x01
+                data = bytes(tampered)
+            offset += len(data)
+            await sink.send_all(data)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+    finally:
+        sink.socket.close()
+        source.socket.close()
+
+
+async def _serve_proxy(
+    target_port: int,
+    flip_to_server: int | None,
+    flip_to_client: int | None,
+    *,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    async def forward(client: trio.SocketStream) -> None:
+        server = await trio.open_tcp_stream(HOST, target_port)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_pump, client, server, flip_to_server)
+            nursery.start_soon(_pump, server, client, flip_to_client)
+
+    listeners = await trio.open_tcp_listeners(0, host=HOST)
+    task_status.started(listeners[0].socket.getsockname()[1])
+    await trio.serve_listeners(forward, listeners)
+
+
+def _handshake_sizes() -> tuple[int, int]:
+    """Bytes the dialer and the listener send during a handshake."""
+    dialer = Handshake(A, initiator=True, expected_peer=B.peer_id)
+    listener = Handshake(B, initiator=False)
+    m1 = dialer.start()
+    m2 = listener.receive_data(m1)
+    m3 = dialer.receive_data(m2)
+    return len(m1) + len(m3), len(m2)
+
+
+@pytest.mark.parametrize("config", MODES)
+async def test_mitm_flipping_a_request_byte(config: ConnectionConfig) -> None:
+    dialer_bytes, _ = _handshake_sizes()
+    open_frame = 21 + len(pack(["sink"])) + 16
+    flip_at = dialer_bytes + open_frame + 21 + 3  # inside the first message's payload
+    async with two_peers(config, config) as (a, b), trio.open_nursery() as nursery:
+        delivered: list[Any] = []
+        errors: list[BaseException] = []
+        done = trio.Event()
+
+        async def sink(stream: Stream) -> None:
+            try:
+                async for message in receive_all(stream):
+                    delivered.append(message)
+            except ProtocolError as e:
+                errors.append(e)
+            finally:
+                done.set()
+
+        b.set_handler("sink", sink)
+        proxy_port = await nursery.start(_serve_proxy, b.port, flip_at, None)
+        async with a.open_stream(B.peer_id, (HOST, proxy_port), "sink") as stream:
+            await stream.send_bytes(b"transfer 100 coins to mallory")
+            await done.wait()
+            with pytest.raises(StreamResetError, match="authentication"):
+                await stream.receive()
+        assert delivered == []
+        assert len(errors) == 1 and "authentication" in str(errors[0])
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("config", MODES)
+async def test_mitm_flipping_a_reply_byte(config: ConnectionConfig) -> None:
+    _, listener_bytes = _handshake_sizes()
+    async with two_peers(config, config) as (a, b), trio.open_nursery() as nursery:
+        b.set_handler("echo", echo)
+        proxy_port = await nursery.start(_serve_proxy, b.port, None, listener_bytes + 30)
+        with pytest.raises(ProtocolError, match="authentication"):
+            await a.call(B.peer_id, (HOST, proxy_port), "echo", "x" * 100, timeout=5)
+        assert not a._connections
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("offset", [5, 40, 100])
+async def test_mitm_flipping_a_handshake_byte(offset: int) -> None:
+    async with two_peers() as (a, b), trio.open_nursery() as nursery:
+        b.set_handler("echo", echo)
+        proxy_port = await nursery.start(_serve_proxy, b.port, None, offset)
+        with pytest.raises(ProtocolError):
+            await a.call(B.peer_id, (HOST, proxy_port), "echo", 1, timeout=5)
+        nursery.cancel_scope.cancel()
+
+
+async def test_private_swarm_key() -> None:
+    key = ConnectionConfig(swarm_key=b"k" * 32)
+    async with two_peers(key, key) as (a, b):
+        b.set_handler("echo", echo)
+        assert await a.call(B.peer_id, address(b), "echo", 1, timeout=5) == 1
+        async with open_connections(C) as outsider:
+            with pytest.raises(ProtocolError, match="private swarm"):
+                await outsider.call(B.peer_id, address(b), "echo", 1, timeout=5)
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ConfigError, match="max_frame_size"):
+        ConnectionConfig(max_frame_size=10)
+    with pytest.raises(ConfigError, match="idle_timeout"):
+        ConnectionConfig(idle_timeout=0)
+    with pytest.raises(ConfigError, match="max_streams_per_peer"):
+        ConnectionConfig(max_streams_per_peer=0)
+    with pytest.raises(ConfigError, match="swarm_key"):
+        ConnectionConfig(swarm_key=b"short")
+
+
+async def test_connection_is_reused_only_after_the_handler_returned() -> None:
+    """A handler still running after both EOFs keeps its connection: a new
+    stream to that peer must not queue behind it (it could be what the handler
+    is waiting for)."""
+    async with two_peers() as (a, b):
+        release = trio.Event()
+        returned = trio.Event()
+
+        async def lingering(stream: Stream) -> None:
+            await stream.send("reply")
+            await stream.send_eof()
+            async for _ in receive_all(stream):
+                pass
+            await release.wait()
+            returned.set()
+
+        async def releaser(stream: Stream) -> None:
+            await stream.receive()
+            release.set()
+            await stream.send("released")
+
+        b.set_handler("lingering", lingering)
+        b.set_handler("release", releaser)
+        async with a.open_stream(B.peer_id, address(b), "lingering") as stream:
+            assert await stream.receive() == "reply"
+            with pytest.raises(EndOfStreamError):
+                await stream.receive()
+        assert await a.call(B.peer_id, address(b), "release", 0, timeout=5) == "released"
+        await returned.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        pooled = [entry for entries in a._pool.values() for entry in entries]
+        assert len(pooled) == 2 and all(entry.ready for entry in pooled)
