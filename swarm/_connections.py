@@ -11,10 +11,13 @@ with a named handler on the remote peer. Streams are *pooled*, not multiplexed:
 a connection carries one stream at a time, so TCP itself provides the flow
 control and backpressure of every stream. The dialer opens a stream with an
 OPEN frame naming the handler; the stream ends cleanly when both sides have
-sent EOF, and the connection then returns to the dialer's pool for the next
-stream to that peer. A stream that ends any other way (an error, a
+sent EOF, and the connection then returns to the dialer's pool. It is reused
+for the next stream to that peer only after the listener's handler has
+returned (a DONE frame), so a new stream never queues behind a handler that
+might be waiting for it. A stream that ends any other way (an error, a
 cancellation, a reset) closes its connection. Only the dialer opens streams on
-a connection; the listener serves them.
+a connection; the listener serves them, and when a handler fails it sends a
+RESET with a one-line reason before closing.
 
 Limits:
 

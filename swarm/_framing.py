@@ -88,7 +88,7 @@ class FrameEncoder:
         self._encrypt = encrypt
         self._max_frame_size = max_frame_size
         self._counter = 0
-        self._scratch = bytearray(CHUNK_SIZE + TAG_SIZE) if encrypt else bytearray()
+        self._scratch = bytearray()  # for encrypted chunks; allocated on first use
 
     def _next_nonce(self) -> bytes:
         nonce = _nonce(self._counter)
@@ -130,6 +130,8 @@ class FrameEncoder:
         for start in range(0, length, CHUNK_SIZE):
             chunk = view[start : start + CHUNK_SIZE]
             if self._encrypt:
+                if not self._scratch:
+                    self._scratch = bytearray(CHUNK_SIZE + TAG_SIZE)
                 out = memoryview(self._scratch)[: chunk.nbytes + TAG_SIZE]
                 self._aead.encrypt_into(self._next_nonce(), chunk, None, out)
                 yield out

@@ -559,3 +559,30 @@ async def test_connection_is_reused_only_after_the_handler_returned() -> None:
         await trio.testing.wait_all_tasks_blocked()
         pooled = [entry for entries in a._pool.values() for entry in entries]
         assert len(pooled) == 2 and all(entry.ready for entry in pooled)
+
+
+async def test_silent_listener_is_a_handshake_deadline() -> None:
+    """A TCP listener that never answers the handshake: DeadlineError."""
+    listeners = await trio.open_tcp_listeners(0, host=HOST)
+    port = listeners[0].socket.getsockname()[1]
+    accepted: list[trio.SocketStream] = []
+
+    async def accept_and_ignore() -> None:
+        accepted.append(await listeners[0].accept())
+        await trio.sleep_forever()
+
+    config = ConnectionConfig(handshake_timeout=0.2)
+    async with trio.open_nursery() as nursery, open_connections(A, config=config) as a:
+        nursery.start_soon(accept_and_ignore)
+        with pytest.raises(DeadlineError, match="handshake"):
+            async with a.open_stream(B.peer_id, (HOST, port), "echo"):
+                pass
+        assert len(accepted) == 1
+        nursery.cancel_scope.cancel()
+    await listeners[0].aclose()
+
+
+async def test_body_exceptions_propagate_unwrapped() -> None:
+    with pytest.raises(KeyError):
+        async with open_connections(A):
+            raise KeyError("mine")
