@@ -46,7 +46,7 @@ class PartReducer:
         self._offsets = [0]
         for size in self.chunk_sizes:
             self._offsets.append(self._offsets[-1] + size)
-        self._acc = torch.zeros(self._offsets[-1], dtype=torch.float32)
+        self._acc = torch.empty(self._offsets[-1], dtype=torch.float32)
         self._weights = dict(weights)
         self._weight_sum = [0.0] * len(self.chunk_sizes)
         self._contributors: list[set[int]] = [set() for _ in self.chunk_sizes]
@@ -116,7 +116,10 @@ class PartReducer:
             return self.fail(sender)
         w = self._weights[sender]
         start, end = self._offsets[chunk], self._offsets[chunk + 1]
-        self._acc[start:end].add_(values.reshape(-1), alpha=w)
+        if self._contributors[chunk]:
+            self._acc[start:end].add_(values.reshape(-1), alpha=w)
+        else:  # the first contribution overwrites: no need to zero the accumulator
+            torch.mul(values.reshape(-1), w, out=self._acc[start:end])
         self._weight_sum[chunk] += w
         self._contributors[chunk].add(sender)
         self._delivered[sender] = chunk + 1

@@ -1,0 +1,289 @@
+"""Benchmark: our butterfly all-reduce against torch.distributed (gloo) on loopback.
+
+    python benchmarks/allreduce.py --peers 4 --size 25000000 [--rounds 5] [--json]
+
+Each implementation runs in its own set of peer processes (this script,
+started again with ``--worker``), so peak RSS per peer is measured cleanly.
+Processes share nothing but a temporary directory: the port each peer listens
+on, a file barrier before every round, and gloo's ``file://`` rendezvous
+(its TCP store does reverse DNS look-ups that leave loopback). Nothing is
+pickled: workers print one JSON line each.
+
+Peer r holds ``x_r[i] = sin(i / 1000) * (r + 1) + r``, so the true mean is
+``sin(i / 1000) * (P + 1) / 2 + (P - 1) / 2``; every worker checks its result
+against it chunk by chunk (no extra full copy).
+
+Reported: the median over rounds of the slowest peer's round time, for ours
+with encryption (the default), ours in plaintext mode and gloo; the ratios to
+gloo; peak RSS per peer (``ru_maxrss``) of each, and the size of the vector.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CHECK_CHUNK = 1 << 20
+
+
+def fill(x: torch.Tensor, rank: int) -> None:
+    for start in range(0, x.numel(), CHECK_CHUNK):
+        end = min(start + CHECK_CHUNK, x.numel())
+        idx = torch.arange(start, end, dtype=torch.float64)
+        x[start:end] = (torch.sin(idx / 1000) * (rank + 1) + rank).to(torch.float32)
+
+
+def max_error(x: torch.Tensor, peers: int) -> float:
+    worst = 0.0
+    for start in range(0, x.numel(), CHECK_CHUNK):
+        end = min(start + CHECK_CHUNK, x.numel())
+        idx = torch.arange(start, end, dtype=torch.float64)
+        want = torch.sin(idx / 1000) * (peers + 1) / 2 + (peers - 1) / 2
+        worst = max(worst, float((x[start:end].double() - want).abs().max()))
+    return worst
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def file_barrier(directory: Path, name: str, rank: int, peers: int) -> None:
+    (directory / f"{name}.{rank}").touch()
+    while not all((directory / f"{name}.{r}").exists() for r in range(peers)):
+        time.sleep(0.001)
+
+
+# ------------------------------------------------------------------- workers
+
+
+def run_gloo(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{directory / 'gloo-store'}",
+        rank=args.rank,
+        world_size=args.peers,
+    )
+    x = torch.empty(args.size, dtype=torch.float32)
+    times = []
+    for _ in range(args.rounds):
+        fill(x, args.rank)
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        x.div_(args.peers)
+        times.append(time.perf_counter() - start)
+    error = max_error(x, args.peers)
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"times": times, "error": error, "rss_mb": peak_rss_mb()}
+
+
+def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
+    import trio
+
+    from averaging._allreduce import AllReduceConfig, all_reduce
+    from averaging._group import Group, GroupMember
+    from swarm import Identity
+    from swarm._connections import ConnectionConfig, open_connections
+
+    identities = [Identity.from_seed(bytes([r + 1]) * 32) for r in range(args.peers)]
+    config = AllReduceConfig(
+        sender_timeout=60.0,
+        reducer_timeout=120.0,
+        round_timeout=600.0,
+        chunk_elements=args.chunk_elements,
+    )
+    x = torch.empty(args.size, dtype=torch.float32)
+    times: list[float] = []
+    contributors_ok = True
+
+    async def main() -> None:
+        nonlocal contributors_ok
+        net_config = ConnectionConfig(encrypt=args.encrypt)
+        async with open_connections(identities[args.rank], config=net_config) as net:
+            (directory / f"port.{args.rank}.tmp").write_text(str(net.port))
+            (directory / f"port.{args.rank}.tmp").rename(directory / f"port.{args.rank}")
+            await trio.to_thread.run_sync(
+                file_barrier, directory, "listening", args.rank, args.peers
+            )
+            members = tuple(
+                GroupMember(
+                    identities[r].peer_id,
+                    "127.0.0.1",
+                    int((directory / f"port.{r}").read_text()),
+                )
+                for r in range(args.peers)
+            )
+            for round_ in range(args.rounds):
+                fill(x, args.rank)
+                group = Group(f"round-{round_}".encode(), members, args.rank)
+                await trio.to_thread.run_sync(
+                    file_barrier, directory, f"ours-{round_}", args.rank, args.peers
+                )
+                start = time.perf_counter()
+                result = await all_reduce(net, group, [x], weight=1.0, config=config)
+                times.append(time.perf_counter() - start)
+                everyone = frozenset(range(args.peers))
+                contributors_ok &= all(c == everyone for part in result.contributors for c in part)
+            await trio.to_thread.run_sync(file_barrier, directory, "done", args.rank, args.peers)
+
+    trio.run(main)
+    return {
+        "times": times,
+        "error": max_error(x, args.peers),
+        "rss_mb": peak_rss_mb(),
+        "contributors_ok": contributors_ok,
+    }
+
+
+def worker(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    directory = Path(args.dir)
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    result = run_gloo(args, directory) if args.impl == "gloo" else run_ours(args, directory)
+    if args.profile:
+        profiler.disable()
+        profiler.dump_stats(f"{args.profile}.{args.impl}.{args.rank}")
+    print(json.dumps(result), flush=True)
+
+
+# ------------------------------------------------------------------- driver
+
+
+def launch(args: argparse.Namespace, impl: str, encrypt: bool) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix=f"allreduce-{impl}-") as tmp:
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--worker",
+                    "--impl",
+                    impl,
+                    "--rank",
+                    str(rank),
+                    "--peers",
+                    str(args.peers),
+                    "--size",
+                    str(args.size),
+                    "--rounds",
+                    str(args.rounds),
+                    "--chunk-elements",
+                    str(args.chunk_elements),
+                    "--threads",
+                    str(args.threads),
+                    "--dir",
+                    tmp,
+                ]
+                + (["--profile", args.profile] if args.profile else [])
+                + (["--encrypt"] if encrypt else []),
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for rank in range(args.peers)
+        ]
+        outputs = []
+        for proc in procs:
+            out, _ = proc.communicate(timeout=3600)
+            if proc.returncode != 0:
+                raise SystemExit(f"{impl} worker failed with exit code {proc.returncode}")
+            outputs.append(json.loads(out.strip().splitlines()[-1]))
+    per_round = [max(o["times"][i] for o in outputs) for i in range(args.rounds)]
+    error = max(o["error"] for o in outputs)
+    if not error <= 1e-4 * max(1, args.peers):
+        raise SystemExit(f"{impl}: result differs from the true mean by {error}")
+    if not all(o.get("contributors_ok", True) for o in outputs):
+        raise SystemExit(f"{impl}: some member was excluded in a fault-free run")
+    return {
+        "median_s": statistics.median(per_round),
+        "rounds_s": per_round,
+        "rss_mb": max(o["rss_mb"] for o in outputs),
+        "error": error,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--size", type=int, default=25_000_000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--chunk-elements", type=int, default=(1 << 18) - 16)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per peer")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--plain-only", action="store_true", help="skip the encrypted run")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--impl", choices=["ours", "gloo"], help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--encrypt", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dir", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--profile", help="write cProfile stats of each worker to PROFILE.IMPL.RANK"
+    )
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if args.peers < 2 or args.size < 1 or args.rounds < 1:
+        parser.error("need --peers >= 2, --size >= 1, --rounds >= 1")
+    gloo = launch(args, "gloo", False)
+    plain = launch(args, "ours", False)
+    encrypted = plain if args.plain_only else launch(args, "ours", True)
+    vector_mb = args.size * 4 / 2**20
+    report = {
+        "ours_s": encrypted["median_s"],
+        "gloo_s": gloo["median_s"],
+        "ratio": encrypted["median_s"] / gloo["median_s"],
+        "ours_plain_s": plain["median_s"],
+        "ratio_plain": plain["median_s"] / gloo["median_s"],
+        "peak_rss_mb": max(encrypted["rss_mb"], plain["rss_mb"]),
+        "peak_rss_plain_mb": plain["rss_mb"],
+        "gloo_peak_rss_mb": gloo["rss_mb"],
+        "vector_mb": vector_mb,
+        "peers": args.peers,
+        "size": args.size,
+        "rounds": args.rounds,
+    }
+    if args.json:
+        print(json.dumps(report))
+        return
+    print(
+        f"all-reduce of {args.size:,} float32 ({vector_mb:.1f} MiB) over {args.peers} peers,"
+        f" median of {args.rounds} rounds (slowest peer per round)"
+    )
+    print(f"  gloo               {gloo['median_s']:8.3f} s   peak RSS {gloo['rss_mb']:7.1f} MiB")
+    print(
+        f"  ours, plaintext    {plain['median_s']:8.3f} s   peak RSS {plain['rss_mb']:7.1f} MiB"
+        f"   ratio {report['ratio_plain']:.2f} (target <= 1.5)"
+    )
+    print(
+        f"  ours, encrypted    {encrypted['median_s']:8.3f} s   peak RSS"
+        f" {encrypted['rss_mb']:7.1f} MiB   ratio {report['ratio']:.2f} (target <= 2.5)"
+    )
+    budget = gloo["rss_mb"] + vector_mb
+    print(
+        f"  RSS budget (gloo + one vector) {budget:.1f} MiB:"
+        f" {'met' if report['peak_rss_mb'] <= budget else 'EXCEEDED'}"
+    )
+    assert math.isfinite(report["ratio"])
+
+
+if __name__ == "__main__":
+    main()
