@@ -75,19 +75,19 @@ def unpack(data: bytes | bytearray | memoryview, *, max_size: int = MAX_MESSAGE_
     return obj
 
 
-def _check_depth(obj: Any) -> None:
-    stack: list[tuple[Any, int]] = [(obj, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            raise ProtocolError(f"message nests deeper than {MAX_DEPTH} levels")
-        if isinstance(item, list):
-            stack.extend((x, depth + 1) for x in item)
-        elif isinstance(item, dict):
-            for k, v in item.items():
-                if isinstance(k, list | dict):
-                    raise ProtocolError("a map key must be a scalar")
-                stack.append((v, depth + 1))
+def _check_depth(obj: Any, depth: int = 0) -> None:
+    if depth > MAX_DEPTH:
+        raise ProtocolError(f"message nests deeper than {MAX_DEPTH} levels")
+    if isinstance(obj, list):
+        for item in obj:
+            if isinstance(item, list | dict):
+                _check_depth(item, depth + 1)
+    elif isinstance(obj, dict):
+        for key, item in obj.items():
+            if isinstance(key, list | dict):
+                raise ProtocolError("a map key must be a scalar")
+            if isinstance(item, list | dict):
+                _check_depth(item, depth + 1)
 
 
 # Helpers for decoders: pull typed fields out of an untrusted document and raise
@@ -100,7 +100,9 @@ def expect_list(obj: Any, length: int, what: str) -> list[Any]:
     return obj
 
 
-def expect_bytes(obj: Any, what: str, *, size: int | None = None, max_size: int | None = None) -> bytes:
+def expect_bytes(
+    obj: Any, what: str, *, size: int | None = None, max_size: int | None = None
+) -> bytes:
     if not isinstance(obj, bytes):
         raise ProtocolError(f"{what}: expected bytes, got {type(obj).__name__}")
     if size is not None and len(obj) != size:

@@ -1,0 +1,18 @@
+"""The DHT: Kademlia (the ``kademlia`` package, under trio) with signed, expiring records.
+
+Modules, from pure code up to the node:
+
+- ``_records``: record layout, owner signatures, validation and merge rules (pure)
+- ``_messages``: the signed datagram envelope (pure)
+- ``_storage``: kademlia ``IStorage`` holding validated records by key id
+- ``_protocol``: kademlia's protocol subclass speaking signed datagrams and records
+- ``_crawl``: a value look-up that merges the replies of the responsible nodes
+- ``_server``: kademlia's ``Server`` subclass storing and finding records
+- ``_aio``: the one seam between trio and asyncio (trio-asyncio)
+- ``_node``: ``DHTNode`` and ``open_dht_node``, the trio API
+"""
+
+from ._node import DHTConfig, DHTNode, DHTValue, open_dht_node
+from ._records import RecordLimits, owner_marker
+
+__all__ = ["DHTConfig", "DHTNode", "DHTValue", "RecordLimits", "open_dht_node", "owner_marker"]

@@ -1,0 +1,302 @@
+"""``DHTNode``: the trio face of a peer's Kademlia node.
+
+``open_dht_node`` binds the UDP socket, bootstraps, runs maintenance (routing
+refresh, record expiry) in a nursery it owns, and stops everything on exit.
+``store`` and ``get`` are the whole data API; both are trio coroutines that
+cross into kademlia's asyncio code through ``_aio``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import trio
+
+from swarm._address import Address, format_address, parse_address
+from swarm._clock import WallClock, system_clock
+from swarm._errors import (
+    BootstrapError,
+    ConfigError,
+    collapse_exception_groups,
+)
+from swarm._identity import Identity, PeerID
+
+from ._aio import AsyncioLoop, open_asyncio_loop
+from ._crawl import RecordCrawl
+from ._records import (
+    Record,
+    RecordLimits,
+    Subkey,
+    decode_subkey,
+    encode_key,
+    key_id,
+    make_record,
+    validate,
+)
+from ._server import RecordServer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DHTConfig:
+    """Kademlia parameters, timeouts and record limits of one node."""
+
+    #: k: replication factor and bucket size (Kademlia paper, section 2.2)
+    ksize: int = 20
+    #: alpha: concurrent requests per look-up step (section 2.3)
+    alpha: int = 3
+    #: how long to wait for one UDP reply; kademlia's default of 5 s would make a
+    #: bootstrap through dead contacts take minutes
+    rpc_timeout: float = 1.0
+    #: how long bootstrapping may take before the initial peers count as unreachable
+    bootstrap_timeout: float = 10.0
+    #: routing buckets and records untouched this long are refreshed / re-stored
+    refresh_interval: float = 600.0
+    #: how often expired records are swept from storage
+    expiry_sweep_interval: float = 30.0
+    limits: RecordLimits = field(default_factory=RecordLimits)
+    #: most records one node stores, across all keys
+    max_records: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.ksize < 1 or self.alpha < 1:
+            raise ConfigError("DHTConfig: ksize and alpha must be at least 1")
+        if not 0 < self.rpc_timeout <= 60:
+            raise ConfigError("DHTConfig: rpc_timeout must be in (0, 60] seconds")
+        if self.bootstrap_timeout < self.rpc_timeout:
+            raise ConfigError(
+                f"DHTConfig: bootstrap_timeout ({self.bootstrap_timeout}s) must be at least "
+                f"rpc_timeout ({self.rpc_timeout}s), or no initial peer can ever answer in time"
+            )
+        if self.refresh_interval <= 0 or self.expiry_sweep_interval <= 0:
+            raise ConfigError("DHTConfig: refresh_interval and expiry_sweep_interval must be > 0")
+
+
+class DHTValue(NamedTuple):
+    """A value read from the DHT with its absolute expiration time.
+
+    For a key with sub-keys, ``value`` is a ``dict`` from sub-key to ``DHTValue``
+    and ``expiration_time`` is the latest among them.
+    """
+
+    value: Any
+    expiration_time: float
+
+
+class DHTNode:
+    """A running Kademlia node. Create it with ``open_dht_node``."""
+
+    def __init__(
+        self,
+        server: RecordServer,
+        loop: AsyncioLoop,
+        identity: Identity,
+        host: str,
+        port: int,
+        config: DHTConfig,
+        clock: WallClock,
+        nursery: trio.Nursery,
+    ) -> None:
+        self._server = server
+        self._loop = loop
+        self._identity = identity
+        self.host = host
+        self.port = port
+        self.config = config
+        self._clock = clock
+        self._nursery = nursery
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self._identity.peer_id
+
+    @property
+    def address(self) -> str:
+        """``host:port`` that other peers pass as ``--initial-peer``."""
+        return format_address(self.host, self.port)
+
+    @property
+    def identity(self) -> Identity:
+        return self._identity
+
+    def now(self) -> float:
+        """The node's wall clock (the one expiration times are compared with)."""
+        return self._clock()
+
+    # -- joining ----------------------------------------------------------------
+
+    async def bootstrap(self, initial_peers: Sequence[str | Address]) -> None:
+        """Join the swarm through any of ``initial_peers`` (``"host:port"`` or tuples).
+
+        Raises ``ConfigError`` for an address that does not parse and
+        ``BootstrapError`` if none of them answers within ``bootstrap_timeout``.
+        """
+        addrs = [parse_address(a) if isinstance(a, str) else a for a in initial_peers]
+        addrs = [a for a in addrs if a != (self.host, self.port)]
+        if not addrs:
+            return
+        answered: list[Any] = []
+        with trio.move_on_after(self.config.bootstrap_timeout):
+            answered = await self._loop.call(self._server.bootstrap, addrs)
+        if not answered:
+            shown = ", ".join(format_address(*a) for a in addrs)
+            raise BootstrapError(
+                f"no initial peer answered ({shown}); check the address and that a peer runs there"
+            )
+        log.info(
+            "joined through %d of %d initial peers; %d contacts",
+            len(answered),
+            len(addrs),
+            self.routing_table_size(),
+        )
+
+    # -- data -----------------------------------------------------------------
+
+    async def store(
+        self,
+        key: str | bytes,
+        value: Any,
+        expiration_time: float,
+        *,
+        subkey: Subkey | None = None,
+    ) -> bool:
+        """Store ``value`` under ``key`` (and ``subkey``) until ``expiration_time``.
+
+        ``value`` is any msgpack-able object of at most ``limits.max_value_size``
+        encoded bytes; ``expiration_time`` is absolute (seconds since the epoch by
+        this node's clock) and at most ``limits.max_ttl`` ahead. A key or sub-key
+        containing ``owner_marker(peer_id)`` is signed with this node's key; one
+        naming another owner cannot be stored.
+
+        Returns True if at least one node responsible for the key kept it (False
+        if all of them hold a newer version or none answered). Raises
+        ``RecordRejectedError`` (nothing sent) if the record is invalid.
+        """
+        record = make_record(
+            key,
+            value,
+            expiration_time,
+            subkey=subkey,
+            signer=self._identity,
+            limits=self.config.limits,
+        )
+        validate(record, self._clock(), self.config.limits)
+        kept = await self._loop.call(self._server.store_record, record)
+        return kept > 0
+
+    async def get(self, key: str | bytes, *, latest: bool = False) -> DHTValue | None:
+        """Read ``key``: its value, or a dict of its sub-keys, or None.
+
+        Records of the responsible nodes are merged with the local copy (per
+        sub-key, latest expiration wins); every record is verified before it is
+        returned. ``latest=True`` asks all of the k closest nodes rather than
+        stopping at the first that answer. Nodes seen with stale or missing
+        records get the freshest ones written back in the background.
+        """
+        dkey = key_id(encode_key(key))
+        records, crawl = await self._loop.call(self._server.find_records, dkey, latest)
+        # every record was validated as it arrived; only expiry can have changed
+        now = self._clock()
+        live = [r for r in records if r.expiration > now]
+        if crawl is not None and live:
+            self._nursery.start_soon(
+                self._write_back, crawl, live, self.config.ksize if latest else 1
+            )
+        return _to_value(live)
+
+    async def _write_back(self, crawl: RecordCrawl, records: list[Record], limit: int) -> None:
+        await self._loop.call(self._server.write_back, crawl, records, limit)
+
+    # -- introspection --------------------------------------------------------
+
+    def routing_table_size(self) -> int:
+        return self._server.routing_table_size()
+
+    def stored_key_count(self) -> int:
+        return self._server.storage.key_count()
+
+    def contacts(self) -> list[tuple[PeerID, str, int]]:
+        return self._server.contacts()
+
+    @property
+    def dropped_datagrams(self) -> int:
+        return self._server.proto.dropped_datagrams
+
+    # -- maintenance ----------------------------------------------------------
+
+    async def _maintain(self) -> None:
+        next_refresh = trio.current_time() + self.config.refresh_interval
+        while True:
+            await trio.sleep(self.config.expiry_sweep_interval)
+            self._server.storage.cull()
+            if trio.current_time() >= next_refresh:
+                next_refresh = trio.current_time() + self.config.refresh_interval
+                await self._loop.call(self._server.refresh, self.config.refresh_interval)
+
+
+def _to_value(records: list[Record]) -> DHTValue | None:
+    if not records:
+        return None
+    plain = next((r for r in records if r.subkey is None), None)
+    subkeyed = [r for r in records if r.subkey is not None]
+    latest_subkey = max((r.expiration for r in subkeyed), default=-math.inf)
+    if plain is not None and plain.expiration >= latest_subkey:
+        return DHTValue(plain.decoded_value(), plain.expiration)
+    entries = {
+        decode_subkey(r.subkey): DHTValue(r.decoded_value(), r.expiration)
+        for r in subkeyed
+        if r.subkey is not None
+    }
+    return DHTValue(entries, latest_subkey)
+
+
+@asynccontextmanager
+async def open_dht_node(
+    identity: Identity | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    initial_peers: Sequence[str | Address] = (),
+    config: DHTConfig | None = None,
+    clock: WallClock = system_clock,
+) -> AsyncIterator[DHTNode]:
+    """Run a DHT node listening on UDP ``host:port`` for the duration of the block.
+
+    ``port=0`` picks a free port (see ``node.port``). With ``initial_peers`` the
+    node bootstraps before the block starts and raises ``BootstrapError`` if none
+    answers. ``clock`` is the wall clock used for expiration times. On exit (or
+    cancellation) maintenance stops and the socket is closed.
+    """
+    identity = identity or Identity.generate()
+    config = config or DHTConfig()
+    with collapse_exception_groups():
+        async with open_asyncio_loop() as loop, trio.open_nursery() as nursery:
+            server = RecordServer(
+                identity,
+                ksize=config.ksize,
+                alpha=config.alpha,
+                rpc_timeout=config.rpc_timeout,
+                limits=config.limits,
+                max_records=config.max_records,
+                clock=clock,
+            )
+            try:
+                bound = await loop.call(server.listen, port, host)
+            except OSError as e:
+                raise ConfigError(f"cannot listen on UDP {format_address(host, port)}: {e}") from e
+            node = DHTNode(server, loop, identity, host, bound, config, clock, nursery)
+            try:
+                if initial_peers:
+                    await node.bootstrap(initial_peers)
+                nursery.start_soon(node._maintain)
+                yield node
+            finally:
+                nursery.cancel_scope.cancel()
+                with trio.CancelScope(shield=True):
+                    await loop.run_sync(server.stop)

@@ -1,0 +1,363 @@
+"""``SwarmProtocol``: kademlia's protocol, speaking signed datagrams and records.
+
+It subclasses ``kademlia.protocol.KademliaProtocol`` so that kademlia's routing
+table and crawlers work unchanged, and replaces what kademlia gets wrong for us:
+
+- the wire: rpcudp's unsigned umsgpack datagrams become signed envelopes
+  (``_messages``); a datagram that does not verify is dropped, never answered;
+- requests are answered synchronously in ``datagram_received`` (every handler
+  is a dictionary look-up), so a request costs no asyncio task;
+- ``rpc_store`` validates before it stores, ``rpc_find_value`` returns the
+  records of a key and the closest nodes together (a crawl can merge the replies
+  of several nodes), bounded to one datagram;
+- a node that sends us a request is not trusted into the routing table on its
+  word: it is pinged back, and added when its signed answer arrives;
+- ``welcome_if_new`` pushes stored records, which passed validation, as records.
+
+All methods run on the asyncio loop that ``trio_asyncio`` provides (see ``_aio``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from kademlia.node import Node
+from kademlia.protocol import KademliaProtocol
+
+from swarm._clock import WallClock
+from swarm._errors import ProtocolError, RecordRejectedError, RejectReason
+from swarm._identity import PEER_ID_SIZE, Identity, PeerID
+from swarm._wire import expect_bytes, expect_int, expect_list, expect_str, pack
+
+from . import _messages as messages
+from ._records import Record, RecordLimits
+from ._storage import RecordStorage
+
+log = logging.getLogger(__name__)
+
+#: Room kept in a find_value reply for the envelope and the node list.
+_REPLY_OVERHEAD = 4096
+#: Most contacts we accept in one find_node/find_value reply.
+_MAX_NODES_PER_REPLY = 64
+#: Most concurrent ping-backs of unknown request senders.
+_MAX_PENDING_PINGS = 64
+#: How long a node that failed to answer is left out of look-ups when other
+#: nodes still list it. Without this, every look-up in a swarm that just lost
+#: nodes waits a full RPC timeout on them, again and again.
+_FAILURE_MEMORY = 30.0
+
+Address = tuple[str, int]
+Result = tuple[bool, Any]
+
+
+def decode_nodes(obj: Any) -> list[tuple[bytes, str, int]]:
+    """Validate a list of ``[node_id, ip, port]`` contacts from another node."""
+    if not isinstance(obj, list) or len(obj) > _MAX_NODES_PER_REPLY:
+        raise ProtocolError("contacts: expected a short list")
+    nodes = []
+    for item in obj:
+        node_id, ip, port = expect_list(item, 3, "contact")
+        node_id = expect_bytes(node_id, "contact id", size=PEER_ID_SIZE)
+        ip = expect_str(ip, "contact ip", max_size=64)
+        if not _is_ip(ip):
+            raise ProtocolError(f"contact ip {ip!r} is not an IP address")
+        port = expect_int(port, "contact port", lo=1, hi=65535)
+        nodes.append((node_id, ip, port))
+    return nodes
+
+
+def _is_ip(text: str) -> bool:
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, text)
+        except (OSError, ValueError):
+            continue
+        return True
+    return False
+
+
+class SwarmProtocol(KademliaProtocol):
+    def __init__(
+        self,
+        source_node: Node,
+        storage: RecordStorage,
+        ksize: int,
+        *,
+        identity: Identity,
+        limits: RecordLimits,
+        rpc_timeout: float,
+        clock: WallClock,
+    ) -> None:
+        super().__init__(source_node, storage, ksize)
+        self.storage: RecordStorage = storage
+        self._identity = identity
+        self._limits = limits
+        self._wait_timeout = rpc_timeout
+        self._clock = clock
+        self._outstanding: dict[bytes, tuple[asyncio.Future[Result], asyncio.TimerHandle, Any]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._pinging: set[bytes] = set()
+        self._failed: dict[bytes, float] = {}
+        self._closed = False
+        self.dropped_datagrams = 0
+        self._handlers: dict[str, Callable[[Node, list[Any]], Any]] = {
+            "ping": self._rpc_ping,
+            "find_node": self._rpc_find_node,
+            "find_value": self._rpc_find_value,
+            "store": self._rpc_store,
+        }
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` as an asyncio task owned by this protocol (cancelled by ``close``)."""
+        if self._closed:
+            coro.close()
+            return
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def close(self) -> None:
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        for future, timer, _ in self._outstanding.values():
+            timer.cancel()
+            if not future.done():
+                future.set_result((False, None))
+        self._outstanding.clear()
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- receiving -------------------------------------------------------------
+
+    def datagram_received(self, data: bytes, addr: Address) -> None:
+        try:
+            datagram = messages.decode(data)
+        except ProtocolError as e:
+            self.dropped_datagrams += 1
+            log.debug("dropped datagram from %s: %s", addr, e)
+            return
+        if datagram.kind is messages.Kind.REQUEST:
+            self._answer(datagram, (addr[0], addr[1]))
+        else:
+            self._resolve(datagram, (addr[0], addr[1]))
+
+    def _answer(self, datagram: messages.Datagram, addr: Address) -> None:
+        sender = Node(datagram.sender, addr[0], addr[1])
+        try:
+            method, args = expect_list(datagram.body, 2, "request")
+            handler = self._handlers.get(expect_str(method, "method", max_size=32))
+            if handler is None or not isinstance(args, list):
+                raise ProtocolError(f"unknown method {method!r}")
+            response = handler(sender, args)
+        except ProtocolError as e:
+            self.dropped_datagrams += 1
+            log.debug("malformed request from %s: %s", addr, e)
+            return
+        self._send(messages.Kind.RESPONSE, datagram.msg_id, response, addr)
+        if sender.id != self.source_node.id:
+            self._ping_back_if_new(sender)
+
+    def _resolve(self, datagram: messages.Datagram, addr: Address) -> None:
+        pending = self._outstanding.get(datagram.msg_id)
+        if pending is None:
+            return
+        future, timer, (expected_addr, expected_id) = pending
+        if addr != expected_addr or (expected_id is not None and datagram.sender != expected_id):
+            # someone else answered, or the address now belongs to another node
+            return
+        del self._outstanding[datagram.msg_id]
+        timer.cancel()
+        if not future.done():
+            future.set_result((True, (datagram.sender, datagram.body)))
+
+    # -- sending ---------------------------------------------------------------
+
+    def _send(self, kind: messages.Kind, msg_id: bytes, body: Any, addr: Address) -> None:
+        if self.transport is None or self._closed:
+            return
+        self.transport.sendto(messages.encode(self._identity, kind, msg_id, body), addr)
+
+    def call(
+        self, addr: Address, method: str, args: list[Any], expected: bytes | None = None
+    ) -> asyncio.Future[Result]:
+        """Send a request; the future resolves to ``(True, (sender, body))`` or
+        ``(False, None)`` after ``rpc_timeout`` without a verified answer from
+        ``addr`` (and from node ``expected`` when given)."""
+        loop = asyncio.get_event_loop()
+        future: asyncio.Future[Result] = loop.create_future()
+        if self._closed:
+            future.set_result((False, None))
+            return future
+        msg_id = messages.new_msg_id()
+        timer = loop.call_later(self._wait_timeout, self._expire, msg_id)
+        self._outstanding[msg_id] = (future, timer, (addr, expected))
+        self._send(messages.Kind.REQUEST, msg_id, [method, args], addr)
+        return future
+
+    def _expire(self, msg_id: bytes) -> None:
+        pending = self._outstanding.pop(msg_id, None)
+        if pending is not None and not pending[0].done():
+            pending[0].set_result((False, None))
+
+    # -- handlers (remote side) ------------------------------------------------
+
+    def _rpc_ping(self, sender: Node, args: list[Any]) -> Any:
+        return None
+
+    def _rpc_find_node(self, sender: Node, args: list[Any]) -> Any:
+        (target,) = expect_list(args, 1, "find_node args")
+        target = expect_bytes(target, "find_node target", size=PEER_ID_SIZE)
+        neighbors = self.router.find_neighbors(Node(target), exclude=sender)
+        return [[n.id, n.ip, n.port] for n in neighbors]
+
+    def _rpc_find_value(self, sender: Node, args: list[Any]) -> Any:
+        (dkey,) = expect_list(args, 1, "find_value args")
+        dkey = expect_bytes(dkey, "find_value key", size=PEER_ID_SIZE)
+        nodes = self._rpc_find_node(sender, [dkey])
+        budget = messages.MAX_DATAGRAM_SIZE - _REPLY_OVERHEAD - len(pack(nodes))
+        records, truncated = [], False
+        for record in self.storage.records(dkey):  # newest first
+            wire = record.to_wire()
+            size = len(pack(wire))
+            if size > budget:
+                truncated = True
+                break
+            budget -= size
+            records.append(wire)
+        return [records, nodes, truncated]
+
+    def _rpc_store(self, sender: Node, args: list[Any]) -> Any:
+        (wire,) = expect_list(args, 1, "store args")
+        try:
+            record = Record.from_wire(wire, self._limits)
+        except ProtocolError as e:
+            # the sender proved its identity; tell it what was wrong instead of
+            # letting it time out
+            log.debug("malformed record from %s: %s", sender, e)
+            return [False, RejectReason.MALFORMED.name]
+        try:
+            kept = self.storage.store(record)
+        except RecordRejectedError as e:
+            log.debug("refused record from %s: %s", sender, e)
+            return [False, e.reason.name]
+        return [kept, None]
+
+    # -- calls (local side), in the shape kademlia's crawlers expect ------------
+
+    async def call_ping(self, node_to_ask: Node) -> Result:
+        ok, _ = await self.call((node_to_ask.ip, node_to_ask.port), "ping", [], node_to_ask.id)
+        return self.handle_call_response((ok, None), node_to_ask)
+
+    async def ping_address(self, addr: Address) -> PeerID | None:
+        """Ping an address whose node id we do not know yet (bootstrap)."""
+        ok, answer = await self.call(addr, "ping", [])
+        if not ok:
+            return None
+        sender: PeerID = answer[0]
+        self.handle_call_response((True, None), Node(sender, addr[0], addr[1]))
+        return sender
+
+    async def call_find_node(self, node_to_ask: Node, node_to_find: Node) -> Result:
+        addr = (node_to_ask.ip, node_to_ask.port)
+        ok, answer = await self.call(addr, "find_node", [node_to_find.id], node_to_ask.id)
+        result: Result = (False, None)
+        if ok:
+            try:
+                result = (True, self._live(decode_nodes(answer[1])))
+            except ProtocolError as e:
+                log.debug("bad find_node reply from %s: %s", node_to_ask, e)
+        return self.handle_call_response(result, node_to_ask)
+
+    async def call_find_value(self, node_to_ask: Node, node_to_find: Node) -> Result:
+        """``(True, (records, contacts, truncated))``; records are decoded, not validated."""
+        addr = (node_to_ask.ip, node_to_ask.port)
+        ok, answer = await self.call(addr, "find_value", [node_to_find.id], node_to_ask.id)
+        result: Result = (False, None)
+        if ok:
+            try:
+                records_wire, nodes, truncated = expect_list(answer[1], 3, "find_value reply")
+                if not isinstance(records_wire, list):
+                    raise ProtocolError("find_value reply: records must be a list")
+                records = [Record.from_wire(w, self._limits) for w in records_wire]
+                result = (True, (records, self._live(decode_nodes(nodes)), bool(truncated)))
+            except ProtocolError as e:
+                log.debug("bad find_value reply from %s: %s", node_to_ask, e)
+        return self.handle_call_response(result, node_to_ask)
+
+    async def call_store(self, node_to_ask: Node, key: Any, value: Any = None) -> Result:
+        """Store a ``Record`` (passed as ``key``; kademlia's signature is kept for
+        its own callers) on ``node_to_ask``. ``(True, kept)`` if it answered."""
+        record = key if isinstance(key, Record) else value
+        if not isinstance(record, Record):
+            raise TypeError("SwarmProtocol.call_store takes a Record")
+        addr = (node_to_ask.ip, node_to_ask.port)
+        ok, answer = await self.call(addr, "store", [record.to_wire()], node_to_ask.id)
+        result: Result = (False, None)
+        if ok:
+            reply = answer[1]
+            kept = isinstance(reply, list) and len(reply) == 2 and reply[0] is True
+            result = (True, kept)
+        return self.handle_call_response(result, node_to_ask)
+
+    # -- routing table maintenance ---------------------------------------------
+
+    def handle_call_response(self, result: Result, node: Node) -> Result:
+        now = asyncio.get_event_loop().time()
+        if result[0]:
+            self._failed.pop(node.id, None)
+        else:
+            self._failed[node.id] = now
+            if len(self._failed) > 4096:
+                self._failed = {k: t for k, t in self._failed.items() if now - t < _FAILURE_MEMORY}
+        return super().handle_call_response(result, node)
+
+    def _live(self, contacts: list[tuple[bytes, str, int]]) -> list[tuple[bytes, str, int]]:
+        """Drop contacts that failed to answer us recently."""
+        if not self._failed:
+            return contacts
+        now = asyncio.get_event_loop().time()
+        return [
+            c for c in contacts if now - self._failed.get(c[0], -_FAILURE_MEMORY) >= _FAILURE_MEMORY
+        ]
+
+    def _ping_back_if_new(self, node: Node) -> None:
+        if not self.router.is_new_node(node) or node.id in self._pinging:
+            return
+        if len(self._pinging) >= _MAX_PENDING_PINGS:
+            return
+        self._pinging.add(node.id)
+
+        async def ping_back() -> None:
+            try:
+                await self.call_ping(node)
+            finally:
+                self._pinging.discard(node.id)
+
+        self.spawn(ping_back())
+
+    def welcome_if_new(self, node: Node) -> None:
+        """Add a node that answered us; push it the records it is now responsible for
+        (Kademlia paper, section 2.5). Only validated records are ever stored, so
+        only validated records are pushed."""
+        if not self.router.is_new_node(node):
+            self.router.add_contact(node)  # refresh its position in the bucket
+            return
+        for dkey, records in self.storage:
+            keynode = Node(dkey)
+            neighbors = self.router.find_neighbors(keynode)
+            if neighbors:
+                last = neighbors[-1].distance_to(keynode)
+                new_node_close = node.distance_to(keynode) < last
+                first = neighbors[0].distance_to(keynode)
+                this_closest = self.source_node.distance_to(keynode) < first
+            if not neighbors or (new_node_close and this_closest):
+                for record in records:
+                    self.spawn(self.call_store(node, record))
+        self.router.add_contact(node)

@@ -1,0 +1,226 @@
+"""``RecordServer``: kademlia's ``Server`` storing and finding records.
+
+The asyncio half of a DHT node. It keeps kademlia's routing table, node
+look-ups and bootstrap crawl, and replaces the value paths: stores go to the k
+closest nodes (and here, if this node is one of them) as validated records;
+look-ups merge the records of the responsible nodes (``RecordCrawl``) with the
+local copy instead of returning the local copy alone. ``save_state`` and
+``load_state`` (pickle) are disabled. Scheduling (refresh, expiry) is left to
+the trio side (``_node``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from typing import Any, NoReturn
+
+from kademlia.crawling import NodeSpiderCrawl
+from kademlia.network import Server
+from kademlia.node import Node
+
+from swarm._clock import WallClock
+from swarm._errors import RecordRejectedError
+from swarm._identity import Identity, PeerID
+
+from ._crawl import RecordCrawl
+from ._protocol import Address, SwarmProtocol
+from ._records import Record, RecordLimits, merge, validate
+from ._storage import RecordStorage
+
+log = logging.getLogger(__name__)
+
+
+class RecordServer(Server):
+    protocol_class = SwarmProtocol
+
+    def __init__(
+        self,
+        identity: Identity,
+        *,
+        ksize: int,
+        alpha: int,
+        rpc_timeout: float,
+        limits: RecordLimits,
+        max_records: int,
+        clock: WallClock,
+    ) -> None:
+        storage = RecordStorage(clock, limits, max_records)
+        super().__init__(ksize=ksize, alpha=alpha, node_id=identity.peer_id, storage=storage)
+        self.storage: RecordStorage = storage
+        self.protocol: SwarmProtocol | None = None
+        self._identity = identity
+        self._limits = limits
+        self._rpc_timeout = rpc_timeout
+        self._clock = clock
+
+    def _create_protocol(self) -> SwarmProtocol:
+        return SwarmProtocol(
+            self.node,
+            self.storage,
+            self.ksize,
+            identity=self._identity,
+            limits=self._limits,
+            rpc_timeout=self._rpc_timeout,
+            clock=self._clock,
+        )
+
+    @property
+    def proto(self) -> SwarmProtocol:
+        if self.protocol is None:
+            raise RuntimeError("the DHT server is not listening")
+        return self.protocol
+
+    async def listen(self, port: int, interface: str = "0.0.0.0") -> int:
+        """Bind the UDP socket; returns the bound port (useful with port 0)."""
+        loop = asyncio.get_event_loop()
+        self.transport, self.protocol = await loop.create_datagram_endpoint(
+            self._create_protocol, local_addr=(interface, port)
+        )
+        bound: int = self.transport.get_extra_info("sockname")[1]
+        return bound
+
+    def stop(self) -> None:
+        if self.protocol is not None:
+            self.protocol.close()
+        super().stop()
+
+    async def bootstrap(self, addrs: list[Address]) -> list[Node]:
+        """Ping every address, then look up our own id through those that answered.
+
+        Returns the nodes that answered the ping (empty if none did).
+        """
+        answered = await asyncio.gather(*(self.proto.ping_address(a) for a in addrs))
+        nodes = [Node(pid, a[0], a[1]) for pid, a in zip(answered, addrs, strict=True) if pid]
+        if nodes:
+            spider = NodeSpiderCrawl(self.proto, self.node, nodes, self.ksize, self.alpha)
+            await spider.find()
+        return nodes
+
+    async def _closest_nodes(self, dkey: bytes) -> list[Node]:
+        target = Node(dkey)
+        nearest = self.proto.router.find_neighbors(target)
+        if not nearest:
+            return []
+        spider = NodeSpiderCrawl(self.proto, target, nearest, self.ksize, self.alpha)
+        found: list[Node] = await spider.find()
+        return found
+
+    async def store_record(self, record: Record) -> int:
+        """Store ``record`` on the k closest nodes; returns how many kept it.
+
+        This node counts when it is among the k closest (or knows fewer than k
+        nodes). Raises ``RecordRejectedError`` if the record is invalid here:
+        then nothing is sent.
+        """
+        dkey = record.key_id
+        nodes = await self._closest_nodes(dkey)
+        target = Node(dkey)
+        kept = 0
+        if len(nodes) < self.ksize or self.node.distance_to(target) < max(
+            n.distance_to(target) for n in nodes
+        ):
+            kept += self.storage.store(record)
+        else:
+            validate(record, self._clock(), self._limits)
+        results = await asyncio.gather(*(self.proto.call_store(n, record) for n in nodes))
+        kept += sum(1 for ok, stored in results if ok and stored)
+        return kept
+
+    async def find_records(
+        self, dkey: bytes, latest: bool
+    ) -> tuple[list[Record], RecordCrawl | None]:
+        """Merge the local records of ``dkey`` with those of the responsible nodes.
+
+        Returns the merged records and the crawl (for write-back), or None when no
+        other node is known.
+        """
+        merged: dict[bytes | None, Record] = {}
+        now = self._clock()
+        for record in self.storage.records(dkey):
+            try:
+                validate(record, now, self._limits)
+            except RecordRejectedError:
+                continue  # never let a bad local record shadow a good remote one
+            merge(merged, record)
+        target = Node(dkey)
+        nearest = self.proto.router.find_neighbors(target)
+        if not nearest:
+            return list(merged.values()), None
+        crawl = RecordCrawl(
+            self.proto,
+            target,
+            nearest,
+            self.ksize,
+            self.alpha,
+            latest=latest,
+            limits=self._limits,
+            clock=self._clock,
+        )
+        for record in (await crawl.find()).values():
+            merge(merged, record)
+        return list(merged.values()), crawl
+
+    async def write_back(self, crawl: RecordCrawl, records: list[Record], limit: int) -> None:
+        """Send the freshest records to up to ``limit`` responders that lacked them."""
+        by_subkey = {r.subkey: r for r in records}
+        crawl.merged = by_subkey
+        calls = [
+            self.proto.call_store(node, record)
+            for node, missing in crawl.stale_responders(limit)
+            for record in missing
+        ]
+        await asyncio.gather(*calls)
+
+    async def refresh(self, stale_after: float) -> None:
+        """Look up ids in buckets idle for ``stale_after`` seconds, and re-store
+        records not written for as long, so replicas follow routing changes."""
+        lonely = [
+            b for b in self.proto.router.buckets if b.last_updated < time.monotonic() - stale_after
+        ]
+        lookups = []
+        for bucket in lonely:
+            rid = _random_id_in(bucket.range)
+            target = Node(rid)
+            nearest = self.proto.router.find_neighbors(target, self.alpha)
+            lookups.append(
+                NodeSpiderCrawl(self.proto, target, nearest, self.ksize, self.alpha).find()
+            )
+        await asyncio.gather(*lookups)
+        for _dkey, records in self.storage.iter_older_than(stale_after):
+            for record in records:
+                with contextlib.suppress(RecordRejectedError):  # expired meanwhile
+                    await self.store_record(record)
+
+    def routing_table_size(self) -> int:
+        if self.protocol is None:
+            return 0
+        return sum(len(b) for b in self.protocol.router.buckets)
+
+    def contacts(self) -> list[tuple[PeerID, str, int]]:
+        if self.protocol is None:
+            return []
+        return [
+            (PeerID(n.id), n.ip, n.port)
+            for b in self.protocol.router.buckets
+            for n in b.get_nodes()
+        ]
+
+    # kademlia's pickle-based persistence must never run.
+    def save_state(self, *args: Any) -> NoReturn:
+        raise NotImplementedError("pickle-based state files are disabled")
+
+    def save_state_regularly(self, *args: Any) -> NoReturn:
+        raise NotImplementedError("pickle-based state files are disabled")
+
+    @classmethod
+    async def load_state(cls, *args: Any) -> NoReturn:
+        raise NotImplementedError("pickle-based state files are disabled")
+
+
+def _random_id_in(bounds: tuple[int, int]) -> bytes:
+    value = random.randint(bounds[0], min(bounds[1], 2**160 - 1))
+    return value.to_bytes(20, "big")

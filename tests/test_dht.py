@@ -1,0 +1,256 @@
+"""The DHT over real UDP on 127.0.0.1: many nodes in one process.
+
+Expiration is driven by a shared ManualClock, never by sleeping.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import trio
+from dht_harness import TEST_CONFIG, open_swarm
+
+from dht import DHTConfig, DHTValue, open_dht_node, owner_marker
+from dht._records import Record, make_record
+from swarm import (
+    BootstrapError,
+    ConfigError,
+    Identity,
+    ManualClock,
+    RecordRejectedError,
+    RejectReason,
+)
+
+NOW = 1_700_000_000.0
+SWARM_SIZE = 50
+
+
+async def _get_everywhere(nodes: list, key: str, **kwargs: object) -> list[DHTValue | None]:
+    # All nodes share one process and one core here: a bounded number of
+    # concurrent look-ups keeps the simulation from starving its own RPC timers.
+    results: list[DHTValue | None] = [None] * len(nodes)
+    limiter = trio.CapacityLimiter(4)
+
+    async def one(i: int) -> None:
+        async with limiter:
+            results[i] = await nodes[i].get(key, **kwargs)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(nodes)):
+            nursery.start_soon(one, i)
+    return results
+
+
+async def test_record_stored_anywhere_is_read_everywhere() -> None:
+    clock = ManualClock(NOW)
+    async with open_swarm(SWARM_SIZE, clock) as swarm:
+        rng = random.Random(1)
+        for k in range(3):
+            writer = rng.choice(swarm.nodes)
+            assert await writer.store(f"key{k}", {"k": k, "blob": b"\x00" * 100}, NOW + 60)
+            results = await _get_everywhere(swarm.nodes, f"key{k}")
+            assert all(
+                r is not None and r.value == {"k": k, "blob": b"\x00" * 100} for r in results
+            ), results
+            assert {r.expiration_time for r in results if r} == {NOW + 60}
+
+
+async def test_ten_writers_subkeys_merge() -> None:
+    clock = ManualClock(NOW)
+    async with open_swarm(SWARM_SIZE, clock, seed=2) as swarm:
+        writers = swarm.nodes[5:15]
+        for i, node in enumerate(writers):
+            subkey = owner_marker(node.peer_id)
+            assert await node.store("run.progress", {"epoch": i}, NOW + 30 + i, subkey=subkey)
+        expected = {owner_marker(n.peer_id): {"epoch": i} for i, n in enumerate(writers)}
+        for result in await _get_everywhere(swarm.nodes, "run.progress"):
+            assert result is not None
+            assert {k: v.value for k, v in result.value.items()} == expected
+            assert result.expiration_time == NOW + 39
+
+
+async def test_later_expiration_wins_and_latest_sees_it() -> None:
+    clock = ManualClock(NOW)
+    async with open_swarm(20, clock, seed=3) as swarm:
+        a, b = swarm.nodes[3], swarm.nodes[11]
+        await a.store("k", "old", NOW + 100)
+        await b.store("k", "new", NOW + 200)
+        assert not await a.store("k", "older", NOW + 50)  # every holder keeps "new"
+        for result in await _get_everywhere(swarm.nodes, "k", latest=True):
+            assert result == DHTValue("new", NOW + 200)
+
+
+async def test_records_expire_by_the_injected_clock() -> None:
+    clock = ManualClock(NOW)
+    async with open_swarm(20, clock, seed=4) as swarm:
+        node = swarm.nodes[7]
+        await node.store("short", 1, NOW + 10)
+        await node.store("long", 2, NOW + 1000)
+        await node.store("mixed", "a", NOW + 10, subkey="a")
+        await node.store("mixed", "b", NOW + 1000, subkey="b")
+        assert (await swarm.nodes[0].get("short")) == DHTValue(1, NOW + 10)
+        clock.advance(10)
+        for result in await _get_everywhere(swarm.nodes, "short"):
+            assert result is None
+        mixed = await swarm.nodes[1].get("mixed")
+        assert mixed is not None and list(mixed.value) == ["b"]
+        assert (await swarm.nodes[2].get("long")) == DHTValue(2, NOW + 1000)
+        assert sum(n.stored_key_count() for n in swarm.nodes) > 0
+        clock.advance(1000)
+        assert sum(n.stored_key_count() for n in swarm.nodes) == 0
+
+
+async def test_writer_side_rejections_are_typed() -> None:
+    clock = ManualClock(NOW)
+    async with open_swarm(5, clock) as swarm:
+        node, other = swarm.nodes[0], swarm.nodes[1]
+        cases = [
+            (dict(key="k", value=b"x" * 10_000, expiration_time=NOW + 10), RejectReason.OVERSIZED),
+            (dict(key="k", value=1, expiration_time=NOW - 1), RejectReason.EXPIRED),
+            (dict(key="k", value=1, expiration_time=NOW + 10**7), RejectReason.TOO_FAR_IN_FUTURE),
+            (
+                dict(
+                    key="k", value=1, expiration_time=NOW + 10, subkey=owner_marker(other.peer_id)
+                ),
+                RejectReason.NOT_OWNER,
+            ),
+        ]
+        for kwargs, reason in cases:
+            with pytest.raises(RecordRejectedError) as e:
+                await node.store(**kwargs)  # type: ignore[arg-type]
+            assert e.value.reason is reason
+        assert sum(n.stored_key_count() for n in swarm.nodes) == 0
+
+
+async def test_storing_nodes_and_readers_reject_forged_records() -> None:
+    clock = ManualClock(NOW)
+    async with open_swarm(SWARM_SIZE, clock, seed=5) as swarm:
+        victim = swarm.nodes[10]
+        key = f"run.progress{owner_marker(victim.peer_id)}"
+        await victim.store(key, "honest", NOW + 100)
+        honest = await swarm.nodes[0].get(key, latest=True)
+        assert honest == DHTValue("honest", NOW + 100)
+
+        # A malicious writer sends forged records straight to every node's store RPC.
+        mallory = Identity.from_seed(b"M" * 32)
+        genuine = make_record(
+            key, "honest", NOW + 100, signer=victim.identity, limits=TEST_CONFIG.limits
+        )
+        forged = [
+            Record(
+                genuine.key,
+                None,
+                b"\xa4evil",
+                NOW + 500,
+                mallory.public_key,
+                mallory.sign(Record(genuine.key, None, b"\xa4evil", NOW + 500).signing_payload()),
+            ),
+            Record(
+                genuine.key, None, genuine.value, NOW + 500, genuine.public_key, genuine.signature
+            ),  # replay with a new expiration
+            Record(b"x" * 300, None, b"\x01", NOW + 10),  # oversized key
+            Record(b"far", None, b"\x01", NOW + 10**7),  # far-future expiration
+        ]
+        attacker = swarm.nodes[1]
+        proto = attacker._server.proto
+        from kademlia.node import Node
+
+        async def send_all() -> list[bool]:
+            outcomes = []
+            for target in swarm.nodes:
+                node = Node(target.peer_id, "127.0.0.1", target.port)
+                for record in forged:
+                    ok, kept = await proto.call_store(node, record)
+                    outcomes.append(bool(ok and kept))
+            return outcomes
+
+        assert not any(await attacker._loop.call(send_all))
+        for result in await _get_everywhere(swarm.nodes, key, latest=True):
+            assert result == DHTValue("honest", NOW + 100)
+        assert await swarm.nodes[3].get("far") is None
+
+        # A compromised storing node serves a forged record from its storage:
+        # readers verify and drop it.
+        bad_node = swarm.nodes[20]
+        entry_key = genuine.key_id
+        from dht._storage import _Entry
+
+        bad_node._server.storage._entries[entry_key] = _Entry({None: forged[0]})
+        for result in await _get_everywhere(swarm.nodes, key, latest=True):
+            assert result == DHTValue("honest", NOW + 100)
+
+
+async def test_records_survive_30_percent_of_nodes_stopping() -> None:
+    clock = ManualClock(NOW)
+    async with open_swarm(SWARM_SIZE, clock, seed=6) as swarm:
+        rng = random.Random(6)
+        keys = [f"survivor{i}" for i in range(8)]
+        for i, key in enumerate(keys):
+            assert await rng.choice(swarm.nodes).store(key, i, NOW + 600)
+        victims = rng.sample(swarm.nodes, int(0.3 * SWARM_SIZE))
+        for victim in victims:
+            await swarm.stop(victim)
+        survivors = swarm.nodes
+        assert len(survivors) == SWARM_SIZE - len(victims)
+        # Each survivor reads every key at once, so the RPC timeouts spent on
+        # stopped nodes overlap instead of adding up.
+        found: dict[tuple[int, str], DHTValue | None] = {}
+        limiter = trio.CapacityLimiter(8)
+
+        async def read(n: int, key: str) -> None:
+            async with limiter:
+                found[n, key] = await survivors[n].get(key)
+
+        async with trio.open_nursery() as nursery:
+            for n in range(len(survivors)):
+                for key in keys:
+                    nursery.start_soon(read, n, key)
+        for (_, key), result in found.items():
+            assert result == DHTValue(keys.index(key), NOW + 600), key
+
+
+async def test_restart_with_same_identity_keeps_node_id(tmp_path: os.PathLike[str]) -> None:
+    clock = ManualClock(NOW)
+    path = os.path.join(str(tmp_path), "peer.key")
+    async with open_swarm(10, clock, seed=7) as swarm:
+        first = await swarm.add(Identity.load_or_create(path))
+        first_id, port = first.peer_id, first.port
+        await first.store("before", 1, NOW + 100)
+        await swarm.stop(first)
+        again = await swarm.add(Identity.load_or_create(path), port=port)
+        assert again.peer_id == first_id
+        assert await again.get("before") == DHTValue(1, NOW + 100)
+        assert await swarm.nodes[0].get("before", latest=True) == DHTValue(1, NOW + 100)
+
+
+async def test_bootstrap_errors() -> None:
+    # An unreachable bootstrap address: no node listens on this freshly freed port.
+    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM)
+    await sock.bind(("127.0.0.1", 0))
+    dead_port = sock.getsockname()[1]
+    sock.close()
+    config = DHTConfig(rpc_timeout=0.3, bootstrap_timeout=2.0)
+    with pytest.raises(BootstrapError, match="no initial peer answered"):
+        async with open_dht_node(initial_peers=[f"127.0.0.1:{dead_port}"], config=config):
+            pass
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        async with open_dht_node(initial_peers=["not-an-address"], config=config):
+            pass
+
+
+async def test_dead_bootstrap_peer_does_not_matter_once_joined() -> None:
+    clock = ManualClock(NOW)
+    async with open_swarm(12, clock, seed=8) as swarm:
+        bootstrap = swarm.nodes[0]
+        late = await swarm.add()
+        await swarm.stop(bootstrap)
+        await late.store("after", "ok", NOW + 50)
+        for result in await _get_everywhere(swarm.nodes, "after"):
+            assert result == DHTValue("ok", NOW + 50)
+
+
+def test_config_validation_says_what_to_change() -> None:
+    with pytest.raises(ConfigError, match="bootstrap_timeout"):
+        DHTConfig(rpc_timeout=5, bootstrap_timeout=1)
