@@ -1,0 +1,73 @@
+"""Run the ``swarm`` command as real processes; every process is reaped, also on failure."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+
+
+class CLIProcess:
+    def __init__(self, process: trio.Process) -> None:
+        self.process = process
+        self.output: list[str] = []
+        self._buffer = b""
+
+    async def read_line_containing(self, text: str, timeout: float = 30.0) -> str:
+        """Read stdout until a line contains ``text``; fail after ``timeout`` seconds."""
+        assert self.process.stdout is not None
+        with trio.fail_after(timeout):
+            while True:
+                while b"\n" in self._buffer:
+                    raw, self._buffer = self._buffer.split(b"\n", 1)
+                    line = raw.decode(errors="replace")
+                    self.output.append(line)
+                    if text in line:
+                        return line
+                chunk = await self.process.stdout.receive_some(4096)
+                if not chunk:
+                    raise AssertionError(f"process exited before printing {text!r}: {self.output}")
+                self._buffer += chunk
+
+    async def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        """Send ``sig`` and wait for a clean exit; returns the exit code."""
+        self.process.send_signal(sig)
+        with trio.fail_after(timeout):
+            return await self.process.wait()
+
+
+@asynccontextmanager
+async def run_cli(*args: str, capture_stderr: bool = False) -> AsyncIterator[CLIProcess]:
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "swarm.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE if capture_stderr else subprocess.DEVNULL,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        yield CLIProcess(process)
+    finally:
+        if process.returncode is None:
+            process.kill()
+        with trio.CancelScope(shield=True):
+            await process.wait()
+        for stream in (process.stdout, process.stderr):
+            if stream is not None:
+                await stream.aclose()
+
+
+async def run_to_completion(
+    *args: str, timeout: float = 30.0
+) -> subprocess.CompletedProcess[bytes]:
+    with trio.fail_after(timeout):
+        return await trio.run_process(
+            [sys.executable, "-m", "swarm.cli", *args],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
