@@ -210,15 +210,18 @@ async def all_reduce(
     flat = flatten(tensors)
     partition = Partition.for_group(group, flat.numel(), config.chunk_elements)
     rnd = _Round(net, group, partition, flat, weight, codec, config, fault)
-    with trio.move_on_after(config.round_timeout) as deadline:
-        with _registry(net).register(rnd) if rnd.reducer is not None else _nothing():
-            async with trio.open_nursery() as nursery:
-                if rnd.reducer is not None:
-                    nursery.start_soon(rnd.reduce)
-                if group.local.mode is not MemberMode.AUX:
-                    for part in range(group.size):
-                        if partition.part_size(part) > 0:
-                            nursery.start_soon(rnd.send_part, part)
+    with (
+        trio.move_on_after(config.round_timeout) as deadline,
+        rnd.reducer_buffer(),
+        _registry(net).register(rnd) if rnd.reducer is not None else _nothing(),
+    ):
+        async with trio.open_nursery() as nursery:
+            if rnd.reducer is not None:
+                nursery.start_soon(rnd.reduce)
+            if group.local.mode is not MemberMode.AUX:
+                for part in range(group.size):
+                    if partition.part_size(part) > 0:
+                        nursery.start_soon(rnd.send_part, part)
     if group.local.mode is not MemberMode.AUX:
         unflatten_into(flat, tensors)
     return rnd.result(timed_out=deadline.cancelled_caught)
@@ -256,9 +259,11 @@ class _Round:
         self.received = ReceivedParts([partition.num_chunks(j) for j in range(group.size)], me)
         # Reducer role.
         self.reducer: PartReducer | None = None
+        self.buffer: torch.Tensor | None = None
         if partition.part_size(me) > 0:
+            self.buffer = _registry(net).take_buffer(partition.part_size(me))
             self.reducer = PartReducer(
-                partition.chunk_sizes(me), dict.fromkeys(group.senders(), 0.0)
+                partition.chunk_sizes(me), dict.fromkeys(group.senders(), 0.0), buffer=self.buffer
             )
         self._incoming_send, self._incoming_receive = trio.open_memory_channel[
             tuple[StreamLike, int, float, trio.Event]
@@ -271,6 +276,16 @@ class _Round:
         self._responders: set[int] = set()
 
     # ----------------------------------------------------------------- reducer
+
+    @contextmanager
+    def reducer_buffer(self) -> Iterator[None]:
+        """Give the accumulator back to the registry for the next round."""
+        try:
+            yield
+        finally:
+            if self.buffer is not None:
+                _registry(self.net).give_buffer(self.buffer)
+                self.buffer = None
 
     def check_header(self, stream: StreamLike, message: Any) -> tuple[int, float]:
         """Validate a sender's header; return (sender index, weight).
@@ -605,6 +620,24 @@ class _Registry:
         self._rounds: dict[bytes, _Round] = {}
         self._finished: deque[bytes] = deque(maxlen=_FINISHED_MEMORY)
         self._changed = trio.Event()
+        self._spares: list[torch.Tensor] = []
+
+    def take_buffer(self, size: int) -> torch.Tensor:
+        """An accumulator of at least ``size`` float32 values (contents undefined).
+
+        The spare from an earlier round is reused if it is large enough:
+        touching fresh memory page by page costs more than the reduction.
+        """
+        for i, spare in enumerate(self._spares):
+            if spare.numel() >= size:
+                return self._spares.pop(i)
+        return torch.empty(size, dtype=torch.float32)
+
+    def give_buffer(self, buffer: torch.Tensor) -> None:
+        # One spare: rounds of one peer rarely overlap, and a spare is memory
+        # held between rounds.
+        if not self._spares or buffer.numel() > self._spares[0].numel():
+            self._spares = [buffer]
 
     @contextmanager
     def register(self, rnd: _Round) -> Iterator[None]:

@@ -36,9 +36,17 @@ class PartReducer:
     ``weights`` maps each expected sender (member index) to its weight, a
     finite number >= 0. A chunk whose contributors all have weight 0 (or that
     nobody delivered) has no result: every member keeps its local values there.
+    ``buffer`` (float32, at least the part's size, any contents) is used as the
+    accumulator instead of new memory.
     """
 
-    def __init__(self, chunk_sizes: Sequence[int], weights: Mapping[int, float]) -> None:
+    def __init__(
+        self,
+        chunk_sizes: Sequence[int],
+        weights: Mapping[int, float],
+        *,
+        buffer: torch.Tensor | None = None,
+    ) -> None:
         for sender, w in weights.items():
             if not (math.isfinite(w) and w >= 0):
                 raise ValueError(f"weight of sender {sender} must be finite and >= 0, got {w}")
@@ -46,7 +54,15 @@ class PartReducer:
         self._offsets = [0]
         for size in self.chunk_sizes:
             self._offsets.append(self._offsets[-1] + size)
-        self._acc = torch.empty(self._offsets[-1], dtype=torch.float32)
+        total = self._offsets[-1]
+        if buffer is not None and (buffer.dtype != torch.float32 or buffer.numel() < total):
+            raise ValueError(f"buffer must be float32 with at least {total} elements")
+        # A reused buffer saves page-faulting fresh memory in every round.
+        self._acc = (
+            buffer.view(-1)[:total]
+            if buffer is not None
+            else torch.empty(total, dtype=torch.float32)
+        )
         self._weights = dict(weights)
         self._weight_sum = [0.0] * len(self.chunk_sizes)
         self._contributors: list[set[int]] = [set() for _ in self.chunk_sizes]
