@@ -44,7 +44,6 @@ from __future__ import annotations
 import logging
 import math
 import struct
-from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, contextmanager
 from dataclasses import dataclass
@@ -74,9 +73,6 @@ PROTOCOL_VERSION = 1
 UNKNOWN_GROUP_WAIT = 2.0
 #: How long a reducer waits for a stream's header.
 HEADER_TIMEOUT = 5.0
-#: Group ids of recently finished rounds, refused at once rather than after
-#: ``UNKNOWN_GROUP_WAIT``.
-_FINISHED_MEMORY = 256
 #: Bytes of frame that are not the codec blob, at most (index + mask of 256 members).
 _FRAME_OVERHEAD = 4 + 32
 _CHUNK_INDEX = struct.Struct("<I")
@@ -279,10 +275,13 @@ class _Round:
 
     @contextmanager
     def reducer_buffer(self) -> Iterator[None]:
-        """Give the accumulator back to the registry for the next round."""
+        """At the end of the round: refuse streams still waiting to be accepted
+        (also if ``reduce`` never ran) and give the accumulator back to the
+        registry for the next round."""
         try:
             yield
         finally:
+            self._incoming_receive.close()
             if self.buffer is not None:
                 _registry(self.net).give_buffer(self.buffer)
                 self.buffer = None
@@ -418,7 +417,9 @@ class _Round:
         for chunk, done in enumerate(self._chunk_done):
             await done.wait()
             await self.fault.before_reply(chunk)
-            await stream.send_bytes(self._frames[chunk])
+            # A sender that stops reading must not hold the round open.
+            with trio.fail_after(self.config.reducer_timeout):
+                await stream.send_bytes(self._frames[chunk])
             self._frame_sent(chunk, sender)
 
     def _completed(self, chunks: range) -> None:
@@ -618,7 +619,6 @@ class _Registry:
 
     def __init__(self) -> None:
         self._rounds: dict[bytes, _Round] = {}
-        self._finished: deque[bytes] = deque(maxlen=_FINISHED_MEMORY)
         self._changed = trio.Event()
         self._spares: list[torch.Tensor] = []
 
@@ -651,7 +651,6 @@ class _Registry:
             yield
         finally:
             del self._rounds[gid]
-            self._finished.append(gid)
 
     async def handle(self, stream: StreamLike) -> None:
         """The connection handler of ``ALLREDUCE_STREAM``.
@@ -668,7 +667,7 @@ class _Registry:
         fields = expect_list(header, 7, "all-reduce header")
         gid = expect_bytes(fields[1], "group id", max_size=64)
         with trio.move_on_after(UNKNOWN_GROUP_WAIT):
-            while gid not in self._rounds and gid not in self._finished:
+            while gid not in self._rounds:
                 await self._changed.wait()
         rnd = self._rounds.get(gid)
         if rnd is None:

@@ -18,11 +18,11 @@ import pytest
 import torch
 import trio
 
-from averaging._allreduce import AllReduceConfig, AllReduceResult, all_reduce
+from averaging._allreduce import ALLREDUCE_STREAM, AllReduceConfig, AllReduceResult, all_reduce
 from averaging._codecs import FLOAT16, NONE, UINT4, UINT8, Codec
 from averaging._faults import FaultPlan, InjectedFault, MemberFault
 from averaging._group import Group, GroupMember, MemberMode
-from swarm import ConfigError, Identity
+from swarm import ConfigError, Identity, SwarmError
 from swarm._connections import ConnectionConfig, Connections, open_connections
 
 TOTAL = 1000
@@ -328,3 +328,26 @@ def test_config_validation() -> None:
         AllReduceConfig(chunk_elements=1 << 22)
     with pytest.raises(ConfigError):
         AllReduceConfig(round_timeout=float("nan"))
+
+
+async def test_stream_claiming_another_members_index_is_refused() -> None:
+    async with open_peers(3) as nets:
+        groups = make_groups(nets[:2])
+        x = member_data(0)
+        results: list[AllReduceResult] = []
+
+        async def member0() -> None:
+            results.append(await all_reduce(nets[0], groups[0], [x], config=CONFIG))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(member0)
+            # nets[2] is not in the group but claims to be member 1.
+            header = [1, groups[0].group_id, 0, 1, 1.0, CHUNK, TOTAL]
+            with pytest.raises(SwarmError, match="another peer"):
+                async with nets[2].open_stream(
+                    nets[0].peer_id, ("127.0.0.1", nets[0].port), ALLREDUCE_STREAM
+                ) as stream:
+                    await stream.send(header)
+                    await stream.receive()
+    assert results[0].failed_senders == {1} and results[0].failed_reducers == {1}
+    assert torch.equal(x, member_data(0))
