@@ -5,6 +5,8 @@ application on top of them:
 
 - identity (``Identity``, ``PeerID``): Ed25519 keys and the ids derived from them
 - wire format (``pack``/``unpack``): msgpack with size limits, typed errors
+- training state (``flatten_state``/``unflatten_state``): nested state dicts as
+  msgpack skeleton + raw little-endian tensors, for checkpoints and state transfer
 - errors: one class per meaning, rooted at ``SwarmError``
 - clocks: injected wall clocks for expiration times
 - ``swarm.cli``: the ``swarm`` command

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm import ProtocolError, pack, unpack
-from trainer._state import (
+from swarm._state import (
     DTYPES,
     MAX_DIMS,
     TensorSpec,

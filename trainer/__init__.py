@@ -4,7 +4,6 @@ Modules:
 
 - ``_task``: the task API (model, data stream, loss, evaluation) and ``load_task``
 - ``_tasks_digits``: the built-in ``digits`` task (scikit-learn's bundled data set)
-- ``_state``: pickle-free encoding of nested training state as msgpack + raw tensors
 - ``_checkpoint``: atomic checkpoint files and checkpoint directories
 
 The collaborative optimizer itself (progress tracking, target-batch

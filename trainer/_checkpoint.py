@@ -37,9 +37,7 @@ import torch
 from torch import nn
 
 from swarm._errors import ConfigError, ProtocolError
-from swarm._wire import pack, unpack
-
-from ._state import (
+from swarm._state import (
     flatten_state,
     parse_state_header,
     state_header,
@@ -47,6 +45,7 @@ from ._state import (
     tensor_to_bytes,
     unflatten_state,
 )
+from swarm._wire import pack, unpack
 
 logger = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from swarm._errors import ProtocolError
-from swarm._wire import MAX_DEPTH, expect_int, expect_str
+from ._errors import ProtocolError
+from ._wire import MAX_DEPTH, expect_int, expect_str
 
 #: The dtypes a state may contain, by their wire names.
 DTYPES: Mapping[str, torch.dtype] = {
