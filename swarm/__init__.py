@@ -9,6 +9,10 @@ application on top of them:
   msgpack skeleton + raw little-endian tensors, for checkpoints and state transfer
 - errors: one class per meaning, rooted at ``SwarmError``
 - clocks: injected wall clocks for expiration times
+- connections (``open_connections``): authenticated, encrypted peer streams over TCP
+- the peer facade (``open_peer``, ``Peer``, ``PeerConfig``): identity, DHT node
+  and connections on one port; ``Peer`` runs trio in a background thread for
+  synchronous training loops
 - ``swarm.cli``: the ``swarm`` command
 
 Implementation lives in private modules (``_identity.py`` ...); this module
@@ -30,7 +34,21 @@ from ._errors import (
 from ._identity import Identity, PeerID, verify_signature
 from ._wire import pack, unpack
 
-__all__ = [
+# The peer facade composes the layers above the core (dht/), which themselves
+# import the core: import it on first use so that importing the core alone
+# never imports dht.
+_FACADE = {"AsyncPeer", "Peer", "PeerConfig", "SyncDHT", "open_peer"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _FACADE:
+        from . import _peer
+
+        return getattr(_peer, name)
+    raise AttributeError(f"module 'swarm' has no attribute {name!r}")
+
+
+__all__ = [  # noqa: RUF022 - grouped: core names, then the peer facade
     "BootstrapError",
     "ClosedError",
     "ConfigError",
@@ -48,4 +66,9 @@ __all__ = [
     "system_clock",
     "unpack",
     "verify_signature",
+    "AsyncPeer",
+    "Peer",
+    "PeerConfig",
+    "SyncDHT",
+    "open_peer",
 ]

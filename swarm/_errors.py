@@ -102,6 +102,15 @@ def _single_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException | No
     return leaves[0] if leaves else None
 
 
+def unwrap_single(exc: BaseException) -> BaseException:
+    """``exc`` itself, or the one exception inside it if it is a group of one."""
+    if isinstance(exc, BaseExceptionGroup):
+        leaf = _single_leaf(exc)
+        if leaf is not None:
+            return leaf
+    return exc
+
+
 @contextlib.contextmanager
 def collapse_exception_groups() -> Iterator[None]:
     """Re-raise an exception group that holds exactly one exception as that exception.

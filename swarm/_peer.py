@@ -1,0 +1,267 @@
+"""The peer facade: identity, DHT node and peer connections on one port.
+
+``open_peer`` (async) is the primary API; ``Peer`` (sync) runs the same thing
+in one background thread that runs trio, for synchronous training loops.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import trio
+
+from dht import DHTConfig, DHTNode, DHTValue, open_dht_node
+
+from ._address import Address, format_address, parse_address
+from ._clock import WallClock, system_clock
+from ._connections import ConnectionConfig, Connections, open_connections
+from ._errors import ClosedError, ConfigError, collapse_exception_groups, unwrap_single
+from ._identity import Identity, PeerID
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: Attempts to find a port number free for both TCP and UDP when port=0.
+_PORT_ATTEMPTS = 8
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """How a peer listens, whom it joins, and the settings of its parts.
+
+    ``host`` is the address to listen on; ``announce`` (``HOST:PORT``) is the
+    address others are told to dial, when it differs (NAT, 0.0.0.0).
+    ``client_mode`` peers accept no incoming connections for averaging: they
+    connect out only (peers behind NAT).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    initial_peers: tuple[str, ...] = ()
+    announce: str | None = None
+    client_mode: bool = False
+    dht: DHTConfig = field(default_factory=DHTConfig)
+    connections: ConnectionConfig = field(default_factory=ConnectionConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port {self.port} is outside 0-65535")
+        if isinstance(self.initial_peers, str):
+            raise ConfigError("initial_peers is a sequence of HOST:PORT strings, not one string")
+        for address in self.initial_peers:
+            parse_address(address)
+        if self.announce is not None:
+            parse_address(self.announce)
+
+
+class AsyncPeer:
+    """A running peer (made by ``open_peer``): ``.dht``, ``.connections``, ``.address``."""
+
+    def __init__(
+        self, identity: Identity, config: PeerConfig, dht: DHTNode, connections: Connections
+    ) -> None:
+        self.identity = identity
+        self.config = config
+        self.dht = dht
+        self.connections = connections
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.identity.peer_id
+
+    @property
+    def port(self) -> int:
+        return self.connections.port
+
+    @property
+    def endpoint(self) -> Address:
+        """``(host, port)`` others dial: the announced address, else the bound one."""
+        if self.config.announce is not None:
+            return parse_address(self.config.announce)
+        return (self.config.host, self.port)
+
+    @property
+    def address(self) -> str:
+        """``host:port`` that other peers pass as ``--initial-peer``."""
+        return format_address(*self.endpoint)
+
+    @property
+    def client_mode(self) -> bool:
+        return self.config.client_mode
+
+    def __repr__(self) -> str:
+        return f"<AsyncPeer {self.peer_id.short()} at {self.address}>"
+
+
+@asynccontextmanager
+async def open_peer(
+    identity: Identity | None = None,
+    config: PeerConfig | None = None,
+    *,
+    clock: WallClock = system_clock,
+) -> AsyncIterator[AsyncPeer]:
+    """Run a peer for the duration of the block.
+
+    Listens on TCP and UDP at the same port (``config.port``, or one free for
+    both when 0) and bootstraps the DHT from ``config.initial_peers``. Raises
+    ``ConfigError`` if the port cannot be bound and ``BootstrapError`` if no
+    initial peer answers. Leaving the block (or cancellation) stops the DHT node
+    and closes every connection.
+    """
+    identity = identity or Identity.generate()
+    config = config or PeerConfig()
+    attempts = _PORT_ATTEMPTS if config.port == 0 else 1
+    with collapse_exception_groups():
+        for attempt in range(attempts):
+            stack = AsyncExitStack()
+            try:
+                connections = await stack.enter_async_context(
+                    open_connections(identity, config.host, config.port, config.connections)
+                )
+                dht = await stack.enter_async_context(
+                    open_dht_node(
+                        identity,
+                        host=config.host,
+                        port=connections.port,
+                        initial_peers=config.initial_peers,
+                        config=config.dht,
+                        clock=clock,
+                    )
+                )
+            except BaseException as raised:
+                await stack.aclose()
+                e = unwrap_single(raised)
+                # With port 0, the TCP port was free but its UDP twin may be taken.
+                taken = (isinstance(e, OSError) and e.errno == errno.EADDRINUSE) or (
+                    isinstance(e, ConfigError) and "cannot listen" in str(e)
+                )
+                if taken and attempt + 1 < attempts:
+                    continue
+                if isinstance(e, OSError):
+                    where = format_address(config.host, config.port)
+                    raise ConfigError(f"cannot listen on {where}: {e.strerror or e}") from e
+                raise e from e.__cause__
+            async with stack:
+                yield AsyncPeer(identity, config, dht, connections)
+            return
+
+
+class SyncDHT:
+    """Blocking ``store``/``get`` for code outside trio (see ``Peer``)."""
+
+    def __init__(self, peer: Peer) -> None:
+        self._peer = peer
+
+    def store(
+        self,
+        key: str | bytes,
+        value: Any,
+        expiration_time: float,
+        *,
+        subkey: str | bytes | int | None = None,
+    ) -> bool:
+        async def store() -> bool:
+            return await self._peer.async_peer.dht.store(
+                key, value, expiration_time, subkey=subkey
+            )
+
+        return self._peer.run(store)
+
+    def get(self, key: str | bytes, *, latest: bool = False) -> DHTValue | None:
+        async def get() -> DHTValue | None:
+            return await self._peer.async_peer.dht.get(key, latest=latest)
+
+        return self._peer.run(get)
+
+
+class Peer:
+    """A peer for synchronous code: trio runs in one background thread it owns.
+
+    ``with Peer(config=...) as peer:`` starts the thread and waits until the peer
+    listens and has bootstrapped (re-raising its error otherwise); leaving the
+    block stops the peer and joins the thread. ``peer.run(async_fn, *args)``
+    runs a coroutine function on the peer's trio loop and returns its result.
+    """
+
+    def __init__(
+        self,
+        identity: Identity | None = None,
+        config: PeerConfig | None = None,
+        *,
+        clock: WallClock = system_clock,
+    ) -> None:
+        self._identity = identity or Identity.generate()
+        self._config = config or PeerConfig()
+        self._clock = clock
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self._error: BaseException | None = None
+        self._async_peer: AsyncPeer | None = None
+        self.dht = SyncDHT(self)
+
+    def __enter__(self) -> Peer:
+        self._thread = threading.Thread(target=self._main, name="swarm-peer", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            self._thread.join()
+            raise self._error
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the peer and join its thread. Idempotent."""
+        if self._thread is None:
+            return
+        if self._token is not None and self._stop is not None:
+            with suppress(trio.RunFinishedError):
+                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+        self._thread.join()
+        self._thread = None
+
+    def _main(self) -> None:
+        try:
+            trio.run(self._serve)
+        except BaseException as e:  # handed to the thread that called __enter__
+            self._error = e
+        finally:
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._stop = trio.Event()
+        async with open_peer(self._identity, self._config, clock=self._clock) as peer:
+            self._async_peer = peer
+            self._ready.set()
+            await self._stop.wait()
+
+    @property
+    def async_peer(self) -> AsyncPeer:
+        if self._async_peer is None or self._thread is None:
+            raise ClosedError("the peer is not running")
+        return self._async_peer
+
+    def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``await fn(*args)`` on the peer's trio loop, blocking until done."""
+        if self._token is None or self._thread is None:
+            raise ClosedError("the peer is not running")
+        return trio.from_thread.run(fn, *args, trio_token=self._token)
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self._identity.peer_id
+
+    @property
+    def address(self) -> str:
+        return self.async_peer.address
+

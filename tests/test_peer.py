@@ -1,0 +1,62 @@
+"""The peer facade: one port for DHT and connections; the sync runtime thread."""
+
+import threading
+import time
+
+import pytest
+import trio
+
+from swarm import BootstrapError, ConfigError, Peer, PeerConfig, open_peer
+
+
+async def test_peers_listen_on_one_port_and_join() -> None:
+    async with open_peer() as first:
+        assert first.dht.port == first.connections.port == first.port
+        config = PeerConfig(initial_peers=(first.address,))
+        async with open_peer(config=config) as second:
+            assert second.dht.routing_table_size() == 1
+            await second.dht.store("k", "v", second.dht.now() + 30)
+            found = await first.dht.get("k")
+            assert found is not None and found.value == "v"
+
+
+async def test_taken_port_is_a_config_error() -> None:
+    async with open_peer() as first:
+        with pytest.raises(ConfigError, match="cannot listen"):
+            async with open_peer(config=PeerConfig(port=first.port)):
+                pass
+
+
+async def test_unreachable_initial_peer_is_a_bootstrap_error() -> None:
+    async with open_peer() as alone:
+        port = alone.port
+    with pytest.raises(BootstrapError):
+        async with open_peer(config=PeerConfig(initial_peers=(f"127.0.0.1:{port}",))):
+            pass
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ConfigError):
+        PeerConfig(port=70000)
+    with pytest.raises(ConfigError):
+        PeerConfig(initial_peers=("nonsense",))
+    with pytest.raises(ConfigError):
+        PeerConfig(initial_peers="127.0.0.1:5")  # type: ignore[arg-type]
+
+
+def test_sync_peer_runs_trio_in_one_thread_and_joins_it() -> None:
+    before = threading.active_count()
+    with Peer() as a, Peer(config=PeerConfig(initial_peers=(a.address,))) as b:
+        assert b.dht.store("sync", [1, 2], time.time() + 30)
+        found = a.dht.get("sync", latest=True)
+        assert found is not None and found.value == [1, 2]
+        assert a.run(trio.sleep, 0) is None
+    assert threading.active_count() == before
+
+
+def test_sync_peer_reraises_startup_errors() -> None:
+    with Peer() as alone:
+        port = alone.async_peer.port
+    config = PeerConfig(initial_peers=(f"127.0.0.1:{port}",))
+    with pytest.raises(BootstrapError), Peer(config=config):
+        pass
