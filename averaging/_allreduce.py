@@ -10,7 +10,9 @@ sender has delivered it, so sending, reducing and receiving overlap.
 Wire protocol of one stream (name ``ALLREDUCE_STREAM``), sender -> reducer:
 
 1. header, msgpack: ``[version, group_id, part, sender, weight, chunk_elements, total]``
-2. chunk frames, raw bytes: ``u32 chunk index | codec blob`` (``_codecs``)
+2. per chunk, two raw frames: ``u32 chunk index | blob header`` (16 bytes), then
+   the blob's payload (``_codecs``). Two frames so that an uncompressed chunk
+   is sent straight from the tensor's memory, without a copy.
 
 reducer -> sender: result frames, raw bytes:
 ``u32 chunk index | contributor bit mask | codec blob``. The mask has one bit
@@ -56,7 +58,16 @@ import trio
 from swarm import ConfigError, PeerID, ProtocolError
 from swarm._wire import expect_bytes, expect_float, expect_int, expect_list
 
-from ._codecs import NONE, Codec, all_finite, decode, encode_into
+from ._codecs import (
+    HEADER,
+    NONE,
+    Codec,
+    all_finite,
+    decode,
+    decode_split,
+    encode_into,
+    encode_split,
+)
 from ._faults import FaultPlan, InjectedFault, MemberFault
 from ._group import Group, MemberMode
 from ._partition import Partition, flatten, unflatten_into
@@ -66,7 +77,7 @@ logger = logging.getLogger(__name__)
 
 #: Name of the stream (connection handler) of the all-reduce.
 ALLREDUCE_STREAM = "allreduce"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 #: How long a stream for a group id this peer does not (yet) run waits for
 #: that round to start before it is refused: members enter a round a little
 #: apart, but not by seconds.
@@ -76,6 +87,7 @@ HEADER_TIMEOUT = 5.0
 #: Bytes of frame that are not the codec blob, at most (index + mask of 256 members).
 _FRAME_OVERHEAD = 4 + 32
 _CHUNK_INDEX = struct.Struct("<I")
+_CHUNK_HEADER_SIZE = _CHUNK_INDEX.size + HEADER.size
 
 
 @dataclass(frozen=True)
@@ -389,19 +401,22 @@ class _Round:
         sizes = reducer.chunk_sizes
         try:
             while reducer.expects(sender):
-                with trio.move_on_after(self.config.sender_timeout) as wait:
-                    frame = await stream.receive()
-                if wait.cancelled_caught:
+                header = payload = None
+                with trio.move_on_after(self.config.sender_timeout):
+                    header = _expect_frame(await stream.receive(), "chunk header")
+                    payload = _expect_frame(await stream.receive(), "chunk payload")
+                if header is None or payload is None:
                     logger.info("all-reduce: member %d missed sender_timeout", sender)
                     self._completed(reducer.fail(sender))
                     break
-                data = _expect_frame(frame, "chunk frame")
-                if len(data) < _CHUNK_INDEX.size:
-                    raise ProtocolError("chunk frame shorter than its index")
-                (chunk,) = _CHUNK_INDEX.unpack_from(data)
+                if len(header) != _CHUNK_HEADER_SIZE:
+                    raise ProtocolError(f"chunk header of {len(header)} bytes")
+                (chunk,) = _CHUNK_INDEX.unpack_from(header)
                 if chunk != reducer.delivered(sender):
                     raise ProtocolError(f"chunk {chunk} out of order")
-                values = decode(memoryview(data)[_CHUNK_INDEX.size :], expected_length=sizes[chunk])
+                values = decode_split(
+                    memoryview(header)[_CHUNK_INDEX.size :], payload, expected_length=sizes[chunk]
+                )
                 self._completed(reducer.add(sender, chunk, values))
             # Excluded or finished: drain whatever it still sends, so a slow
             # sender is never blocked writing to us while it waits for results.
@@ -527,10 +542,12 @@ class _Round:
             for chunk in range(self.partition.num_chunks(part)):
                 await self.fault.before_send(chunk)
                 a, b = self.partition.chunk_bounds(part, chunk)
-                frame = encode_into(
-                    self.flat[start + a : start + b], self.codec, _CHUNK_INDEX.pack(chunk)
-                )
-                await stream.send_bytes(frame)
+                # NONE sends the vector's own memory. That is safe: results for
+                # this chunk, which overwrite it, come only once the reducer
+                # has all of it (or has excluded us and ignores the rest).
+                header, payload = encode_split(self.flat[start + a : start + b], self.codec)
+                await stream.send_bytes(_CHUNK_INDEX.pack(chunk) + header)
+                await stream.send_bytes(payload)
         except Exception as e:  # per-peer boundary: ends this exchange
             failure.append(e)
             scope.cancel()
@@ -599,8 +616,8 @@ class _Round:
         )
 
 
-def _expect_frame(obj: Any, what: str) -> bytes | bytearray:
-    if not isinstance(obj, bytes | bytearray):
+def _expect_frame(obj: Any, what: str) -> bytes | bytearray | memoryview:
+    if not isinstance(obj, bytes | bytearray | memoryview):
         raise ProtocolError(f"{what}: expected raw bytes, got {type(obj).__name__}")
     return obj
 

@@ -35,6 +35,7 @@ import struct
 import sys
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -194,7 +195,42 @@ def decode(
     view = memoryview(data).cast("B")
     if len(view) < HEADER.size:
         raise ProtocolError(f"tensor blob of {len(view)} bytes is shorter than its header")
-    kind_code, dtype_code, reserved, n, block = HEADER.unpack_from(view)
+    return decode_split(view[: HEADER.size], view[HEADER.size :], expected_length=expected_length)
+
+
+def encode_split(
+    values: torch.Tensor, codec: Codec
+) -> tuple[bytes, bytes | bytearray | memoryview]:
+    """A blob as (header, payload), to be sent as two frames.
+
+    For ``NONE`` and a contiguous float32 tensor the payload is a view of the
+    tensor's own memory: nothing is copied, and the caller must not change
+    those values until the payload has been sent.
+    """
+    if codec.kind is CodecKind.NONE and values.dtype == torch.float32 and values.is_contiguous():
+        flat = values.detach().reshape(-1)
+        n = flat.numel()
+        if n >= 1 << 32:
+            raise ValueError("a blob holds fewer than 2**32 values")
+        header = HEADER.pack(codec.kind, _DType.FLOAT32, 0, n, 0)
+        array: Any = flat.numpy()  # shares the tensor's memory
+        return header, memoryview(array).cast("B")
+    blob = encode_into(values, codec)
+    return bytes(blob[: HEADER.size]), memoryview(blob)[HEADER.size :]
+
+
+def decode_split(
+    header: bytes | bytearray | memoryview,
+    payload: bytes | bytearray | memoryview,
+    *,
+    expected_length: int | None = None,
+) -> torch.Tensor:
+    """``decode`` of a blob that arrived as (header, payload); the same promises."""
+    head = memoryview(header).cast("B")
+    view = memoryview(payload).cast("B")
+    if len(head) != HEADER.size:
+        raise ProtocolError(f"tensor blob header is {len(head)} bytes, expected {HEADER.size}")
+    kind_code, dtype_code, reserved, n, block = HEADER.unpack_from(head)
     try:
         kind = CodecKind(kind_code)
     except ValueError:
@@ -210,30 +246,28 @@ def decode(
         raise ProtocolError(f"block size {block} is outside [1, {MAX_BLOCK_SIZE}]")
     if not quantized and block != 0:
         raise ProtocolError(f"{kind.name} has no block size, got {block}")
-    payload = len(view) - HEADER.size
-    if payload != _payload_size(kind, n, block):
+    if len(view) != _payload_size(kind, n, block):
         raise ProtocolError(
             f"{kind.name} blob of {n} values needs {_payload_size(kind, n, block)} payload bytes,"
-            f" got {payload}"
+            f" got {len(view)}"
         )
-    at = HEADER.size
     if n == 0:
         return torch.empty(0, dtype=torch.float32)
     if kind is CodecKind.NONE:
-        return _frombuffer(view, torch.float32, n, at)
+        return _frombuffer(view, torch.float32, n, 0)
     if kind is CodecKind.FLOAT16:
-        return _frombuffer(view, torch.float16, n, at).to(torch.float32)
+        return _frombuffer(view, torch.float16, n, 0).to(torch.float32)
     blocks = -(-n // block)
     out = torch.empty(blocks * block, dtype=torch.float32)
     if kind is CodecKind.UINT8:
-        scale = _frombuffer(view, torch.float32, blocks, at)
-        out[:n] = _frombuffer(view, torch.uint8, n, at + 4 * blocks)
+        scale = _frombuffer(view, torch.float32, blocks, 0)
+        out[:n] = _frombuffer(view, torch.uint8, n, 4 * blocks)
         out[n:] = 127
         rows = out.view(blocks, block).sub_(127).mul_(scale.unsqueeze(1))
         return rows.view(-1)[:n]
-    low = _frombuffer(view, torch.float32, blocks, at)
-    scale = _frombuffer(view, torch.float32, blocks, at + 4 * blocks)
-    packed = _frombuffer(view, torch.uint8, (n + 1) // 2, at + 8 * blocks)
+    low = _frombuffer(view, torch.float32, blocks, 0)
+    scale = _frombuffer(view, torch.float32, blocks, 4 * blocks)
+    packed = _frombuffer(view, torch.uint8, (n + 1) // 2, 8 * blocks)
     out[0:n:2] = packed & 15
     out[1:n:2] = (packed >> 4)[: n // 2]
     out[n:] = 0

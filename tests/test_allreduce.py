@@ -18,7 +18,13 @@ import pytest
 import torch
 import trio
 
-from averaging._allreduce import ALLREDUCE_STREAM, AllReduceConfig, AllReduceResult, all_reduce
+from averaging._allreduce import (
+    ALLREDUCE_STREAM,
+    PROTOCOL_VERSION,
+    AllReduceConfig,
+    AllReduceResult,
+    all_reduce,
+)
 from averaging._codecs import FLOAT16, NONE, UINT4, UINT8, Codec
 from averaging._faults import FaultPlan, InjectedFault, MemberFault
 from averaging._group import Group, GroupMember, MemberMode
@@ -342,7 +348,7 @@ async def test_stream_claiming_another_members_index_is_refused() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(member0)
             # nets[2] is not in the group but claims to be member 1.
-            header = [1, groups[0].group_id, 0, 1, 1.0, CHUNK, TOTAL]
+            header = [PROTOCOL_VERSION, groups[0].group_id, 0, 1, 1.0, CHUNK, TOTAL]
             with pytest.raises(SwarmError, match="another peer"):
                 async with nets[2].open_stream(
                     nets[0].peer_id, ("127.0.0.1", nets[0].port), ALLREDUCE_STREAM

@@ -16,7 +16,9 @@ from averaging._codecs import (
     CodecKind,
     all_finite,
     decode,
+    decode_split,
     encode,
+    encode_split,
     peek_length,
 )
 from swarm import ProtocolError
@@ -134,3 +136,23 @@ def test_fuzz_mutated_blobs(codec: Codec, values: list[float], data: st.DataObje
     cut = data.draw(st.integers(0, len(blob)))
     with contextlib.suppress(ProtocolError):
         decode(bytes(blob[:cut]))
+
+
+@pytest.mark.parametrize("codec", ALL, ids=lambda c: f"{c.kind.name}-{c.block_size}")
+def test_split_blobs_round_trip(codec: Codec) -> None:
+    x = sample(1000)
+    header, payload = encode_split(x, codec)
+    assert bytes(header) + bytes(payload) == encode(x, codec)
+    y = decode_split(header, bytes(payload), expected_length=1000)
+    assert torch.equal(y, decode(encode(x, codec)))
+    with pytest.raises(ProtocolError, match="payload bytes"):
+        decode_split(header, bytes(payload)[:-1])
+    with pytest.raises(ProtocolError, match="header is"):
+        decode_split(bytes(header)[:-1], payload)
+
+
+def test_split_none_payload_is_the_tensor_memory() -> None:
+    x = sample(10)
+    _, payload = encode_split(x, NONE)
+    x[3] = 42.0
+    assert torch.frombuffer(bytearray(payload), dtype=torch.float32)[3] == 42.0
