@@ -426,6 +426,7 @@ class _Round:
             if reducer.expects(sender):
                 logger.info("all-reduce: member %d failed as a sender: %r", sender, e)
                 self._completed(reducer.fail(sender))
+                await stream.aclose()  # not a clean end: the sender sees it fail
             serving.cancel()
 
     async def _reply(self, stream: StreamLike, sender: int) -> None:

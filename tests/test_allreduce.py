@@ -357,3 +357,28 @@ async def test_stream_claiming_another_members_index_is_refused() -> None:
                     await stream.receive()
     assert results[0].failed_senders == {1} and results[0].failed_reducers == {1}
     assert torch.equal(x, member_data(0))
+
+
+async def test_sender_breaking_the_protocol_is_excluded() -> None:
+    async with open_peers(2) as nets:
+        groups = make_groups(nets)
+        x = member_data(0)
+        results: list[AllReduceResult] = []
+
+        async def member0() -> None:
+            results.append(await all_reduce(nets[0], groups[0], [x], config=CONFIG))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(member0)
+            # Member 1, by hand: a valid header, then a chunk header of the wrong size.
+            header = [PROTOCOL_VERSION, groups[0].group_id, 0, 1, 1.0, CHUNK, TOTAL]
+            with pytest.raises(SwarmError):
+                async with nets[1].open_stream(
+                    nets[0].peer_id, ("127.0.0.1", nets[0].port), ALLREDUCE_STREAM
+                ) as stream:
+                    await stream.send(header)
+                    await stream.send_bytes(b"\0" * 7)
+                    await stream.send_bytes(b"\0" * 7)
+                    await stream.receive()  # the reducer drops the stream
+    assert results[0].failed_senders == {1}
+    assert torch.equal(x, member_data(0))
