@@ -1,11 +1,17 @@
-"""``RecordCrawl``: a value look-up that merges replies instead of trusting one.
+"""Look-ups: node look-ups and record look-ups that merge replies.
 
-kademlia's ``ValueSpiderCrawl`` stops at the first nodes that return a value
-and keeps the most common one. For sub-keyed, expiring records that is wrong:
-ten writers' sub-keys may sit on different nodes, and the most common version
-may be the stale one. This crawl walks toward the key like a node look-up,
-validates every record it receives, and merges them per sub-key (latest
-expiration wins).
+Both subclass kademlia's ``SpiderCrawl`` (its ``NodeHeap`` of nearest
+candidates) and replace its lock-step rounds. kademlia sends alpha requests,
+waits for all of them, then sends the next alpha, so one dead node stalls every
+round for a full RPC timeout. Here alpha requests stay in flight: as soon as
+one answers (or times out), the next-closest uncontacted candidate is asked.
+A dead node costs one slot for one timeout, not the whole look-up.
+
+``RecordCrawl`` replaces ``ValueSpiderCrawl``, which stops at the first nodes
+that return a value and keeps the most common one. For sub-keyed, expiring
+records that is wrong: ten writers' sub-keys may sit on different nodes, and the
+most common version may be the stale one. ``RecordCrawl`` validates every
+record it receives and merges them per sub-key (latest expiration wins):
 
 - ``latest=False`` stops once the ``quorum`` closest live nodes it has found
   have answered. Every writer stores to the k closest nodes its own look-up
@@ -22,7 +28,9 @@ the caller can write the freshest records back to them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kademlia.crawling import SpiderCrawl
@@ -35,8 +43,57 @@ from ._records import Record, RecordLimits, merge, validate
 
 log = logging.getLogger(__name__)
 
+RPC = Callable[[Node, Node], Awaitable[tuple[bool, Any]]]
 
-class RecordCrawl(SpiderCrawl):
+
+class LookupCrawl(SpiderCrawl):
+    """Iterative look-up with ``alpha`` requests in flight (Kademlia paper, 2.3)."""
+
+    async def _lookup(self, rpc: RPC) -> None:
+        pending: dict[asyncio.Future[tuple[bool, Any]], Node] = {}
+        try:
+            while True:
+                for peer in self.nearest.get_uncontacted():
+                    if len(pending) >= self.alpha:
+                        break
+                    self.nearest.mark_contacted(peer)
+                    pending[asyncio.ensure_future(rpc(peer, self.node))] = peer
+                if not pending or self._satisfied():
+                    return
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for future in done:
+                    peer = pending.pop(future)
+                    ok, answer = future.result()
+                    if ok:
+                        self._answered(peer, answer)
+                    else:
+                        self.nearest.remove([peer.id])
+        finally:
+            for future in pending:
+                future.cancel()
+
+    def _answered(self, peer: Node, answer: Any) -> None:
+        raise NotImplementedError
+
+    def _satisfied(self) -> bool:
+        """True to stop before every one of the k nearest was asked."""
+        return False
+
+
+class NodeCrawl(LookupCrawl):
+    """Find the k closest live nodes to a key."""
+
+    async def find(self) -> list[Node]:
+        await self._lookup(self.protocol.call_find_node)
+        return list(self.nearest)
+
+    def _answered(self, peer: Node, answer: Any) -> None:
+        self.nearest.push([Node(*c) for c in answer])
+
+
+class RecordCrawl(LookupCrawl):
+    """Find and merge the records of a key (see the module docstring)."""
+
     def __init__(
         self,
         protocol: Any,
@@ -56,54 +113,44 @@ class RecordCrawl(SpiderCrawl):
         self._limits = limits
         self._clock = clock
         self.merged: dict[bytes | None, Record] = {}
-        #: responder -> what it returned, by sub-key (None: it returned nothing)
+        #: responder -> (node, what it returned by sub-key, whether it truncated)
         self.replies: dict[bytes, tuple[Node, dict[bytes | None, Record], bool]] = {}
 
     async def find(self) -> dict[bytes | None, Record]:
         """Crawl and return the merged records by sub-key (empty if none found)."""
-        return await self._find(self.protocol.call_find_value)
+        await self._lookup(self.protocol.call_find_value)
+        return self.merged
 
-    async def _nodes_found(self, responses: dict[bytes, Any]) -> dict[bytes | None, Record]:
-        failed = []
+    def _answered(self, peer: Node, answer: Any) -> None:
+        records, contacts, truncated = answer
+        kept: dict[bytes | None, Record] = {}
         now = self._clock()
-        for peer_id, (ok, answer) in responses.items():
-            if not ok:
-                failed.append(peer_id)
+        for record in records:
+            if record.key_id != self.node.id:
                 continue
-            records, contacts, truncated = answer
-            kept: dict[bytes | None, Record] = {}
-            for record in records:
-                if record.key_id != self.node.id:
-                    continue
-                try:
-                    validate(record, now, self._limits)
-                except RecordRejectedError as e:
-                    log.info("node %s served a bad record: %s", peer_id.hex()[:8], e)
-                    continue
-                merge(kept, record)
-            for record in kept.values():
-                merge(self.merged, record)
-            self.replies[peer_id] = (self.nearest.get_node(peer_id), kept, truncated)
-            self.nearest.push([Node(*c) for c in contacts])
-        self.nearest.remove(failed)
-        if self._done():
-            return self.merged
-        return await self.find()
+            try:
+                validate(record, now, self._limits)
+            except RecordRejectedError as e:
+                log.info("node %s served a bad record: %s", peer.id.hex()[:8], e)
+                continue
+            merge(kept, record)
+        for record in kept.values():
+            merge(self.merged, record)
+        self.replies[peer.id] = (peer, kept, truncated)
+        self.nearest.push([Node(*c) for c in contacts])
 
-    def _done(self) -> bool:
-        if self.nearest.have_contacted_all():
-            return True
+    def _satisfied(self) -> bool:
         if self.latest:
             return False
         closest = list(self.nearest)[: self.quorum]
-        return all(n.id in self.nearest.contacted for n in closest)
+        return all(n.id in self.replies for n in closest)
 
     def stale_responders(self, limit: int) -> list[tuple[Node, list[Record]]]:
         """Responders (closest first) that lack some of the merged records, with
         the records each lacks. Truncated replies are skipped: they may hold more."""
         stale = []
         for node, kept, truncated in self.replies.values():
-            if truncated or node is None:
+            if truncated:
                 continue
             missing = [r for sk, r in self.merged.items() if kept.get(sk) != r]
             if missing:

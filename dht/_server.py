@@ -18,7 +18,6 @@ import random
 import time
 from typing import Any, NoReturn
 
-from kademlia.crawling import NodeSpiderCrawl
 from kademlia.network import Server
 from kademlia.node import Node
 
@@ -26,7 +25,7 @@ from swarm._clock import WallClock
 from swarm._errors import RecordRejectedError
 from swarm._identity import Identity, PeerID
 
-from ._crawl import RecordCrawl
+from ._crawl import NodeCrawl, RecordCrawl
 from ._protocol import Address, SwarmProtocol
 from ._records import Record, RecordLimits, merge, validate
 from ._storage import RecordStorage
@@ -96,7 +95,7 @@ class RecordServer(Server):
         answered = await asyncio.gather(*(self.proto.ping_address(a) for a in addrs))
         nodes = [Node(pid, a[0], a[1]) for pid, a in zip(answered, addrs, strict=True) if pid]
         if nodes:
-            spider = NodeSpiderCrawl(self.proto, self.node, nodes, self.ksize, self.alpha)
+            spider = NodeCrawl(self.proto, self.node, nodes, self.ksize, self.alpha)
             await spider.find()
         return nodes
 
@@ -105,7 +104,7 @@ class RecordServer(Server):
         nearest = self.proto.router.find_neighbors(target)
         if not nearest:
             return []
-        spider = NodeSpiderCrawl(self.proto, target, nearest, self.ksize, self.alpha)
+        spider = NodeCrawl(self.proto, target, nearest, self.ksize, self.alpha)
         found: list[Node] = await spider.find()
         return found
 
@@ -187,7 +186,7 @@ class RecordServer(Server):
             target = Node(rid)
             nearest = self.proto.router.find_neighbors(target, self.alpha)
             lookups.append(
-                NodeSpiderCrawl(self.proto, target, nearest, self.ksize, self.alpha).find()
+                NodeCrawl(self.proto, target, nearest, self.ksize, self.alpha).find()
             )
         await asyncio.gather(*lookups)
         for _dkey, records in self.storage.iter_older_than(stale_after):
