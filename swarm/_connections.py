@@ -49,7 +49,7 @@ import math
 import socket
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager, suppress
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -82,6 +82,8 @@ MAX_NAME_LENGTH = 256
 _MIN_FRAME_SIZE = 1024
 _MAX_RESET_REASON = 200
 _HANDSHAKE_READ = 4096
+#: Buffers up to this size are gathered into one send; needs below it read ahead.
+_COALESCE = 64 * 1024
 #: How long a listener spends telling a dialer why its stream was reset.
 _RESET_GRACE = 1.0
 
@@ -159,12 +161,14 @@ class _Connection:
             result.receive_key, encrypt=result.encrypt, max_frame_size=config.max_frame_size
         )
         self._pending: deque[Frame] = deque()
-        self._leftover = leftover
+        self._failure: ProtocolError | None = None  # raised once the frames before it are out
+        self._feed(leftover)
+        self._read_ahead = bytearray(_COALESCE)
         self.broken = False  # never reuse for another stream
         self.send_broken = False  # a partial frame went out: send nothing more
         self.receive_error: ProtocolError | None = None
         self.closed = False
-        self._sending = False
+        self._send_lock = trio.StrictFIFOLock()
         self._receiving = False
 
     def close(self) -> None:
@@ -176,20 +180,39 @@ class _Connection:
         self.socket.close()
 
     async def send_frame(self, kind: FrameKind, payload: bytes | bytearray | memoryview) -> None:
+        await self.send_frames([(kind, payload)])
+
+    async def send_frames(
+        self, frames: list[tuple[FrameKind, bytes | bytearray | memoryview]]
+    ) -> None:
+        """Send whole frames, in order; small ones leave in one system call.
+
+        Sends from several tasks are serialized frame batch by frame batch.
+        ``ValueError`` for a payload over ``max_frame_size`` (nothing is sent).
+        """
         if self.closed:
             raise ClosedError("the connection was closed")
         if self.send_broken:
             raise ClosedError("the stream is unusable: an earlier send did not complete")
-        if self._sending:
-            raise trio.BusyResourceError("another task is already sending on this stream")
-        size = memoryview(payload).nbytes
-        if size > self.max_frame_size:
-            raise ValueError(f"frame of {size} bytes exceeds max_frame_size={self.max_frame_size}")
-        self._sending = True
+        self.check_sizes(frames)
+        try:
+            self._send_lock.acquire_nowait()  # uncontended: no extra scheduling round
+        except trio.WouldBlock:
+            await self._send_lock.acquire()
         completed = False
         try:
-            for buffer in self._encoder.encode(kind, payload):
-                await self._stream.send_all(buffer)
+            small: list[bytes | memoryview] = []
+            for kind, payload in frames:
+                for buffer in self._encoder.encode(kind, payload):
+                    if len(buffer) <= _COALESCE:
+                        small.append(bytes(buffer))
+                        continue
+                    if small:
+                        await self._stream.send_all(b"".join(small))
+                        small.clear()
+                    await self._stream.send_all(buffer)
+            if small:
+                await self._stream.send_all(b"".join(small))
             completed = True
         except trio.ClosedResourceError as e:
             raise ClosedError("the connection was closed") from e
@@ -198,17 +221,39 @@ class _Connection:
                 f"connection to {self.remote.short()} lost: {e.__cause__}"
             ) from e
         finally:
-            self._sending = False
+            self._send_lock.release()
             if not completed:
                 self.broken = self.send_broken = True
 
+    def check_sizes(self, frames: list[tuple[FrameKind, bytes | bytearray | memoryview]]) -> None:
+        """``ValueError`` if a payload exceeds ``max_frame_size``."""
+        for _, payload in frames:
+            size = memoryview(payload).nbytes
+            if size > self.max_frame_size:
+                raise ValueError(
+                    f"frame of {size} bytes exceeds max_frame_size={self.max_frame_size}"
+                )
+
+    def _feed(self, data: bytes | memoryview) -> None:
+        """Decode read-ahead bytes into ``_pending``. A protocol error is kept
+        and raised after the authentic frames before it have been received."""
+        try:
+            self._decoder.feed(data, into=self._pending)
+        except ProtocolError as e:
+            self._failure = e
+            self.fail_receive(e)
+
+    def has_pending_frames(self) -> bool:
+        return bool(self._pending)
+
     async def receive_frame(self) -> Frame:
-        if self._leftover:
-            leftover, self._leftover = self._leftover, b""
-            self._pending.extend(self._decode(lambda: self._decoder.feed(leftover)))
+        """The next frame. Cancellation loses nothing: the next call resumes."""
         if self._pending:
             await trio.lowlevel.checkpoint()
             return self._pending.popleft()
+        if self._failure is not None:
+            await trio.lowlevel.checkpoint()
+            raise ProtocolError(str(self._failure)) from self._failure
         if self.closed:
             raise ClosedError("the connection was closed")
         if self._receiving:
@@ -217,6 +262,13 @@ class _Connection:
         try:
             while True:
                 buffer = self._decode(self._decoder.next_buffer)
+                # A small need (a header, a short message) reads whatever has
+                # arrived into the read-ahead buffer, often several whole frames
+                # at once; a large chunk is received straight into place.
+                read_ahead = buffer.nbytes < _COALESCE
+                if read_ahead:
+                    buffer.release()
+                    buffer = memoryview(self._read_ahead)
                 try:
                     count = await self.socket.recv_into(buffer)
                 except trio.ClosedResourceError as e:
@@ -231,9 +283,17 @@ class _Connection:
                 if count == 0:
                     self.broken = True
                     raise PeerUnreachableError(f"{self.remote.short()} closed the connection")
-                frame = self._decode(lambda: self._decoder.advance(count))  # noqa: B023
-                if frame is not None:
-                    return frame
+                if read_ahead:
+                    with memoryview(self._read_ahead) as received:
+                        self._feed(received[:count])
+                    if self._pending:
+                        return self._pending.popleft()
+                    if self._failure is not None:
+                        raise ProtocolError(str(self._failure)) from self._failure
+                else:
+                    frame = self._decode(lambda: self._decoder.advance(count))  # noqa: B023
+                    if frame is not None:
+                        return frame
         finally:
             self._receiving = False
 
@@ -271,14 +331,17 @@ class Stream:
     """One bidirectional, ordered, authenticated stream with a remote peer.
 
     ``remote`` is the peer id the handshake proved. One task may send while
-    another receives; two concurrent sends (or receives) raise
-    ``trio.BusyResourceError``. A cancelled ``receive`` loses nothing and may be
-    retried; a cancelled send breaks the stream (its connection is closed when
-    the stream ends, and later sends raise ``ClosedError``).
+    another receives; sends from several tasks are serialized whole frames at a
+    time, while two concurrent receives raise ``trio.BusyResourceError``. A
+    cancelled ``receive`` loses nothing and may be retried; a cancelled send
+    breaks the stream (its connection is closed when the stream ends, and later
+    sends raise ``ClosedError``).
+
     """
 
-    def __init__(self, connection: _Connection, name: str) -> None:
+    def __init__(self, connection: _Connection, name: str, *, opening: bytes | None = None) -> None:
         self._connection = connection
+        self._opening = opening  # the dialer's OPEN payload, until it is sent
         self.remote: PeerID = connection.remote
         self.name = name
         self._sent_eof = False
@@ -316,7 +379,7 @@ class Stream:
         """
         self._check_send()
         data = pack(message, max_size=self._connection.max_frame_size)
-        await self._connection.send_frame(FrameKind.MESSAGE, data)
+        await self._send([(FrameKind.MESSAGE, data)])
 
     async def send_bytes(self, data: bytes | bytearray | memoryview) -> None:
         """Send a raw payload frame, delivered to ``receive`` as ``bytes``.
@@ -326,7 +389,7 @@ class Stream:
         ``ValueError``; the errors are those of ``send``.
         """
         self._check_send()
-        await self._connection.send_frame(FrameKind.BYTES, data)
+        await self._send([(FrameKind.BYTES, data)])
 
     async def send_eof(self) -> None:
         """Tell the remote we will send nothing more; idempotent."""
@@ -334,8 +397,22 @@ class Stream:
             await trio.lowlevel.checkpoint()
             return
         self._check_send()
-        await self._connection.send_frame(FrameKind.EOF, b"")
+        await self._send([(FrameKind.EOF, b"")])
         self._sent_eof = True
+
+    async def _send_last(self, message: Any) -> None:
+        """``send(message)`` then ``send_eof()``, in one system call."""
+        self._check_send()
+        data = pack(message, max_size=self._connection.max_frame_size)
+        await self._send([(FrameKind.MESSAGE, data), (FrameKind.EOF, b"")])
+        self._sent_eof = True
+
+    async def _send(self, frames: list[tuple[FrameKind, bytes | bytearray | memoryview]]) -> None:
+        self._connection.check_sizes(frames)  # before OPEN is taken: nothing is sent
+        if self._opening is not None:
+            frames = [(FrameKind.OPEN, self._opening), *frames]
+            self._opening = None
+        await self._connection.send_frames(frames)
 
     async def receive(self) -> Any:
         """The next message: a decoded msgpack object, or ``bytes`` for a raw frame.
@@ -353,6 +430,8 @@ class Stream:
         if self._received_eof:
             await trio.lowlevel.checkpoint()
             raise EndOfStreamError(f"{self.remote.short()} ended the stream")
+        if self._opening is not None:
+            await self._send([])
         frame = await self._connection.receive_frame()
         if frame.kind is FrameKind.BYTES:
             return frame.payload
@@ -456,10 +535,9 @@ class Connections:
         _check_name(name)
         self._handlers[name] = handler
 
-    @asynccontextmanager
-    async def open_stream(
+    def open_stream(
         self, peer_id: PeerID, address: Address, name: str
-    ) -> AsyncIterator[Stream]:
+    ) -> AbstractAsyncContextManager[Stream]:
         """A stream to the handler ``name`` of ``peer_id``, dialing ``address`` if
         no pooled connection to that peer is idle.
 
@@ -474,6 +552,15 @@ class Connections:
         On an exception or cancellation the connection is closed, which the
         remote handler sees as a lost connection.
         """
+        return self._open_stream(peer_id, address, name, defer_open=False)
+
+    @asynccontextmanager
+    async def _open_stream(
+        self, peer_id: PeerID, address: Address, name: str, *, defer_open: bool
+    ) -> AsyncIterator[Stream]:
+        # defer_open: the OPEN frame leaves with the first send (``call`` sends
+        # OPEN, request and EOF in one system call). Not for open_stream: its
+        # caller may expect the remote handler to start before it sends.
         _check_name(name)
         slots = self._slots.get(peer_id)
         if slots is None:
@@ -486,9 +573,10 @@ class Connections:
                     connection = await self._pooled(peer_id)
                     if connection is None:
                         connection = await self._dial(peer_id, address)
-                stream = Stream(connection, name)
+                stream = Stream(connection, name, opening=pack([name]))
                 try:
-                    await connection.send_frame(FrameKind.OPEN, pack([name]))
+                    if not defer_open:
+                        await stream._send([])
                     yield stream
                     usable = not (connection.broken or connection.closed)
                     if usable and stream._reset is None and not stream._closed:
@@ -516,7 +604,7 @@ class Connections:
         name: str,
         request: Any,
         *,
-        timeout: float,  # noqa: ASYNC109 (the contract: one deadline per call)
+        timeout: float,
     ) -> Any:
         """Send ``request`` to the handler ``name`` of ``peer_id``; return its one reply.
 
@@ -527,9 +615,8 @@ class Connections:
         ``open_stream`` and ``Stream.receive``.
         """
         with trio.move_on_after(timeout):
-            async with self.open_stream(peer_id, address, name) as stream:
-                await stream.send(request)
-                await stream.send_eof()
+            async with self._open_stream(peer_id, address, name, defer_open=True) as stream:
+                await stream._send_last(request)
                 try:
                     reply = await stream.receive()
                 except EndOfStreamError as e:
@@ -630,7 +717,8 @@ class Connections:
             if frame.kind is not FrameKind.DONE:
                 return
             entry.ready = True
-        await trio.lowlevel.wait_readable(entry.connection.socket)
+        if not entry.connection.closed:  # a closed socket has no file descriptor to wait on
+            await trio.lowlevel.wait_readable(entry.connection.socket)
 
     async def _dial(self, peer_id: PeerID, address: Address) -> _Connection:
         host, port = address
@@ -800,17 +888,23 @@ class Connections:
         if stream._closed or stream._reset is not None or connection.broken or connection.closed:
             return False
         stream._closed = True  # the handler's stream object is finished
+        frames: list[tuple[FrameKind, bytes | bytearray | memoryview]] = []
+        if not stream._sent_eof:
+            frames.append((FrameKind.EOF, b""))
         with trio.move_on_after(self._config.idle_timeout):
-            if not stream._sent_eof:
-                await connection.send_frame(FrameKind.EOF, b"")
-                stream._sent_eof = True
-            while not stream._received_eof:
-                frame = await connection.receive_frame()
-                if frame.kind is FrameKind.EOF:
-                    stream._received_eof = True
-                elif frame.kind is not FrameKind.MESSAGE and frame.kind is not FrameKind.BYTES:
+            # The dialer's EOF has often arrived already: then EOF and DONE go
+            # out together. Otherwise our EOF goes first, as the dialer may be
+            # waiting for it before it sends its own.
+            while connection.has_pending_frames() and not stream._received_eof:
+                if not _discard_until_eof(stream, await connection.receive_frame()):
                     return False
-            await connection.send_frame(FrameKind.DONE, b"")
+            if not stream._received_eof:
+                await connection.send_frames(frames)
+                frames = []
+            while not stream._received_eof:
+                if not _discard_until_eof(stream, await connection.receive_frame()):
+                    return False
+            await connection.send_frames([*frames, (FrameKind.DONE, b"")])
             return True
         return False
 
@@ -821,6 +915,14 @@ class Connections:
                 await connection.send_frame(FrameKind.RESET, pack(reason[:_MAX_RESET_REASON]))
                 await connection.linger()
         self._drop(connection)
+
+
+def _discard_until_eof(stream: Stream, frame: Frame) -> bool:
+    """Listener, after its handler returned: drop what the dialer still sends.
+    False if the frame is not part of the stream."""
+    if frame.kind is FrameKind.EOF:
+        stream._received_eof = True
+    return frame.kind in (FrameKind.EOF, FrameKind.MESSAGE, FrameKind.BYTES)
 
 
 def _check_name(name: str) -> None:

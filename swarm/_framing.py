@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableSequence
 from typing import NamedTuple
 
 from cryptography.exceptions import InvalidTag
@@ -262,13 +262,17 @@ class FrameDecoder:
         self._phase, self._filled = _Phase.HEADER, 0
         return Frame(self._kind, payload)
 
-    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
+    def feed(
+        self, data: bytes | bytearray | memoryview, into: MutableSequence[Frame] | None = None
+    ) -> MutableSequence[Frame]:
         """Decode ``data`` (any amount, split anywhere); return the completed frames.
 
-        Copies through ``next_buffer``: for tests and for bytes that arrived
-        together with the handshake, not for bulk data.
+        Frames are appended to ``into`` (a new list by default) as they
+        complete, so when a ``ProtocolError`` interrupts, the authentic frames
+        before the bad bytes are already there. Copies through
+        ``next_buffer``: for small reads, not for bulk data.
         """
-        frames: list[Frame] = []
+        frames: MutableSequence[Frame] = [] if into is None else into
         view = memoryview(data).cast("B")
         while view.nbytes:
             buffer = self.next_buffer()

@@ -586,3 +586,12 @@ async def test_body_exceptions_propagate_unwrapped() -> None:
     with pytest.raises(KeyError):
         async with open_connections(A):
             raise KeyError("mine")
+
+
+async def test_closing_right_after_a_call() -> None:
+    """Closing while a just-pooled connection's watcher has not started yet."""
+    async with open_connections(B) as b:
+        b.set_handler("echo", echo)
+        for i in range(3):
+            async with open_connections(A) as a:
+                assert await a.call(B.peer_id, address(b), "echo", i, timeout=5) == i
