@@ -162,7 +162,6 @@ class _Connection:
         )
         self._pending: deque[Frame] = deque()
         self._failure: ProtocolError | None = None  # raised once the frames before it are out
-        self._feed(leftover)
         self._read_ahead = bytearray(_COALESCE)
         self.broken = False  # never reuse for another stream
         self.send_broken = False  # a partial frame went out: send nothing more
@@ -170,6 +169,7 @@ class _Connection:
         self.closed = False
         self._send_lock = trio.StrictFIFOLock()
         self._receiving = False
+        self._feed(leftover)  # frames the dialer pipelined behind its last handshake message
 
     def close(self) -> None:
         """Close the socket now (synchronous, so it is safe in any cleanup path).

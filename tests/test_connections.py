@@ -595,3 +595,27 @@ async def test_closing_right_after_a_call() -> None:
         for i in range(3):
             async with open_connections(A) as a:
                 assert await a.call(B.peer_id, address(b), "echo", i, timeout=5) == i
+
+
+async def test_frames_pipelined_behind_the_handshake_then_garbage() -> None:
+    """Bytes that arrive with the last handshake message are decoded too: the
+    authentic frames first, then the ProtocolError; the connection is broken."""
+    from swarm._connections import _Connection
+    from swarm._framing import FrameEncoder, FrameKind
+
+    dialer = Handshake(A, initiator=True, expected_peer=B.peer_id)
+    listener = Handshake(B, initiator=False)
+    dialer.receive_data(listener.receive_data(dialer.start()))
+    result = dialer.result
+    # Frames the listener would send, sealed with its key (our receive key).
+    encoder = FrameEncoder(result.receive_key, encrypt=True, max_frame_size=2**20)
+    frame = b"".join(bytes(b) for b in encoder.encode(FrameKind.MESSAGE, pack("first")))
+    left, right = trio.socket.socketpair()
+    with left, right:
+        connection = _Connection(
+            trio.SocketStream(left), result, ConnectionConfig(), frame + b"\x00" * 30, dialer=True
+        )
+        assert await connection.receive_frame() == (FrameKind.MESSAGE, pack("first"))
+        with pytest.raises(ProtocolError, match="authentication"):
+            await connection.receive_frame()
+        assert connection.broken and connection.closed
