@@ -588,6 +588,7 @@ class Connections:
                     self._pool_connection(connection, ready=stream._done)
                 else:
                     self._drop(connection)
+                stream._closed = True  # its connection may carry another stream now
             finally:
                 slots.release()
         finally:

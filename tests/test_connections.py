@@ -96,6 +96,8 @@ async def test_call_and_stream_both_modes(config: ConnectionConfig) -> None:
                 await stream.receive()
             with pytest.raises(ClosedError):
                 await stream.send(1)
+        with pytest.raises(ClosedError):  # its connection went back to the pool
+            await stream.receive()
 
 
 async def test_mixed_modes_are_encrypted() -> None:
