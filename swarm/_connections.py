@@ -65,7 +65,14 @@ from ._errors import (
     StreamResetError,
     SwarmError,
 )
-from ._framing import MAX_FRAME_SIZE_LIMIT, Frame, FrameDecoder, FrameEncoder, FrameKind
+from ._framing import (
+    KEY_USAGE_LIMIT,
+    MAX_FRAME_SIZE_LIMIT,
+    Frame,
+    FrameDecoder,
+    FrameEncoder,
+    FrameKind,
+)
 from ._handshake import Handshake, HandshakeResult
 from ._identity import Identity, PeerID
 from ._wire import expect_list, expect_str, pack, unpack
@@ -242,6 +249,12 @@ class _Connection:
         except ProtocolError as e:
             self._failure = e
             self.fail_receive(e)
+
+    @property
+    def worn_out(self) -> bool:
+        """Its keys protected ``KEY_USAGE_LIMIT`` bytes: finish the stream, then
+        replace the connection (a new handshake brings new keys)."""
+        return self._encoder.payload_bytes + self._decoder.payload_bytes > KEY_USAGE_LIMIT
 
     def has_pending_frames(self) -> bool:
         return bool(self._pending)
@@ -584,7 +597,7 @@ class Connections:
                 except BaseException:
                     self._drop(connection)
                     raise
-                if stream.finished_cleanly and not self._closed:
+                if stream.finished_cleanly and not self._closed and not connection.worn_out:
                     self._pool_connection(connection, ready=stream._done)
                 else:
                     self._drop(connection)
@@ -906,7 +919,8 @@ class Connections:
                 if not _discard_until_eof(stream, await connection.receive_frame()):
                     return False
             await connection.send_frames([*frames, (FrameKind.DONE, b"")])
-            return True
+            # Both sides count the same bytes, so the dialer does not pool it either.
+            return not connection.worn_out
         return False
 
     async def _reset(self, connection: _Connection, reason: str) -> None:

@@ -53,6 +53,10 @@ _COALESCE_LIMIT = 64 * 1024
 _MAX_COUNTER = 2**64 - 1
 #: Hard ceiling of ``max_frame_size`` (the length field is 32 bits).
 MAX_FRAME_SIZE_LIMIT = 2**31 - 1
+#: Payload bytes one key may protect before the connection is replaced by a
+#: fresh handshake: 64 GiB is ~2^32 AES blocks, far inside the AES-GCM usage
+#: limits (RFC 8446 section 5.5 allows ~2^34.5 full TLS records per key).
+KEY_USAGE_LIMIT = 2**36
 
 
 class FrameKind(enum.IntEnum):
@@ -89,6 +93,8 @@ class FrameEncoder:
         self._max_frame_size = max_frame_size
         self._counter = 0
         self._scratch = bytearray()  # for encrypted chunks; allocated on first use
+        #: Payload bytes sealed so far (see ``KEY_USAGE_LIMIT``).
+        self.payload_bytes = 0
 
     def _next_nonce(self) -> bytes:
         nonce = _nonce(self._counter)
@@ -112,6 +118,7 @@ class FrameEncoder:
                 f"frame of {length} bytes exceeds max_frame_size={self._max_frame_size}"
             )
         header = _HEADER.pack(kind, length)
+        self.payload_bytes += length
         if self._encrypt:
             header_block = self._aead.encrypt(self._next_nonce(), header, None)
         else:
@@ -172,6 +179,8 @@ class FrameDecoder:
         self._remaining = 0  # payload bytes of the current frame not yet received
         self._chunk = 0  # payload bytes in the current chunk
         self._chunks: list[bytes] = []
+        #: Payload bytes announced by authenticated headers (see ``KEY_USAGE_LIMIT``).
+        self.payload_bytes = 0
 
     def _next_nonce(self) -> bytes:
         nonce = _nonce(self._counter)
@@ -225,6 +234,7 @@ class FrameDecoder:
                 f"frame of {length} bytes exceeds max_frame_size={self._max_frame_size}"
             )
         self._kind = FrameKind(kind)
+        self.payload_bytes += length
         self._filled = 0
         if length == 0:
             return Frame(self._kind, b"")

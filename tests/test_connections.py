@@ -621,3 +621,20 @@ async def test_frames_pipelined_behind_the_handshake_then_garbage() -> None:
         with pytest.raises(ProtocolError, match="authentication"):
             await connection.receive_frame()
         assert connection.broken and connection.closed
+
+
+async def test_worn_out_connection_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After KEY_USAGE_LIMIT bytes under one key pair, the next stream gets a
+    fresh connection (and fresh keys); the call that crossed the limit works."""
+    import swarm._connections
+
+    monkeypatch.setattr(swarm._connections, "KEY_USAGE_LIMIT", 10_000)
+    async with two_peers() as (a, b):
+        b.set_handler("echo", echo)
+        assert await a.call(B.peer_id, address(b), "echo", b"x" * 100, timeout=5) == b"x" * 100
+        (first,) = a._connections
+        assert await a.call(B.peer_id, address(b), "echo", b"y" * 6000, timeout=5) == b"y" * 6000
+        await trio.testing.wait_all_tasks_blocked()
+        assert first not in a._connections and not b._connections
+        assert await a.call(B.peer_id, address(b), "echo", 1, timeout=5) == 1
+        assert len(a._connections) == 1 and first not in a._connections
