@@ -697,6 +697,16 @@ class _Registry:
 _registries: WeakKeyDictionary[Any, _Registry] = WeakKeyDictionary()
 
 
+def serve_allreduce(net: Network) -> None:
+    """Accept all-reduce streams on ``net`` from now on.
+
+    ``all_reduce`` does this itself, but a peer that will join groups should do
+    it up front: a member that enters the round a moment before this peer would
+    otherwise find no handler here and count this peer as a failed reducer.
+    """
+    _registry(net)
+
+
 def _registry(net: Network) -> _Registry:
     registry = _registries.get(net)
     if registry is None:

@@ -23,7 +23,9 @@ from averaging._allreduce import (
     PROTOCOL_VERSION,
     AllReduceConfig,
     AllReduceResult,
+    _registries,
     all_reduce,
+    serve_allreduce,
 )
 from averaging._codecs import FLOAT16, NONE, UINT4, UINT8, Codec
 from averaging._faults import FaultPlan, InjectedFault, MemberFault
@@ -382,3 +384,28 @@ async def test_sender_breaking_the_protocol_is_excluded() -> None:
                     await stream.receive()  # the reducer drops the stream
     assert results[0].failed_senders == {1}
     assert torch.equal(x, member_data(0))
+
+
+async def test_member_entering_late_is_waited_for_when_serving_up_front() -> None:
+    async with open_peers(2) as nets:
+        for net in nets:
+            serve_allreduce(net)
+        groups = make_groups(nets)
+        x = [member_data(0), member_data(1)]
+        results: list[AllReduceResult | None] = [None, None]
+
+        async def member(i: int) -> None:
+            results[i] = await all_reduce(nets[i], groups[i], [x[i]], config=CONFIG)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(member, 0)
+            # Member 1 enters only once member 0 runs its round (and may
+            # already be dialing member 1): its stream waits for the round.
+            while groups[0].group_id not in _registries[nets[0]]._rounds:
+                await trio.lowlevel.checkpoint()
+            nursery.start_soon(member, 1)
+    mean = (member_data(0) + member_data(1)) / 2
+    for i in range(2):
+        result = results[i]
+        assert result is not None and not result.failed_reducers and not result.failed_senders
+        assert torch.allclose(x[i], mean, atol=1e-6)
