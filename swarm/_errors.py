@@ -7,7 +7,9 @@ side broke the protocol), not ``Exception``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+from collections.abc import Iterator
 
 
 class SwarmError(Exception):
@@ -84,3 +86,43 @@ class StreamResetError(SwarmError):
     carried the stream is closed; other streams to the same peer are not
     affected. It is not a ``ProtocolError``: the remote followed the protocol.
     """
+
+
+def _single_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [group]
+    while stack:
+        exc = stack.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            stack.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+        if len(leaves) > 1:
+            return None
+    return leaves[0] if leaves else None
+
+
+def unwrap_single(exc: BaseException) -> BaseException:
+    """``exc`` itself, or the one exception inside it if it is a group of one."""
+    if isinstance(exc, BaseExceptionGroup):
+        leaf = _single_leaf(exc)
+        if leaf is not None:
+            return leaf
+    return exc
+
+
+@contextlib.contextmanager
+def collapse_exception_groups() -> Iterator[None]:
+    """Re-raise an exception group that holds exactly one exception as that exception.
+
+    Context managers that run a nursery internally use this at their boundary, so
+    callers see ``BootstrapError`` rather than a group wrapping it. Groups of
+    several exceptions propagate unchanged.
+    """
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaf = _single_leaf(group)
+        if leaf is None:
+            raise
+        raise leaf from leaf.__cause__
