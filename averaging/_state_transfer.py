@@ -57,6 +57,7 @@ from swarm import ConfigError, DeadlineError, PeerID, ProtocolError, SwarmError
 from swarm._connections import Connections, Stream
 from swarm._errors import ClosedError, EndOfStreamError
 from swarm._state import (
+    FlatState,
     TensorSpec,
     flatten_state,
     parse_state_header,
@@ -285,15 +286,16 @@ class DonorRefused(SwarmError):
     """The donor will not upload to us (protocol version, our byte limit)."""
 
 
-def encode_header(version: int, metadata: dict[str, Any], state: Any) -> tuple[bytes, list[bytes]]:
-    """The header frame and the tensor data of ``state`` (copied now: a snapshot).
+def encode_header(
+    version: int, metadata: dict[str, Any], flat: FlatState
+) -> tuple[bytes, list[bytes]]:
+    """The header frame and the tensor data of ``flat`` (copied now: a snapshot).
 
-    Raises ``TypeError``/``ValueError`` for a state or metadata that cannot be
-    encoded (the local side's mistake).
+    Raises ``TypeError``/``ValueError`` for metadata that cannot be encoded
+    (the local side's mistake).
     """
     if not isinstance(metadata, dict):
         raise TypeError(f"state metadata must be a dict, not {type(metadata).__name__}")
-    flat = flatten_state(state)
     blobs = [tensor_to_bytes(tensor) for tensor in flat.tensors]
     header = pack([_STATE, version, metadata, state_header(flat)], max_size=2**31)
     return header, blobs
@@ -326,6 +328,11 @@ def decode_header(data: Any, *, max_header_bytes: int, max_bytes: int) -> StateH
     if not isinstance(metadata, dict):
         raise ProtocolError("state header: metadata must be a map")
     skeleton, specs = parse_state_header(header, max_total_bytes=max_bytes)
+    for spec in specs:
+        # An empty tensor passes any byte limit, but torch refuses shapes whose
+        # strides overflow int64 (a RuntimeError): refuse them here.
+        if math.prod(max(size, 1) for size in spec.shape) >= 2**62:
+            raise ProtocolError(f"state header: tensor shape {spec.shape} is too large")
     return StateHeader(version, metadata, skeleton, specs)
 
 
@@ -491,7 +498,13 @@ async def serve_state(
     if peer.client_mode:
         task_status.started()
         await trio.sleep_forever()
-    version_of = get_version if get_version is not None else lambda: _default_version(get_state)
+
+    def version_of(metadata: dict[str, Any]) -> int:
+        if get_version is not None:
+            return get_version()
+        epoch = metadata.get("epoch", 0) if isinstance(metadata, dict) else 0
+        return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else 0
+
     uploads = _Uploads(config.max_uploads)
     name = state_stream(prefix)
 
@@ -500,21 +513,16 @@ async def serve_state(
 
     peer.connections.set_handler(name, handle)
     try:
-        await _announce(peer, prefix, version_of(), config)
+        await _announce(peer, prefix, version_of(get_state()[0]), config)
         task_status.started()
         while True:
             await trio.sleep(config.announce_interval)
-            await _announce(peer, prefix, version_of(), config)
+            await _announce(peer, prefix, version_of(get_state()[0]), config)
     finally:
         uploads.closed = True
         for scope in uploads.scopes:
             scope.cancel()
         peer.connections.set_handler(name, _refuse_stopped)
-
-
-def _default_version(get_state: GetState) -> int:
-    epoch = get_state()[0].get("epoch", 0)
-    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else 0
 
 
 async def _announce(peer: _Peer, prefix: str, version: int, config: StateTransferConfig) -> None:
@@ -541,7 +549,7 @@ async def _serve_upload(
     stream: Stream,
     uploads: _Uploads,
     get_state: GetState,
-    version_of: Callable[[], int],
+    version_of: Callable[[dict[str, Any]], int],
     config: StateTransferConfig,
     before_chunk: BeforeChunk | None,
 ) -> None:
@@ -575,12 +583,13 @@ async def _serve_upload(
     try:
         with scope:
             metadata, state = get_state()
-            header, blobs = encode_header(version_of(), metadata, state)
-            total = sum(len(blob) for blob in blobs)
+            flat = flatten_state(state)
+            total = sum(tensor.numel() * tensor.element_size() for tensor in flat.tensors)
             if total > max_bytes:
                 reason = f"the state is {total} bytes, the newcomer accepts {max_bytes}"
                 await stream.send_bytes(encode_refusal(_REFUSED, reason))
                 return
+            header, blobs = encode_header(version_of(metadata), metadata, flat)
             await _send_within(stream, header, config.chunk_timeout)
             for index, chunk in enumerate(iter_chunks(blobs, config.chunk_size)):
                 if before_chunk is not None:
