@@ -632,7 +632,11 @@ async def load_state_from_peers(
     sends more than ``max_bytes`` of tensors or ``config.max_header_bytes`` of
     header, or sends a state that fails verification (a NaN or Inf; with
     ``template``, see ``check_template``) is dropped for this call and the
-    next is tried at once. A busy donor is tried again after a backoff.
+    next is tried at once. A busy donor is tried again after a backoff, so
+    when the newest donors are busy an older one may deliver: pass
+    ``min_version`` to refuse states older than the caller can use.
+    Buffers for the announced tensors (at most ``max_bytes``) are allocated
+    when the header arrives.
 
     Returns the first state that arrives whole and verified, or None (the
     reasons are logged) when no donor is announced, every donor failed, or
