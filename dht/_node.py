@@ -21,6 +21,7 @@ from swarm._address import Address, format_address, parse_address
 from swarm._clock import WallClock, system_clock
 from swarm._errors import (
     BootstrapError,
+    ClosedError,
     ConfigError,
     collapse_exception_groups,
 )
@@ -111,6 +112,11 @@ class DHTNode:
         self.config = config
         self._clock = clock
         self._nursery = nursery
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the DHT node is stopped")
 
     @property
     def peer_id(self) -> PeerID:
@@ -137,6 +143,7 @@ class DHTNode:
         Raises ``ConfigError`` for an address that does not parse and
         ``BootstrapError`` if none of them answers within ``bootstrap_timeout``.
         """
+        self._check_open()
         addrs = [parse_address(a) if isinstance(a, str) else a for a in initial_peers]
         addrs = [a for a in addrs if a != (self.host, self.port)]
         if not addrs:
@@ -176,8 +183,10 @@ class DHTNode:
 
         Returns True if at least one node responsible for the key kept it (False
         if all of them hold a newer version or none answered). Raises
-        ``RecordRejectedError`` (nothing sent) if the record is invalid.
+        ``RecordRejectedError`` (nothing sent) if the record is invalid and
+        ``ClosedError`` if the node is stopped.
         """
+        self._check_open()
         record = make_record(
             key,
             value,
@@ -199,12 +208,13 @@ class DHTNode:
         stopping at the first that answer. Nodes seen with stale or missing
         records get the freshest ones written back in the background.
         """
+        self._check_open()
         dkey = key_id(encode_key(key))
         records, crawl = await self._loop.call(self._server.find_records, dkey, latest)
         # every record was validated as it arrived; only expiry can have changed
         now = self._clock()
         live = [r for r in records if r.expiration > now]
-        if crawl is not None and live:
+        if crawl is not None and live and not self._closed:
             self._nursery.start_soon(
                 self._write_back, crawl, live, self.config.ksize if latest else 1
             )
@@ -297,6 +307,7 @@ async def open_dht_node(
                 nursery.start_soon(node._maintain)
                 yield node
             finally:
+                node._closed = True
                 nursery.cancel_scope.cancel()
                 with trio.CancelScope(shield=True):
                     await loop.run_sync(server.stop)
