@@ -1,0 +1,230 @@
+"""``Averager``: average a set of tensors with whoever is alive, in Moshpit groups.
+
+One ``step()`` is one Moshpit round (Ryabinin et al. 2021, Algorithm 1): find
+this round's group key on the grid, form a group there (``_matchmaking``),
+run the butterfly all-reduce with it (``_allreduce``), and move to the cell the
+group assigned for the next round (``_moshpit``). The averaged values are
+written into the averager's tensors in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import trio
+
+from swarm import ConfigError, PeerID, SwarmError
+
+from ._allreduce import AllReduceConfig, AllReduceResult, all_reduce, serve_allreduce
+from ._codecs import NONE, Codec
+from ._faults import FaultPlan
+from ._group import Group, GroupMember, MemberMode
+from ._matchmaking import Matchmaker, MatchmakingConfig
+from ._moshpit import MoshpitGrid, MoshpitState
+
+log = logging.getLogger(__name__)
+
+
+class StepInProgressError(SwarmError, RuntimeError):
+    """``step()`` was called while another ``step()`` of the same averager runs."""
+
+
+@dataclass(frozen=True)
+class AveragerConfig:
+    """Everything about how an averager averages, validated on construction."""
+
+    matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
+    allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
+    codec: Codec = NONE
+    #: this peer's share of the reducing work, relative to the others
+    bandwidth: float = 1.0
+    #: NODE (default), AUX (reduces, weight 0); CLIENT follows the peer's client_mode
+    mode: MemberMode = MemberMode.NODE
+    #: peers the grid is sized for when no grid is given (MoshpitGrid.for_swarm)
+    expected_peers: int = 256
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.bandwidth) and self.bandwidth > 0):
+            raise ConfigError(f"bandwidth={self.bandwidth} must be a positive number")
+        if self.expected_peers < 1:
+            raise ConfigError("expected_peers must be at least 1")
+
+    @property
+    def step_bound(self) -> float:
+        """The longest one ``step()`` takes: matchmaking, then the all-reduce."""
+        return self.matchmaking.bound + self.allreduce.round_timeout
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one ``step()`` did. ``group`` is None when no group formed in time."""
+
+    round: int
+    key: str
+    group: Group | None
+    allreduce: AllReduceResult | None = None
+    reason: str = ""
+
+    @property
+    def group_id(self) -> bytes | None:
+        return None if self.group is None else self.group.group_id
+
+    @property
+    def members(self) -> tuple[PeerID, ...]:
+        return () if self.group is None else tuple(m.peer_id for m in self.group.members)
+
+    @property
+    def contributors(self) -> frozenset[PeerID]:
+        """Members whose data reached every element of our result."""
+        if self.group is None or self.allreduce is None:
+            return frozenset()
+        indices = frozenset.intersection(
+            *(
+                self.allreduce.part_contributors(p)
+                for p in range(len(self.allreduce.part_bounds))
+                if self.allreduce.part_bounds[p][1] > self.allreduce.part_bounds[p][0]
+            )
+        )
+        return frozenset(self.group.members[i].peer_id for i in indices)
+
+
+class Averager:
+    """Averages ``tensors`` (in place) with the peers that use the same ``prefix``.
+
+    ``peer`` is a running ``swarm.AsyncPeer`` (or a sync ``swarm.Peer``: then call
+    ``step_sync``). Every peer that averages together must use the same prefix,
+    grid, tensor shapes and all-reduce config. ``initial_coordinates`` places
+    this peer on the grid (by default a hash of its peer id decides).
+    """
+
+    def __init__(
+        self,
+        peer: Any,
+        tensors: Sequence[torch.Tensor],
+        *,
+        prefix: str,
+        target_group_size: int | None = None,
+        min_group_size: int | None = None,
+        config: AveragerConfig | None = None,
+        grid: MoshpitGrid | None = None,
+        initial_coordinates: tuple[int, ...] | None = None,
+        fault_plan: FaultPlan | None = None,
+    ) -> None:
+        self._sync_peer = peer if hasattr(peer, "async_peer") else None
+        self.peer = peer.async_peer if self._sync_peer is not None else peer
+        config = config or AveragerConfig()
+        if target_group_size is not None or min_group_size is not None:
+            mm = config.matchmaking
+            config = AveragerConfig(
+                matchmaking=MatchmakingConfig(
+                    target_group_size=target_group_size or mm.target_group_size,
+                    min_group_size=min_group_size or mm.min_group_size,
+                    matchmaking_time=mm.matchmaking_time,
+                    request_timeout=mm.request_timeout,
+                    poll_interval=mm.poll_interval,
+                ),
+                allreduce=config.allreduce,
+                codec=config.codec,
+                bandwidth=config.bandwidth,
+                mode=config.mode,
+                expected_peers=config.expected_peers,
+            )
+        if not prefix or len(prefix) > 64 or any(c.isspace() for c in prefix):
+            raise ConfigError(f"prefix {prefix!r} must be 1-64 characters without spaces")
+        self.config = config
+        self.prefix = prefix
+        self.tensors = list(tensors)
+        if not self.tensors:
+            raise ConfigError("an averager needs at least one tensor")
+        self.grid = grid or MoshpitGrid.for_swarm(
+            config.expected_peers, config.matchmaking.target_group_size
+        )
+        coordinates = initial_coordinates or self.grid.initial_coordinates(self.peer.peer_id)
+        self.state = MoshpitState(0, tuple(coordinates))
+        self.grid.group_key(prefix, 0, self.state.coordinates)  # validates the coordinates
+        self.fault_plan = fault_plan
+        self._matchmaker = Matchmaker(self.peer, prefix, config.matchmaking)
+        self.peer.connections.set_handler(self._matchmaker.stream_name, self._matchmaker.handle)
+        serve_allreduce(self.peer.connections)
+        self._busy = False
+
+    @property
+    def mode(self) -> MemberMode:
+        if self.peer.client_mode:
+            return MemberMode.CLIENT
+        return self.config.mode
+
+    def _member(self) -> GroupMember:
+        host, port = self.peer.endpoint
+        bandwidth = 0.0 if self.mode is MemberMode.CLIENT else self.config.bandwidth
+        return GroupMember(self.peer.peer_id, host, port, bandwidth, self.mode)
+
+    async def step(
+        self, weight: float = 1.0, *, timeout: float | None = None, round: int | None = None
+    ) -> StepResult:
+        """Run one averaging round; returns what happened.
+
+        ``weight`` is this peer's weight in the mean (e.g. its sample count).
+        ``round`` sets the Moshpit round (peers that average together must be in
+        the same round, e.g. the training epoch); by default the averager counts
+        its own rounds. Returns within ``timeout`` (default
+        ``config.step_bound``) with ``group=None`` when no group formed: the
+        tensors then keep their local values. Raises ``StepInProgressError`` if
+        another step of this averager is running. On cancellation the tensors
+        hold whole chunks, each either averaged or local.
+        """
+        if self._busy:
+            raise StepInProgressError(f"averager {self.prefix!r} is already running a step")
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ConfigError(f"weight must be a finite number >= 0, got {weight}")
+        self._busy = True
+        try:
+            if round is not None:
+                self.state = MoshpitState(round, self.state.coordinates)
+            return await self._step(weight, self.config.step_bound if timeout is None else timeout)
+        finally:
+            self._busy = False
+
+    async def _step(self, weight: float, timeout: float) -> StepResult:
+        state = self.state
+        key = state.key(self.grid, self.prefix)
+        group: Group | None = None
+        with trio.move_on_after(timeout):
+            group = await self._matchmaker.find_group(key, self._member())
+            if group is None:
+                self.state = state.after_missed_round()
+                log.info("round %d: no group under %s; keeping local values", state.round, key)
+                return StepResult(state.round, key, None, reason="no group formed in time")
+            result = await all_reduce(
+                self.peer.connections,
+                group,
+                self.tensors,
+                weight=weight,
+                codec=self.config.codec,
+                config=self.config.allreduce,
+                fault_plan=self.fault_plan,
+            )
+            members = [bytes(m.peer_id) for m in group.members]
+            self.state = state.after_group(self.grid, group.group_id, members, group.local_index)
+            return StepResult(state.round, key, group, result)
+        self.state = state.after_missed_round()
+        reason = "timed out during the all-reduce" if group else "timed out in matchmaking"
+        return StepResult(state.round, key, group, reason=reason)
+
+    def step_sync(
+        self, weight: float = 1.0, *, timeout: float | None = None, round: int | None = None
+    ) -> StepResult:
+        """``step`` for synchronous code, through the sync ``swarm.Peer``'s runtime."""
+        if self._sync_peer is None:
+            raise ConfigError("step_sync needs an averager made with a sync swarm.Peer")
+
+        async def run() -> StepResult:
+            return await self.step(weight, timeout=timeout, round=round)
+
+        result: StepResult = self._sync_peer.run(run)
+        return result

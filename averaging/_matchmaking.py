@@ -1,0 +1,545 @@
+"""Leader-based matchmaking: who averages with whom this round.
+
+The DHT only finds candidates; a leader decides the group, so every member
+agrees on the same ordered member list and group id (DESIGN.md, "Matchmaking
+is leader-based").
+
+One round, for one peer and its group key (the Moshpit key of this round):
+
+1. It announces itself under the key: a signed sub-key (``owner_marker``) whose
+   value says where to dial it and by when, as a leader, it will close its group
+   (``join_by``, now + ``matchmaking_time``).
+2. As a *leader* it admits followers until the group is full or ``join_by``
+   passes, then, with at least ``min_group_size`` members, tells every follower
+   the group on the stream the follower opened.
+3. At the same time, as a *follower*, it asks the candidates more senior than
+   itself to take it, most senior first. Seniority is ``(join_by, peer_id)``: a
+   total order all peers see alike in the DHT, so nobody asks a junior and no
+   cycle of peers waiting for each other can form. When a senior accepts, the
+   peer stops leading and redirects its own followers to that senior, so small
+   groups merge into the senior's.
+
+A follower that leaves before the group forms is dropped (its stream closes);
+one that dies after is handled by the all-reduce's fault tolerance. A leader
+that dies breaks its followers' streams; they go back to step 3 within the
+same bound. Everything ends within ``matchmaking_time + 2 * request_timeout``:
+peers that found no group by then get ``None`` and keep their values.
+
+Client-mode peers accept no connections: they never lead, only follow (any
+non-client candidate, seniors first).
+
+Wire messages on the stream ``mm.<prefix>`` (msgpack), follower -> leader:
+``["join", key, member]``; leader -> follower: ``["accepted"]``,
+``["refused", reason]`` or ``["redirect", candidate]``; after ``accepted``,
+one of ``["group", group_id, [member, ...]]``, ``["disband", reason]`` or
+``["redirect", candidate]``. The follower's peer id is the one its connection
+proved, never a field of the message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import trio
+
+from dht import DHTValue, owner_marker
+from swarm import ConfigError, PeerID, ProtocolError, SwarmError
+from swarm._wire import expect_bytes, expect_float, expect_int, expect_list, expect_str
+
+from ._group import MAX_GROUP_SIZE, Group, GroupMember, MemberMode
+
+log = logging.getLogger(__name__)
+
+_GROUP_ID_DOMAIN = b"swarm.moshpit.group.v1\x00"
+#: A redirect may point to a leader that redirects again; follow a few hops only.
+MAX_REDIRECTS = 4
+
+
+@dataclass(frozen=True)
+class MatchmakingConfig:
+    """Group sizes and the timing of one matchmaking round (seconds)."""
+
+    target_group_size: int = 16
+    min_group_size: int = 2
+    #: how long a leader gathers followers before it closes its group
+    matchmaking_time: float = 5.0
+    #: how long one join request may take (dial, ask, answer)
+    request_timeout: float = 2.0
+    #: how often a peer without a leader re-reads the candidates in the DHT
+    poll_interval: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_group_size <= self.target_group_size <= MAX_GROUP_SIZE:
+            raise ConfigError(
+                f"need 1 <= min_group_size ({self.min_group_size}) <= target_group_size "
+                f"({self.target_group_size}) <= {MAX_GROUP_SIZE}"
+            )
+        for name in ("matchmaking_time", "request_timeout", "poll_interval"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name}={value} must be a positive number of seconds")
+        if self.poll_interval > self.matchmaking_time:
+            raise ConfigError(
+                f"poll_interval ({self.poll_interval}s) must not exceed matchmaking_time "
+                f"({self.matchmaking_time}s), or a peer may never look for a leader in time"
+            )
+
+    @property
+    def bound(self) -> float:
+        """The longest matchmaking can take: a leader's wait plus a join and an answer."""
+        return self.matchmaking_time + 2 * self.request_timeout
+
+
+# -- pure decisions --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A peer's announcement under a group key: where it is, until when it leads."""
+
+    member: GroupMember
+    join_by: float
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.member.peer_id
+
+    def seniority(self) -> tuple[float, bytes]:
+        return (self.join_by, bytes(self.peer_id))
+
+    def to_wire(self) -> list[Any]:
+        return [bytes(self.peer_id), *member_to_wire(self.member)[1:], self.join_by]
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Candidate:
+        peer_id, host, port, bandwidth, mode, join_by = expect_list(obj, 6, "candidate")
+        member = member_from_wire([peer_id, host, port, bandwidth, mode])
+        return cls(member, expect_float(join_by, "candidate join_by"))
+
+
+def expect_message(obj: Any, what: str) -> list[Any]:
+    """A matchmaking message: a non-empty list whose first item names its kind."""
+    if not isinstance(obj, list) or not obj or not isinstance(obj[0], str):
+        raise ProtocolError(f"{what}: expected [kind, ...]")
+    return obj
+
+
+def member_to_wire(member: GroupMember) -> list[Any]:
+    return [bytes(member.peer_id), member.host, member.port, member.bandwidth, member.mode.value]
+
+
+def member_from_wire(obj: Any) -> GroupMember:
+    """Decode a group member; raises ``ProtocolError`` if malformed."""
+    peer_id, host, port, bandwidth, mode = expect_list(obj, 5, "member")
+    try:
+        return GroupMember(
+            PeerID(expect_bytes(peer_id, "member peer id", size=20)),
+            expect_str(host, "member host", max_size=64),
+            expect_int(port, "member port", lo=1, hi=65535),
+            expect_float(bandwidth, "member bandwidth"),
+            MemberMode(expect_str(mode, "member mode", max_size=8)),
+        )
+    except (ValueError, ConfigError) as e:
+        raise ProtocolError(f"bad member: {e}") from e
+
+
+def announcement(member: GroupMember, join_by: float) -> list[Any]:
+    """The DHT value a peer stores under its group key (its sub-key names it)."""
+    return [member.host, member.port, member.bandwidth, member.mode.value, join_by]
+
+
+def parse_candidates(found: DHTValue | None, me: PeerID) -> list[Candidate]:
+    """The valid announcements under a group key, other than ``me``'s.
+
+    The DHT verified each sub-key's signature, so the peer id named by the
+    sub-key is the peer that wrote the announcement. Malformed entries are
+    skipped.
+    """
+    if found is None or not isinstance(found.value, dict):
+        return []
+    candidates = []
+    for subkey, entry in found.value.items():
+        if not isinstance(subkey, str) or not subkey.startswith("[owner:"):
+            continue
+        try:
+            peer_id = PeerID.from_hex(subkey[len("[owner:") : -1])
+            host, port, bandwidth, mode, join_by = expect_list(entry.value, 5, "announcement")
+            member = member_from_wire([bytes(peer_id), host, port, bandwidth, mode])
+            candidates.append(Candidate(member, expect_float(join_by, "join_by")))
+        except (ProtocolError, ValueError) as e:
+            log.debug("skipping announcement %s: %s", subkey, e)
+    return [c for c in candidates if c.peer_id != me]
+
+
+def leaders_to_try(candidates: list[Candidate], me: Candidate) -> list[Candidate]:
+    """Whom ``me`` should ask to lead it, in order.
+
+    Client-mode candidates cannot lead. A peer that can lead asks only its
+    seniors (so nobody waits on a junior); a client-mode peer never leads, so it
+    asks every candidate, seniors first.
+    """
+    leaders = sorted(
+        (c for c in candidates if c.member.mode is not MemberMode.CLIENT), key=Candidate.seniority
+    )
+    if me.member.mode is MemberMode.CLIENT:
+        return leaders
+    return [c for c in leaders if c.seniority() < me.seniority()]
+
+
+def group_id_for(key: str, members: list[GroupMember]) -> bytes:
+    """The group id: a hash of the key and the member ids, so a leader cannot
+    choose it freely (the Moshpit placement of the next round depends on it)."""
+    digest = hashlib.sha256(_GROUP_ID_DOMAIN + key.encode())
+    for peer_id in sorted(bytes(m.peer_id) for m in members):
+        digest.update(peer_id)
+    return digest.digest()[:16]
+
+
+def order_members(members: list[GroupMember]) -> tuple[GroupMember, ...]:
+    return tuple(sorted(members, key=lambda m: bytes(m.peer_id)))
+
+
+def validate_group(
+    key: str,
+    group_id: bytes,
+    members: tuple[GroupMember, ...],
+    me: PeerID,
+    leader: PeerID,
+    config: MatchmakingConfig,
+) -> Group:
+    """Check a group a leader announced; raises ``ProtocolError`` if it is not one
+    this peer may accept."""
+    if not 1 <= len(members) <= config.target_group_size:
+        raise ProtocolError(f"group of {len(members)} members, target {config.target_group_size}")
+    ids = [m.peer_id for m in members]
+    if me not in ids or leader not in ids:
+        raise ProtocolError("the announced group lacks this peer or its leader")
+    if list(members) != list(order_members(list(members))):
+        raise ProtocolError("group members are not in canonical order")
+    if group_id != group_id_for(key, list(members)):
+        raise ProtocolError("group id does not match the key and members")
+    try:
+        return Group(group_id, members, ids.index(me))
+    except ConfigError as e:
+        raise ProtocolError(f"invalid group: {e}") from e
+
+
+# -- the leader's side ----------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Slot:
+    """A follower admitted by this peer as leader, waiting for the outcome."""
+
+    member: GroupMember
+    outcome: list[Any] | None = None
+    ready: trio.Event = field(default_factory=trio.Event)
+
+    def settle(self, outcome: list[Any] | None) -> None:
+        if not self.ready.is_set():
+            self.outcome = outcome
+            self.ready.set()
+
+
+class Lobby:
+    """This peer as a leader for one key: the followers it admitted so far."""
+
+    def __init__(self, key: str, me: GroupMember, config: MatchmakingConfig) -> None:
+        self.key = key
+        self.me = me
+        self.config = config
+        self.slots: dict[PeerID, _Slot] = {}
+        self.following: Candidate | None = None
+        self.closed = False
+        self.changed = trio.Event()
+
+    def _touch(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    @property
+    def full(self) -> bool:
+        return len(self.slots) + 1 >= self.config.target_group_size
+
+    def admit(self, member: GroupMember) -> tuple[list[Any], _Slot | None]:
+        """Decide on a join request: the reply and, if admitted, its slot."""
+        if self.closed:
+            return ["refused", "this round's group is already formed"], None
+        if self.following is not None:
+            return ["redirect", self.following.to_wire()], None
+        if self.me.mode is MemberMode.CLIENT:
+            return ["refused", "a client-mode peer does not lead groups"], None
+        if member.peer_id in self.slots:
+            return ["refused", "already admitted"], None
+        if self.full:
+            return ["refused", "group is full"], None
+        slot = self.slots[member.peer_id] = _Slot(member)
+        self._touch()
+        return ["accepted"], slot
+
+    def drop(self, slot: _Slot) -> None:
+        """A follower left before the group formed."""
+        if not self.closed and self.slots.get(slot.member.peer_id) is slot:
+            del self.slots[slot.member.peer_id]
+            self._touch()
+
+    def follow(self, leader: Candidate) -> None:
+        """This peer joined ``leader``: send its followers there."""
+        self.following = leader
+        for slot in self.slots.values():
+            slot.settle(["redirect", leader.to_wire()])
+        self.slots.clear()
+        self._touch()
+
+    def unfollow(self) -> None:
+        self.following = None
+        self._touch()
+
+    def form(self) -> Group | None:
+        """Close the lobby; with enough members, tell every follower the group."""
+        self.closed = True
+        members = [self.me, *(s.member for s in self.slots.values())]
+        if len(members) < max(2, self.config.min_group_size):
+            self.disband("not enough peers for a group")
+            return None
+        ordered = order_members(members)
+        group_id = group_id_for(self.key, list(ordered))
+        wire = [member_to_wire(m) for m in ordered]
+        for slot in self.slots.values():
+            slot.settle(["group", group_id, wire])
+        return Group(group_id, ordered, ordered.index(self.me))
+
+    def disband(self, reason: str) -> None:
+        self.closed = True
+        for slot in self.slots.values():
+            slot.settle(["disband", reason])
+        self.slots.clear()
+
+
+class Network(Protocol):
+    """What matchmaking needs from a peer (see ``swarm.AsyncPeer``)."""
+
+    @property
+    def peer_id(self) -> PeerID: ...
+
+    @property
+    def dht(self) -> Any: ...
+
+    @property
+    def connections(self) -> Any: ...
+
+
+class Matchmaker:
+    """Finds groups for one averager (one ``prefix``) of one peer.
+
+    ``find_group`` runs one round at a time; ``handle`` serves other peers' join
+    requests (registered as the connection handler ``mm.<prefix>``).
+    """
+
+    def __init__(self, peer: Network, prefix: str, config: MatchmakingConfig) -> None:
+        self.peer = peer
+        self.prefix = prefix
+        self.config = config
+        self.stream_name = f"mm.{prefix}"
+        self._lobby: Lobby | None = None
+        self._lobby_opened = trio.Event()
+
+    # serving
+
+    async def handle(self, stream: Any) -> None:
+        """Serve one join request (the connection handler of ``mm.<prefix>``)."""
+        request: Any = None
+        with trio.move_on_after(self.config.request_timeout):
+            request = await stream.receive()
+        try:
+            kind, key, member_wire = expect_list(request, 3, "join request")
+            if kind != "join":
+                raise ProtocolError(f"unexpected matchmaking message {kind!r}")
+            key = expect_str(key, "group key", max_size=256)
+            member = member_from_wire(member_wire)
+        except ProtocolError as e:
+            log.debug("bad join request from %s: %s", stream.remote.short(), e)
+            return
+        if member.peer_id != stream.remote:
+            await stream.send(["refused", "member peer id differs from the connection's"])
+            return
+        lobby = self._lobby
+        if lobby is None or lobby.key != key:
+            await stream.send(["refused", "not looking for a group under this key"])
+            return
+        reply, slot = lobby.admit(member)
+        await stream.send(reply)
+        if slot is None:
+            return
+        async with trio.open_nursery() as nursery:
+
+            async def watch_departure() -> None:
+                # The follower sends nothing more; EOF or a broken stream means it left.
+                with suppress(SwarmError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    await stream.receive()
+                lobby.drop(slot)
+                slot.settle(None)
+
+            nursery.start_soon(watch_departure)
+            await slot.ready.wait()
+            nursery.cancel_scope.cancel()
+        if slot.outcome is not None:
+            with trio.move_on_after(self.config.request_timeout):
+                await stream.send(slot.outcome)
+
+    # looking for a group
+
+    async def find_group(self, key: str, me: GroupMember) -> Group | None:
+        """Form or join a group under ``key``; None if none formed in time.
+
+        Returns within ``config.bound`` seconds. Cancellation disbands this
+        peer's followers (they look elsewhere) and propagates.
+        """
+        lobby = Lobby(key, me, self.config)
+        join_by = self.peer.dht.now() + self.config.matchmaking_time
+        me_candidate = Candidate(me, join_by)
+        outcome: list[Group | None] = []
+        done = trio.Event()
+
+        def finish(group: Group | None) -> None:
+            if not done.is_set():
+                outcome.append(group)
+                done.set()
+
+        with self._serving(lobby), trio.move_on_after(self.config.bound):
+            try:
+                async with trio.open_nursery() as nursery:
+                    if me.mode is not MemberMode.CLIENT:
+                        # the lobby is open while the announcement spreads
+                        nursery.start_soon(self._announce, key, me, join_by)
+                        nursery.start_soon(self._lead, lobby, finish)
+                    nursery.start_soon(self._seek, lobby, me_candidate, finish)
+                    await done.wait()
+                    nursery.cancel_scope.cancel()
+            finally:
+                if not lobby.closed:
+                    lobby.disband("the leader stopped looking")
+        return outcome[0] if outcome else None
+
+    async def wait_lobby(self) -> Lobby:
+        """Wait until this peer looks for a group; its lobby (for observers and tests)."""
+        while self._lobby is None:
+            await self._lobby_opened.wait()
+        return self._lobby
+
+    @contextmanager
+    def _serving(self, lobby: Lobby) -> Iterator[None]:
+        self._lobby = lobby
+        self._lobby_opened.set()
+        self._lobby_opened = trio.Event()
+        try:
+            yield
+        finally:
+            self._lobby = None
+
+    async def _announce(self, key: str, me: GroupMember, join_by: float) -> None:
+        expiration = join_by + 2 * self.config.request_timeout
+        try:
+            await self.peer.dht.store(
+                key, announcement(me, join_by), expiration, subkey=owner_marker(self.peer.peer_id)
+            )
+        except SwarmError as e:
+            log.warning("could not announce under %s: %s", key, e)
+
+    async def _lead(self, lobby: Lobby, finish: Any) -> None:
+        """Close the lobby when it is full or at ``join_by``; form the group if
+        it has enough members. While this peer's own join to a senior is
+        accepted, its lobby is the senior's: wait for that to resolve."""
+        deadline = trio.current_time() + self.config.matchmaking_time
+        while True:
+            with trio.move_on_at(deadline):
+                while not lobby.full or lobby.following is not None:
+                    await lobby.changed.wait()
+            if lobby.following is not None:
+                await lobby.changed.wait()
+                continue
+            group = lobby.form()
+            if group is not None:
+                finish(group)
+            return
+
+    async def _seek(self, lobby: Lobby, me: Candidate, finish: Any) -> None:
+        """Ask seniors to lead this peer until one forms a group with it."""
+        tried: set[PeerID] = set()
+        while True:
+            try:
+                found = await self.peer.dht.get(lobby.key)
+            except SwarmError as e:
+                log.debug("reading %s failed: %s", lobby.key, e)
+                found = None
+            queue = [
+                c
+                for c in leaders_to_try(parse_candidates(found, self.peer.peer_id), me)
+                if c.peer_id not in tried
+            ]
+            hops = 0
+            while queue:
+                leader = queue.pop(0)
+                tried.add(leader.peer_id)
+                result = await self._join(lobby, leader)
+                if isinstance(result, Group):
+                    finish(result)
+                    return
+                if isinstance(result, Candidate) and hops < MAX_REDIRECTS:
+                    hops += 1
+                    if result.peer_id != self.peer.peer_id:
+                        tried.discard(result.peer_id)
+                        queue.insert(0, result)
+            await trio.sleep(self.config.poll_interval)
+
+    async def _join(self, lobby: Lobby, leader: Candidate) -> Group | Candidate | None:
+        """Ask ``leader`` to take us: the group it formed, a redirect, or None."""
+        accepted = False
+        try:
+            with trio.fail_after(self.config.bound):
+                address = (leader.member.host, leader.member.port)
+                async with self.peer.connections.open_stream(
+                    leader.peer_id, address, self.stream_name
+                ) as stream:
+                    with trio.fail_after(self.config.request_timeout):
+                        await stream.send(["join", lobby.key, member_to_wire(lobby.me)])
+                        reply = expect_message(await stream.receive(), "join reply")
+                    if reply[0] == "redirect":
+                        return Candidate.from_wire(reply[1])
+                    if reply[0] != "accepted" or lobby.closed:
+                        log.debug("%s refused: %s", leader.peer_id.short(), reply[1:])
+                        return None
+                    accepted = True
+                    lobby.follow(leader)
+                    wait = max(0.0, leader.join_by - self.peer.dht.now())
+                    with trio.fail_after(wait + self.config.request_timeout):
+                        outcome = expect_message(await stream.receive(), "join outcome")
+            if outcome[0] == "group" and len(outcome) == 3:
+                _, group_id, members_wire = outcome
+                if not isinstance(members_wire, list):
+                    raise ProtocolError("group members must be a list")
+                return validate_group(
+                    lobby.key,
+                    expect_bytes(group_id, "group id", max_size=64),
+                    tuple(member_from_wire(m) for m in members_wire),
+                    self.peer.peer_id,
+                    leader.peer_id,
+                    self.config,
+                )
+            if outcome[0] == "redirect" and len(outcome) == 2:
+                return Candidate.from_wire(outcome[1])
+            log.debug("%s disbanded: %s", leader.peer_id.short(), outcome[1:])
+            return None
+        except (SwarmError, trio.TooSlowError, IndexError) as e:
+            # per-peer boundary: this leader failed us; the caller tries another
+            log.debug("joining %s failed: %s", leader.peer_id.short(), e)
+            return None
+        finally:
+            if accepted and lobby.following is leader:
+                lobby.unfollow()

@@ -1,0 +1,85 @@
+"""Many real peers (DHT + connections) on 127.0.0.1 in one process; any can be killed."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import trio
+
+from dht import DHTConfig
+from dht._aio import open_asyncio_loop
+from swarm import AsyncPeer, Identity, PeerConfig, open_peer
+
+TEST_DHT = DHTConfig(rpc_timeout=0.5, bootstrap_timeout=5.0)
+
+
+@dataclass(eq=False)
+class _Running:
+    peer: AsyncPeer
+    scope: trio.CancelScope
+    stopped: trio.Event = field(default_factory=trio.Event)
+
+
+class Peers:
+    def __init__(self, nursery: trio.Nursery, seed: int) -> None:
+        self._nursery = nursery
+        self._random = random.Random(seed)
+        self._running: list[_Running] = []
+
+    @property
+    def alive(self) -> list[AsyncPeer]:
+        return [r.peer for r in self._running if not r.scope.cancel_called]
+
+    async def add(
+        self, *, client_mode: bool = False, identity: Identity | None = None
+    ) -> AsyncPeer:
+        alive = self.alive
+        config = PeerConfig(
+            initial_peers=(self._random.choice(alive).address,) if alive else (),
+            client_mode=client_mode,
+            dht=TEST_DHT,
+        )
+        identity = identity or Identity.from_seed(self._random.randbytes(32))
+        running: _Running = await self._nursery.start(self._run, identity, config)
+        self._running.append(running)
+        return running.peer
+
+    async def _run(
+        self,
+        identity: Identity,
+        config: PeerConfig,
+        task_status: trio.TaskStatus[_Running] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        with trio.CancelScope() as scope:
+            running: _Running | None = None
+            try:
+                async with open_peer(identity, config) as peer:
+                    running = _Running(peer, scope)
+                    task_status.started(running)
+                    await trio.sleep_forever()
+            finally:
+                if running is not None:
+                    running.stopped.set()
+
+    def crash(self, peer: AsyncPeer) -> None:
+        """Stop a peer abruptly, from synchronous code (e.g. a fault-plan hook)."""
+        next(r for r in self._running if r.peer is peer).scope.cancel()
+
+    async def kill(self, peer: AsyncPeer) -> None:
+        """Stop a peer abruptly: its connections drop, its DHT node goes silent."""
+        running = next(r for r in self._running if r.peer is peer)
+        running.scope.cancel()
+        await running.stopped.wait()
+
+
+@asynccontextmanager
+async def open_peers(count: int, *, seed: int = 0) -> AsyncIterator[Peers]:
+    async with open_asyncio_loop(), trio.open_nursery() as nursery:
+        peers = Peers(nursery, seed)
+        for _ in range(count):
+            await peers.add()
+        yield peers
+        nursery.cancel_scope.cancel()
