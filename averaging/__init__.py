@@ -1,9 +1,61 @@
 """Averaging: how a group of peers agrees on the mean of their tensors.
 
-Modules (filled in by the all-reduce and Moshpit issues):
+Modules, pure code first:
 
-- partitioning, codecs and reduction bookkeeping: pure code, no network
-- the butterfly all-reduce over peer connections
-- Moshpit matchmaking over the DHT and the ``Averager`` API
-- state transfer to newcomers
+- ``_group``: a group's ordered members, their modes (node, client, aux) and id
+- ``_partition``: flatten tensors and cut the vector into parts by bandwidth
+- ``_codecs``: parts on the wire: float32, float16, 8-bit blockwise, 4-bit groups
+- ``_reducer``: per-chunk weighted accumulation that survives failed senders
+- ``_faults``: fault plans, injected by composition into the real code
+- ``_moshpit``: the Moshpit grid, its key schedule and group placement
+- ``_allreduce``: the fault-tolerant butterfly all-reduce over peer connections
+- ``_matchmaking``: leader-based group formation over the DHT
+- ``_averager``: ``Averager``, one Moshpit round per ``step()``
+- ``_state_transfer``: newcomers download the current state from donors
 """
+
+from ._allreduce import AllReduceConfig, AllReduceResult, all_reduce, serve_allreduce
+from ._averager import Averager, AveragerConfig, StepInProgressError, StepResult
+from ._codecs import FLOAT16, NONE, UINT4, UINT8, Codec, CodecKind
+from ._faults import FaultPlan, InjectedFault, MemberFault
+from ._group import Group, GroupMember, MemberMode
+from ._matchmaking import MatchmakingConfig
+from ._moshpit import MoshpitGrid, MoshpitState
+from ._state_transfer import (
+    UNCHECKED,
+    LoadedState,
+    StateTransferConfig,
+    load_state_from_peers,
+    serve_state,
+)
+
+__all__ = [
+    "FLOAT16",
+    "NONE",
+    "UINT4",
+    "UINT8",
+    "UNCHECKED",
+    "AllReduceConfig",
+    "AllReduceResult",
+    "Averager",
+    "AveragerConfig",
+    "Codec",
+    "CodecKind",
+    "FaultPlan",
+    "Group",
+    "GroupMember",
+    "InjectedFault",
+    "LoadedState",
+    "MatchmakingConfig",
+    "MemberFault",
+    "MemberMode",
+    "MoshpitGrid",
+    "MoshpitState",
+    "StateTransferConfig",
+    "StepInProgressError",
+    "StepResult",
+    "all_reduce",
+    "load_state_from_peers",
+    "serve_allreduce",
+    "serve_state",
+]

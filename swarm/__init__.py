@@ -19,16 +19,21 @@ Implementation lives in private modules (``_identity.py`` ...); this module
 only re-exports the public names.
 """
 
+from typing import TYPE_CHECKING
+
 from ._clock import ManualClock, WallClock, system_clock
+from ._connections import ConnectionConfig, Connections, Handler, Stream, open_connections
 from ._errors import (
     BootstrapError,
     ClosedError,
     ConfigError,
     DeadlineError,
+    EndOfStreamError,
     PeerUnreachableError,
     ProtocolError,
     RecordRejectedError,
     RejectReason,
+    StreamResetError,
     SwarmError,
 )
 from ._identity import Identity, PeerID, verify_signature
@@ -38,6 +43,10 @@ from ._wire import pack, unpack
 # import the core: import it on first use so that importing the core alone
 # never imports dht.
 _FACADE = {"AsyncPeer", "Peer", "PeerConfig", "SyncDHT", "open_peer"}
+
+
+if TYPE_CHECKING:
+    from ._peer import AsyncPeer, Peer, PeerConfig, SyncDHT, open_peer
 
 
 def __getattr__(name: str) -> object:
@@ -52,7 +61,11 @@ __all__ = [  # noqa: RUF022 - grouped: core names, then the peer facade
     "BootstrapError",
     "ClosedError",
     "ConfigError",
+    "ConnectionConfig",
+    "Connections",
     "DeadlineError",
+    "EndOfStreamError",
+    "Handler",
     "Identity",
     "ManualClock",
     "PeerID",
@@ -60,8 +73,11 @@ __all__ = [  # noqa: RUF022 - grouped: core names, then the peer facade
     "ProtocolError",
     "RecordRejectedError",
     "RejectReason",
+    "Stream",
+    "StreamResetError",
     "SwarmError",
     "WallClock",
+    "open_connections",
     "pack",
     "system_clock",
     "unpack",
