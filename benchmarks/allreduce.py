@@ -39,6 +39,11 @@ import torch
 
 CHECK_CHUNK = 1 << 20
 
+# Python puts this script's directory first on sys.path, where benchmarks/dht.py
+# would shadow the dht package that averaging imports.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
 
 def fill(x: torch.Tensor, rank: int) -> None:
     for start in range(0, x.numel(), CHECK_CHUNK):
