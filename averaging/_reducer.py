@@ -132,10 +132,17 @@ class PartReducer:
             return self.fail(sender)
         w = self._weights[sender]
         start, end = self._offsets[chunk], self._offsets[chunk + 1]
-        if self._contributors[chunk]:
-            self._acc[start:end].add_(values.reshape(-1), alpha=w)
-        else:  # the first contribution overwrites: no need to zero the accumulator
-            torch.mul(values.reshape(-1), w, out=self._acc[start:end])
+        acc = self._acc[start:end]
+        contributors = self._contributors[chunk]
+        if not contributors:
+            # Kept unscaled: a chunk with one contributor is then exactly its
+            # values, not values * w / w. Overwriting also spares zero-filling.
+            acc.copy_(values.reshape(-1))
+        else:
+            if len(contributors) == 1:
+                (first,) = contributors
+                acc.mul_(self._weights[first])
+            acc.add_(values.reshape(-1), alpha=w)
         self._weight_sum[chunk] += w
         self._contributors[chunk].add(sender)
         self._delivered[sender] = chunk + 1
@@ -159,7 +166,8 @@ class PartReducer:
             c = self.completed
             total = self._weight_sum[c]
             if total > 0:
-                self._acc[self._offsets[c] : self._offsets[c + 1]].div_(total)
+                if len(self._contributors[c]) > 1:
+                    self._acc[self._offsets[c] : self._offsets[c + 1]].div_(total)
                 self._has_result[c] = True
             self.completed += 1
         return range(first, self.completed)

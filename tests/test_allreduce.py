@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 import torch
@@ -409,3 +410,30 @@ async def test_member_entering_late_is_waited_for_when_serving_up_front() -> Non
         result = results[i]
         assert result is not None and not result.failed_reducers and not result.failed_senders
         assert torch.allclose(x[i], mean, atol=1e-6)
+
+
+async def test_caller_cancellation_propagates_cleanly() -> None:
+    async with open_peers(2) as nets:
+        groups = make_groups(nets)
+        x = member_data(0)
+        # Member 1 never starts, so member 0 is still waiting when its caller gives up.
+        with trio.move_on_after(0.2) as scope:
+            await all_reduce(nets[0], groups[0], [x], config=CONFIG)
+        assert scope.cancelled_caught
+        assert torch.equal(x, member_data(0))
+        # The peer is usable for the next round at once.
+        serve_allreduce(nets[1])
+        later = make_groups(nets, group_id=b"group-2")
+        y = [member_data(0), member_data(1)]
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(partial(all_reduce, nets[i], later[i], [y[i]], config=CONFIG))
+        assert torch.allclose(y[0], (member_data(0) + member_data(1)) / 2, atol=1e-6)
+
+
+async def test_group_of_one_keeps_its_values() -> None:
+    async with open_peers(1) as nets:
+        x = member_data(0)
+        result = await all_reduce(nets[0], make_groups(nets)[0], [x], weight=3.0, config=CONFIG)
+    assert torch.equal(x, member_data(0))
+    assert result.part_contributors(0) == {0} and not result.failed_reducers

@@ -160,3 +160,12 @@ async def test_fault_plan_hooks() -> None:
         await bad.before_reply(0)
     with pytest.raises(ValueError):
         MemberFault(cancel_before_chunk=0)
+
+
+def test_single_contributor_is_exact() -> None:
+    x = data(0, 4) / 3
+    r = PartReducer([4], {0: 3.0, 1: 1.0})
+    r.add(0, 0, x)
+    r.fail(1)
+    res = r.result(0)
+    assert res is not None and torch.equal(res, x)
