@@ -168,7 +168,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.profile:
         import cProfile
 
-        profiler = cProfile.Profile()
+        profiler = cProfile.Profile(time.process_time)
         profiler.enable()
     result = run_gloo(args, directory) if args.impl == "gloo" else run_ours(args, directory)
     if args.profile:
