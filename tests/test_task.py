@@ -266,3 +266,27 @@ def test_load_task_errors(tmp_path: Path, spec: str, match: str) -> None:
     }
     with pytest.raises(ConfigError, match=match):
         load_task(spec.format(**paths))
+
+
+def test_seeded_builds_agree_across_threads() -> None:
+    import threading
+
+    from trainer import load_task
+
+    task = load_task("digits")
+    weights: list[list[torch.Tensor]] = []
+    lock = threading.Lock()
+
+    def build() -> None:
+        for _ in range(20):
+            model, _, _ = task.build(seed=7)
+            with lock:
+                weights.append([p.detach().clone() for p in model.parameters()])
+
+    threads = [threading.Thread(target=build) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for other in weights[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(weights[0], other, strict=True))

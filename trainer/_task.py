@@ -29,6 +29,7 @@ import hashlib
 import importlib.util
 import re
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,12 +195,17 @@ def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+#: torch's default generator is process-wide: two threads seeding it at once
+#: (several peers in one process) would interleave and build different weights.
+_GLOBAL_RNG = threading.Lock()
+
+
 @contextlib.contextmanager
 def _seeded(seed: int | None) -> Iterator[None]:
     if seed is None:
         yield
         return
-    with torch.random.fork_rng(devices=[]):
+    with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
 
