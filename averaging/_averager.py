@@ -153,6 +153,16 @@ class Averager:
         serve_allreduce(self.peer.connections)
         self._busy = False
 
+    def set_grid(self, grid: MoshpitGrid) -> None:
+        """Use ``grid`` from the next round on (e.g. the swarm grew past a group).
+
+        This peer takes its initial cell on the new grid; the round is kept.
+        """
+        if grid == self.grid:
+            return
+        self.grid = grid
+        self.state = MoshpitState(self.state.round, grid.initial_coordinates(self.peer.peer_id))
+
     @property
     def mode(self) -> MemberMode:
         if self.peer.client_mode:
@@ -165,7 +175,12 @@ class Averager:
         return GroupMember(self.peer.peer_id, host, port, bandwidth, self.mode)
 
     async def step(
-        self, weight: float = 1.0, *, timeout: float | None = None, round: int | None = None
+        self,
+        weight: float = 1.0,
+        *,
+        timeout: float | None = None,
+        round: int | None = None,
+        expected_peers: int | None = None,
     ) -> StepResult:
         """Run one averaging round; returns what happened.
 
@@ -176,7 +191,8 @@ class Averager:
         ``config.step_bound``) with ``group=None`` when no group formed: the
         tensors then keep their local values. Raises ``StepInProgressError`` if
         another step of this averager is running. On cancellation the tensors
-        hold whole chunks, each either averaged or local.
+        hold whole chunks, each either averaged or local. ``expected_peers``
+        (this one included) lets a group close as soon as they all joined.
         """
         if self._busy:
             raise StepInProgressError(f"averager {self.prefix!r} is already running a step")
@@ -186,16 +202,19 @@ class Averager:
         try:
             if round is not None:
                 self.state = MoshpitState(round, self.state.coordinates)
-            return await self._step(weight, self.config.step_bound if timeout is None else timeout)
+            bound = self.config.step_bound if timeout is None else timeout
+            return await self._step(weight, bound, expected_peers)
         finally:
             self._busy = False
 
-    async def _step(self, weight: float, timeout: float) -> StepResult:
+    async def _step(self, weight: float, timeout: float, expected: int | None) -> StepResult:
         state = self.state
         key = state.key(self.grid, self.prefix)
         group: Group | None = None
         with trio.move_on_after(timeout):
-            group = await self._matchmaker.find_group(key, self._member())
+            if expected is not None and self.grid.dimensions > 1:
+                expected = None  # a key holds only part of the swarm: no estimate
+            group = await self._matchmaker.find_group(key, self._member(), expected=expected)
             if group is None:
                 self.state = state.after_missed_round()
                 log.info("round %d: no group under %s; keeping local values", state.round, key)

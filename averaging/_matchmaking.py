@@ -250,10 +250,15 @@ class _Slot:
 class Lobby:
     """This peer as a leader for one key: the followers it admitted so far."""
 
-    def __init__(self, key: str, me: GroupMember, config: MatchmakingConfig) -> None:
+    def __init__(
+        self, key: str, me: GroupMember, config: MatchmakingConfig, expected: int | None = None
+    ) -> None:
         self.key = key
         self.me = me
         self.config = config
+        #: close as soon as this many members are in (the caller knows how many
+        #: peers are looking); never more than the target group size
+        self.capacity = min(config.target_group_size, expected or config.target_group_size)
         self.slots: dict[PeerID, _Slot] = {}
         self.following: Candidate | None = None
         self.closed = False
@@ -265,7 +270,7 @@ class Lobby:
 
     @property
     def full(self) -> bool:
-        return len(self.slots) + 1 >= self.config.target_group_size
+        return len(self.slots) + 1 >= self.capacity
 
     def admit(self, member: GroupMember) -> tuple[list[Any], _Slot | None]:
         """Decide on a join request: the reply and, if admitted, its slot."""
@@ -277,7 +282,7 @@ class Lobby:
             return ["refused", "a client-mode peer does not lead groups"], None
         if member.peer_id in self.slots:
             return ["refused", "already admitted"], None
-        if self.full:
+        if len(self.slots) + 1 >= self.config.target_group_size:
             return ["refused", "group is full"], None
         slot = self.slots[member.peer_id] = _Slot(member)
         self._touch()
@@ -395,13 +400,18 @@ class Matchmaker:
 
     # looking for a group
 
-    async def find_group(self, key: str, me: GroupMember) -> Group | None:
+    async def find_group(
+        self, key: str, me: GroupMember, *, expected: int | None = None
+    ) -> Group | None:
         """Form or join a group under ``key``; None if none formed in time.
 
-        Returns within ``config.bound`` seconds. Cancellation disbands this
-        peer's followers (they look elsewhere) and propagates.
+        ``expected`` is how many peers (this one included) the caller knows to
+        be looking under this key: a leader closes its group as soon as that
+        many are in, instead of waiting out ``matchmaking_time``. Returns within
+        ``config.bound`` seconds. Cancellation disbands this peer's followers
+        (they look elsewhere) and propagates.
         """
-        lobby = Lobby(key, me, self.config)
+        lobby = Lobby(key, me, self.config, expected)
         join_by = self.peer.dht.now() + self.config.matchmaking_time
         me_candidate = Candidate(me, join_by)
         outcome: list[Group | None] = []

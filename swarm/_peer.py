@@ -64,12 +64,36 @@ class AsyncPeer:
     """A running peer (made by ``open_peer``): ``.dht``, ``.connections``, ``.address``."""
 
     def __init__(
-        self, identity: Identity, config: PeerConfig, dht: DHTNode, connections: Connections
+        self,
+        identity: Identity,
+        config: PeerConfig,
+        dht: DHTNode,
+        connections: Connections,
+        services: trio.Nursery,
     ) -> None:
         self.identity = identity
         self.config = config
         self.dht = dht
         self.connections = connections
+        self._services = services
+
+    async def start_service(
+        self, fn: Callable[..., Awaitable[Any]], *args: Any
+    ) -> trio.CancelScope:
+        """Run ``fn(*args, task_status=...)`` as a service of this peer.
+
+        Starts it with ``nursery.start`` (so it is ready when this returns) in a
+        nursery the peer owns: it stops when the peer stops, or earlier when the
+        returned cancel scope is cancelled.
+        """
+        scope = trio.CancelScope()
+
+        async def run(task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
+            with scope:
+                await fn(*args, task_status=task_status)
+
+        await self._services.start(run)
+        return scope
 
     @property
     def peer_id(self) -> PeerID:
@@ -147,8 +171,9 @@ async def open_peer(
                     where = format_address(config.host, config.port)
                     raise ConfigError(f"cannot listen on {where}: {e.strerror or e}") from e
                 raise e from e.__cause__
-            async with stack:
-                yield AsyncPeer(identity, config, dht, connections)
+            async with stack, trio.open_nursery() as services:
+                yield AsyncPeer(identity, config, dht, connections, services)
+                services.cancel_scope.cancel()
             return
 
 
@@ -167,9 +192,7 @@ class SyncDHT:
         subkey: str | bytes | int | None = None,
     ) -> bool:
         async def store() -> bool:
-            return await self._peer.async_peer.dht.store(
-                key, value, expiration_time, subkey=subkey
-            )
+            return await self._peer.async_peer.dht.store(key, value, expiration_time, subkey=subkey)
 
         return self._peer.run(store)
 
@@ -257,6 +280,16 @@ class Peer:
             raise ClosedError("the peer is not running")
         return trio.from_thread.run(fn, *args, trio_token=self._token)
 
+    def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run plain ``fn(*args)`` on the peer's trio thread, blocking until done.
+
+        Code that mutates state which the peer's services read (e.g. a donor's
+        state snapshot) runs here, so the two never interleave.
+        """
+        if self._token is None or self._thread is None:
+            raise ClosedError("the peer is not running")
+        return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+
     @property
     def peer_id(self) -> PeerID:
         return self._identity.peer_id
@@ -264,4 +297,3 @@ class Peer:
     @property
     def address(self) -> str:
         return self.async_peer.address
-

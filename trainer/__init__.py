@@ -5,24 +5,33 @@ Modules:
 - ``_task``: the task API (model, data stream, loss, evaluation) and ``load_task``
 - ``_tasks_digits``: the built-in ``digits`` task (scikit-learn's bundled data set)
 - ``_checkpoint``: atomic checkpoint files and checkpoint directories
-
-The collaborative optimizer itself (progress tracking, target-batch
-accumulation, averaging) arrives with the trainer issue.
+- ``_progress``: progress records in the DHT and the swarm's progress estimate
+- ``_optimizer``: ``CollaborativeOptimizer``, one global step per target batch
 """
 
 from ._checkpoint import Checkpoint, CheckpointDir, load_checkpoint, save_checkpoint
+from ._optimizer import CollaborativeConfig, CollaborativeOptimizer, GlobalStep
+from ._progress import PeerProgress, SwarmProgress, estimate, parse_progress, progress_key
 from ._task import Task, builtin_task_names, default_optimizer, load_task, shuffled_batches
 from ._tasks_digits import make_digits_task
 
 __all__ = [
     "Checkpoint",
     "CheckpointDir",
+    "CollaborativeConfig",
+    "CollaborativeOptimizer",
+    "GlobalStep",
+    "PeerProgress",
+    "SwarmProgress",
     "Task",
     "builtin_task_names",
     "default_optimizer",
+    "estimate",
     "load_checkpoint",
     "load_task",
     "make_digits_task",
+    "parse_progress",
+    "progress_key",
     "save_checkpoint",
     "shuffled_batches",
 ]

@@ -1,0 +1,125 @@
+"""The training loop of one peer: a task, a collaborative optimizer, until done.
+
+``swarm train``, the examples, the tests and the benchmark all run this loop, so
+what they measure is what users run.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swarm import Peer
+
+from ._optimizer import CollaborativeConfig, CollaborativeOptimizer
+from ._task import Task
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """What one peer trains, and for how long."""
+
+    run_id: str = "swarm"
+    target_batch_size: int = 256
+    #: per-peer batch size; None: the task's default
+    batch_size: int | None = None
+    #: stop after this many global steps (epochs); None: until stopped
+    max_epochs: int | None = None
+    #: evaluate every this many epochs (0: only at the end)
+    eval_every: int = 5
+    #: seed of the model's initial weights: every peer of a run must use the same
+    model_seed: int = 0
+    #: seed of this peer's data stream: peers should differ
+    data_seed: int = 0
+    checkpoint_dir: Path | None = None
+    optimizer: CollaborativeConfig = field(default_factory=CollaborativeConfig)
+
+
+@dataclass
+class TrainingReport:
+    epochs: int = 0
+    local_steps: int = 0
+    samples: int = 0
+    wall_seconds: float = 0.0
+    averaging_seconds: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+    #: epoch -> group size of the gradient averaging (0: no group)
+    groups: dict[int, int] = field(default_factory=dict)
+
+
+def train(
+    peer: Peer,
+    task: Task[Any],
+    config: TrainingConfig,
+    *,
+    stop: threading.Event | None = None,
+    on_epoch: Callable[[CollaborativeOptimizer, TrainingReport], None] | None = None,
+) -> TrainingReport:
+    """Train ``task`` with the swarm until ``max_epochs`` or until ``stop`` is set.
+
+    Returns what happened. The optimizer is closed on the way out (final
+    checkpoint, progress record withdrawn), also on an exception.
+    """
+    model, inner, scheduler = task.build(seed=config.model_seed)
+    batch_size = config.batch_size or task.batch_size
+    report = TrainingReport()
+    started = time.monotonic()
+    batches = task.batches(config.data_seed, batch_size)
+    with CollaborativeOptimizer(
+        peer,
+        run_id=config.run_id,
+        params=model.parameters(),
+        optimizer=inner,
+        scheduler=scheduler,
+        target_batch_size=config.target_batch_size,
+        batch_size_per_step=batch_size,
+        config=config.optimizer,
+        checkpoint_dir=config.checkpoint_dir,
+    ) as opt:
+        while not (stop is not None and stop.is_set()):
+            if config.max_epochs is not None and opt.epoch >= config.max_epochs:
+                break
+            model.train()
+            loss, size = task.loss(model, next(batches))
+            loss.backward()
+            stepped = opt.step(size, loss=float(loss.detach()))
+            opt.zero_grad()
+            report.local_steps += 1
+            report.samples += size
+            if not stepped:
+                continue
+            step = opt.last_step
+            if step is not None:
+                report.averaging_seconds += step.averaging_seconds
+                members = step.averaging.members if step.averaging is not None else ()
+                report.groups[step.epoch] = len(members)
+            if config.eval_every and opt.epoch % config.eval_every == 0:
+                report.metrics = _evaluate(task, model, opt)
+            report.epochs = opt.epoch
+            if on_epoch is not None:
+                on_epoch(opt, report)
+        report.epochs = opt.epoch
+        report.metrics = _evaluate(task, model, opt)
+    report.wall_seconds = time.monotonic() - started
+    return report
+
+
+def _evaluate(
+    task: Task[Any], model: torch.nn.Module, opt: CollaborativeOptimizer
+) -> dict[str, float]:
+    metrics = task.run_evaluation(model)
+    if "accuracy" in metrics:
+        opt.report_accuracy(metrics["accuracy"])
+    log.info(
+        "epoch %d: %s", opt.epoch, ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()))
+    )
+    return metrics

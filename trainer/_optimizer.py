@@ -1,0 +1,564 @@
+"""``CollaborativeOptimizer``: one global optimizer step per ``target_batch_size``
+samples of the whole swarm (DeDLOC, Diskin et al. 2021).
+
+The user's loop is an ordinary PyTorch loop::
+
+    loss.backward(); opt.step(); opt.zero_grad()
+
+``step()`` adds this batch's gradients (times its size) to an accumulator and
+reports progress to the DHT. When the swarm as a whole has accumulated
+``target_batch_size`` samples, every live peer averages its accumulated mean
+gradient with a Moshpit group, weighted by its sample count, then takes the
+inner optimizer's step: the epoch advances. A peer that finds no group applies
+its own gradients and says so in its log; none waits longer than
+``averaging_timeout``.
+
+Threads: the training loop calls ``step()`` from its own thread. All network
+work, and every change to parameters or optimizer state, runs on the peer's
+trio thread (``Peer.run``/``run_sync``), so the state a donor sends to a
+newcomer is always a whole step's state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+from averaging import (
+    UNCHECKED,
+    Averager,
+    AveragerConfig,
+    LoadedState,
+    MoshpitGrid,
+    StateTransferConfig,
+    StepResult,
+    load_state_from_peers,
+    serve_state,
+)
+from dht import owner_marker
+from swarm import ConfigError, Peer, SwarmError
+
+from ._checkpoint import Checkpoint, CheckpointDir
+from ._progress import (
+    PeerProgress,
+    RateMeter,
+    SwarmProgress,
+    estimate,
+    parse_progress,
+    progress_key,
+)
+
+log = logging.getLogger(__name__)
+
+LRScheduler = torch.optim.lr_scheduler.LRScheduler
+
+
+@dataclass(frozen=True)
+class CollaborativeConfig:
+    """How a peer takes part in collaborative training; validated on construction."""
+
+    averaging: AveragerConfig = field(default_factory=AveragerConfig)
+    #: no peer blocks longer than this in one averaging round (seconds)
+    averaging_timeout: float = 60.0
+    #: how often a peer publishes its progress and re-reads the swarm's (seconds)
+    progress_interval: float = 1.0
+    #: peers silent for this long are presumed gone (and their records expire)
+    progress_ttl: float = 30.0
+    #: average parameters and optimizer state every this many epochs (0: never)
+    state_averaging_interval: int = 10
+    #: write a checkpoint every this many epochs (with a checkpoint directory)
+    checkpoint_every: int = 10
+    #: how long a newcomer or a peer that fell behind tries to download the state
+    load_state_timeout: float = 60.0
+    state_transfer: StateTransferConfig = field(default_factory=StateTransferConfig)
+
+    def __post_init__(self) -> None:
+        bound = self.averaging.matchmaking.bound
+        if not (math.isfinite(self.averaging_timeout) and self.averaging_timeout > bound):
+            raise ConfigError(
+                f"averaging_timeout ({self.averaging_timeout}s) must exceed the matchmaking bound "
+                f"({bound:g}s = matchmaking_time + 2 * request_timeout), or no group can form"
+            )
+        if not 0 < self.progress_interval < self.progress_ttl:
+            raise ConfigError(
+                f"progress_interval ({self.progress_interval}s) must be positive and below "
+                f"progress_ttl ({self.progress_ttl}s), or live peers look gone"
+            )
+        if self.state_averaging_interval < 0 or self.checkpoint_every < 1:
+            raise ConfigError("state_averaging_interval must be >= 0 and checkpoint_every >= 1")
+        if self.load_state_timeout <= 0:
+            raise ConfigError("load_state_timeout must be positive")
+
+
+@dataclass(frozen=True)
+class GlobalStep:
+    """What the last global step did (for logs, tests and benchmarks)."""
+
+    epoch: int
+    samples: int
+    averaging: StepResult | None
+    averaging_seconds: float
+
+
+class CollaborativeOptimizer:
+    """Wraps a torch optimizer so that a swarm of peers trains as one.
+
+    ``peer`` is a running sync ``swarm.Peer``. ``params`` are the parameters the
+    ``optimizer`` updates (every peer of a run has the same architecture).
+    ``batch_size_per_step`` is the default number of samples behind one
+    ``step()``. With ``checkpoint_dir`` the state is saved every
+    ``config.checkpoint_every`` epochs and at ``close()``, and resumed on start
+    (unless the swarm is further ahead). Raises ``ConfigError`` for settings
+    that cannot work.
+    """
+
+    def __init__(
+        self,
+        peer: Peer,
+        *,
+        run_id: str,
+        params: Iterable[torch.nn.Parameter],
+        optimizer: torch.optim.Optimizer,
+        target_batch_size: int,
+        batch_size_per_step: int,
+        scheduler: LRScheduler | None = None,
+        config: CollaborativeConfig | None = None,
+        checkpoint_dir: str | Path | None = None,
+        load_state: bool = True,
+    ) -> None:
+        if not run_id or len(run_id) > 64 or any(c.isspace() or c in "[]" for c in run_id):
+            raise ConfigError(f"run_id {run_id!r} must be 1-64 characters, no spaces or brackets")
+        if target_batch_size < 1 or batch_size_per_step < 1:
+            raise ConfigError("target_batch_size and batch_size_per_step must be at least 1")
+        self.peer = peer
+        self.run_id = run_id
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ConfigError("no trainable parameters")
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.target_batch_size = target_batch_size
+        self.batch_size_per_step = batch_size_per_step
+        self.config = config or CollaborativeConfig()
+        self.epoch = 0
+        self.last_step: GlobalStep | None = None
+        self.loss: float | None = None
+        self.accuracy: float | None = None
+        self._grads = [
+            torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params
+        ]
+        self._samples = 0
+        self._rate = RateMeter()
+        self._swarm: SwarmProgress | None = None
+        self._swarm_time = -math.inf
+        self._samples_at_read = 0
+        self._last_publish = -math.inf
+        self._checkpoints = CheckpointDir(Path(checkpoint_dir)) if checkpoint_dir else None
+        self._grad_averager = Averager(
+            peer,
+            self._grads,
+            prefix=f"{run_id}.grads",
+            config=self.config.averaging,
+            grid=self._grid(1),
+        )
+        self._state_averager: Averager | None = None
+        self._closed = False
+        self._donor = peer.run(self._start_donor)
+        if self._checkpoints is not None:
+            self._resume_from_checkpoint()
+        if load_state:
+            self._catch_up(initial=True)
+        self._publish(force=True)
+
+    # -- the user's API ---------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the parameters' ``.grad`` (the accumulated gradients are kept)."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, batch_size: int | None = None, *, loss: float | None = None) -> bool:
+        """Account for one local batch; take the global step when the swarm is ready.
+
+        Returns True if a global step (averaging and the inner optimizer step)
+        happened. Blocks at most ``averaging_timeout`` for averaging, plus the
+        time to download the state when this peer fell behind the swarm.
+        """
+        if self._closed:
+            raise ConfigError("the optimizer is closed")
+        size = self.batch_size_per_step if batch_size is None else batch_size
+        with torch.no_grad():
+            for acc, p in zip(self._grads, self.params, strict=True):
+                if p.grad is not None:
+                    acc.add_(p.grad, alpha=size)
+        self._samples += size
+        if loss is not None:
+            self.loss = loss if self.loss is None else 0.9 * self.loss + 0.1 * loss
+        now = time.monotonic()
+        self._rate.update(now, size)
+        swarm = self._progress(now)
+        if swarm.epoch > self.epoch:
+            log.info(
+                "epoch %d is behind the swarm's %d: downloading its state", self.epoch, swarm.epoch
+            )
+            self._catch_up(initial=False)
+            return False
+        if not self._ready(swarm):
+            return False
+        self._global_step(alone=swarm.num_peers <= 1)
+        return True
+
+    def report_accuracy(self, accuracy: float) -> None:
+        """Publish this peer's latest evaluation accuracy (shown by ``swarm status``)."""
+        self.accuracy = accuracy
+        self._publish(force=True)
+
+    def swarm_progress(self) -> SwarmProgress:
+        """The swarm's progress as last read from the DHT."""
+        return self._progress(time.monotonic())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        def load() -> None:
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.scheduler is not None and state.get("scheduler") is not None:
+                self.scheduler.load_state_dict(state["scheduler"])
+            self.epoch = int(state["epoch"])
+
+        self.peer.run_sync(load)
+
+    def close(self) -> None:
+        """Save a final checkpoint, stop serving state and leave the progress table."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._checkpoints is not None:
+            self._save_checkpoint()
+        try:
+            self.peer.run_sync(self._donor.cancel)
+            self.peer.run(self._withdraw)
+        except SwarmError as e:
+            log.debug("could not withdraw from the swarm cleanly: %s", e)
+
+    def __enter__(self) -> CollaborativeOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- progress ---------------------------------------------------------------
+
+    def _ready(self, swarm: SwarmProgress) -> bool:
+        """Has the swarm reached the target batch? What the others reported at the
+        last reading, plus everything this peer has now. Other peers' rates are
+        not extrapolated: a peer busy averaging or loading state computes nothing,
+        and counting samples nobody computed would shrink the global batch."""
+        return swarm.reported - self._samples_at_read + self._samples >= self.target_batch_size
+
+    def _near_target(self, swarm: SwarmProgress, age: float) -> bool:
+        """Would the swarm have reached the target if everyone kept computing?"""
+        extrapolated = swarm.samples + swarm.samples_per_second * age
+        return extrapolated - self._samples_at_read + self._samples >= self.target_batch_size
+
+    def _record(self) -> PeerProgress:
+        return PeerProgress(
+            self.peer.peer_id,
+            self.epoch,
+            self._samples,
+            self._rate.rate,
+            self.peer.async_peer.dht.now(),
+            self.loss,
+            self.accuracy,
+            self.peer.async_peer.client_mode,
+        )
+
+    def _publish(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_publish < self.config.progress_interval:
+            return
+        self._last_publish = now
+        record = self._record()
+
+        async def publish() -> None:
+            dht = self.peer.async_peer.dht
+            await dht.store(
+                progress_key(self.run_id),
+                record.to_value(),
+                dht.now() + self.config.progress_ttl,
+                subkey=owner_marker(self.peer.peer_id),
+            )
+
+        try:
+            self.peer.run(publish)
+        except SwarmError as e:
+            log.warning("could not publish progress: %s", e)
+
+    def _progress(self, now: float) -> SwarmProgress:
+        age = now - self._swarm_time
+        # Near the target, read again sooner: the sooner every peer sees the
+        # target reached, the less the global batch overshoots it.
+        fresh = age < self.config.progress_interval
+        if self._swarm is not None and fresh and (
+            not self._near_target(self._swarm, age) or age < self.config.progress_interval / 10
+        ):
+            return self._swarm
+        self._publish(force=True)
+
+        async def read() -> list[PeerProgress]:
+            return parse_progress(await self.peer.async_peer.dht.get(progress_key(self.run_id)))
+
+        try:
+            records = self.peer.run(read)
+        except SwarmError as e:
+            log.warning("could not read the swarm's progress: %s", e)
+            records = []
+        mine = self._record()
+        records = [r for r in records if r.peer_id != mine.peer_id] + [mine]
+        self._swarm = estimate(
+            records,
+            now=self.peer.async_peer.dht.now(),
+            target_batch_size=self.target_batch_size,
+            stale_after=self.config.progress_ttl,
+        )
+        self._swarm_time = now
+        self._samples_at_read = mine.samples
+        grid = self._grid(self._swarm.num_peers)
+        self._grad_averager.set_grid(grid)
+        return self._swarm
+
+    def _grid(self, peers: int) -> MoshpitGrid:
+        # Peers must agree on the grid to meet, but count the swarm a little
+        # differently: round up to a power of two so that they mostly agree.
+        rounded = 1 << max(0, math.ceil(math.log2(max(1, peers))))
+        target = self.config.averaging.matchmaking.target_group_size
+        return MoshpitGrid.for_swarm(rounded, max(2, target))
+
+    async def _withdraw(self) -> None:
+        dht = self.peer.async_peer.dht
+        record = self._record()
+        value = record.to_value() | {"time": dht.now() - self.config.progress_ttl}
+        # a record that is already stale: readers treat this peer as gone
+        await dht.store(
+            progress_key(self.run_id),
+            value,
+            dht.now() + 1.0,
+            subkey=owner_marker(self.peer.peer_id),
+        )
+
+    # -- the global step ----------------------------------------------------------
+
+    def _global_step(self, *, alone: bool = False) -> None:
+        samples = self._samples
+        started = time.monotonic()
+        with torch.no_grad():
+            for acc in self._grads:
+                acc.div_(max(1, samples))
+        result: StepResult | None = None
+        if alone:
+            log.info("epoch %d: no other peer is training; applying local gradients", self.epoch)
+        else:
+            expected = self._swarm.num_peers_at_epoch if self._swarm is not None else None
+            result = self._average_gradients(samples, expected)
+        seconds = time.monotonic() - started
+        self._rate.pause()
+        self.peer.run_sync(self._apply_gradients)
+        self.last_step = GlobalStep(self.epoch, samples, result, seconds)
+        interval = self.config.state_averaging_interval
+        if interval and self.epoch % interval == 0 and not alone:
+            self._average_state()
+        if self._checkpoints is not None and self.epoch % self.config.checkpoint_every == 0:
+            self._save_checkpoint()
+        self._swarm = None
+        self._publish(force=True)
+
+    def _average_gradients(self, samples: int, expected: int | None) -> StepResult | None:
+        result: StepResult | None = None
+        try:
+            result = self.peer.run(
+                partial(
+                    self._grad_averager.step,
+                    float(samples),
+                    timeout=self.config.averaging_timeout,
+                    round=self.epoch,
+                    expected_peers=expected,
+                )
+            )
+        except SwarmError as e:
+            log.warning("epoch %d: averaging failed (%s); applying local gradients", self.epoch, e)
+        if result is not None and result.group is None:
+            log.info("epoch %d: %s; applying local gradients", self.epoch, result.reason)
+        elif result is not None:
+            log.info("epoch %d: averaged gradients with %d peers", self.epoch, len(result.members))
+        return result
+
+    def _apply_gradients(self) -> None:
+        """On the trio thread: the inner step, then a fresh accumulator."""
+        with torch.no_grad():
+            for acc, p in zip(self._grads, self.params, strict=True):
+                p.grad = acc.clone()
+                acc.zero_()
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._samples = 0
+        self.epoch += 1
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        tensors: list[torch.Tensor] = [p.data for p in self.params]
+        for p in self.params:
+            for value in self.optimizer.state.get(p, {}).values():
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim():
+                    tensors.append(value)
+        return tensors
+
+    def _average_state(self) -> None:
+        """Average parameters and optimizer state so Moshpit groups do not drift."""
+        tensors = self._state_tensors()
+        if self._state_averager is None or len(self._state_averager.tensors) != len(tensors):
+            self._state_averager = Averager(
+                self.peer,
+                tensors,
+                prefix=f"{self.run_id}.state",
+                config=self.config.averaging,
+                grid=self._grid(self._swarm.num_peers if self._swarm else 1),
+            )
+        else:
+            self._state_averager.tensors = tensors
+        try:
+            result = self.peer.run(
+                partial(
+                    self._state_averager.step,
+                    1.0,
+                    timeout=self.config.averaging_timeout,
+                    round=self.epoch,
+                )
+            )
+            log.info("epoch %d: averaged parameters with %d peers", self.epoch, len(result.members))
+        except SwarmError as e:
+            log.warning("epoch %d: parameter averaging failed: %s", self.epoch, e)
+
+    # -- state sharing ------------------------------------------------------------
+
+    def _donated_state(self) -> tuple[dict[str, Any], Any]:
+        # called on the trio thread, where every change to this state happens
+        return {"epoch": self.epoch}, {
+            "params": [p.detach() for p in self.params],
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+        }
+
+    async def _start_donor(self) -> trio.CancelScope:
+        peer = self.peer.async_peer
+        return await peer.start_service(
+            partial(
+                serve_state,
+                peer,
+                self.run_id,
+                self._donated_state,
+                get_version=lambda: self.epoch,
+                config=self.config.state_transfer,
+            )
+        )
+
+    def _catch_up(self, *, initial: bool) -> None:
+        """Download the swarm's state from a peer that is at least as far as we are."""
+        template = {
+            "params": [p.detach() for p in self.params],
+            "optimizer": UNCHECKED,
+            "scheduler": UNCHECKED,
+        }
+        timeout = self.config.load_state_timeout
+
+        async def load() -> LoadedState | None:
+            return await load_state_from_peers(
+                self.peer.async_peer,
+                self.run_id,
+                template=template,
+                timeout=timeout,
+                min_version=self.epoch if not initial else None,
+                config=self.config.state_transfer,
+            )
+
+        try:
+            loaded = self.peer.run(load)
+        except SwarmError as e:
+            log.warning("could not load the swarm's state: %s", e)
+            return
+        if loaded is None:
+            if not initial:
+                log.warning(
+                    "no peer could send the swarm's state; training on from epoch %d", self.epoch
+                )
+            return
+        epoch = int(loaded.metadata.get("epoch", 0))
+        if initial and epoch < self.epoch:
+            return  # our checkpoint is newer than anything the swarm offers
+
+        def apply() -> None:
+            with torch.no_grad():
+                for p, value in zip(self.params, loaded.state["params"], strict=True):
+                    p.copy_(value)
+            self.optimizer.load_state_dict(loaded.state["optimizer"])
+            if self.scheduler is not None and loaded.state["scheduler"] is not None:
+                self.scheduler.load_state_dict(loaded.state["scheduler"])
+            for acc in self._grads:
+                acc.zero_()
+            self._samples = 0
+            self.epoch = epoch
+
+        self.peer.run_sync(apply)
+        self._swarm = None
+        log.info("loaded the state of epoch %d from %s", epoch, loaded.donor.short())
+
+    # -- checkpoints ----------------------------------------------------------------
+
+    def _save_checkpoint(self) -> None:
+        assert self._checkpoints is not None
+
+        def capture() -> Checkpoint:
+            return Checkpoint(
+                epoch=self.epoch,
+                model={str(i): p.detach().clone() for i, p in enumerate(self.params)},
+                optimizer=self.optimizer.state_dict(),
+                scheduler=None if self.scheduler is None else self.scheduler.state_dict(),
+                extra={"run_id": self.run_id},
+            )
+
+        checkpoint = self.peer.run_sync(capture)
+        path = self._checkpoints.save(checkpoint)
+        log.info("saved checkpoint %s", path)
+
+    def _resume_from_checkpoint(self) -> None:
+        assert self._checkpoints is not None
+        checkpoint = self._checkpoints.latest()
+        if checkpoint is None:
+            return
+        if len(checkpoint.model) != len(self.params):
+            raise ConfigError("the checkpoint does not fit this model: delete it or fix the task")
+
+        def apply() -> None:
+            with torch.no_grad():
+                for i, p in enumerate(self.params):
+                    p.copy_(checkpoint.model[str(i)])
+            self.optimizer.load_state_dict(checkpoint.optimizer)
+            if self.scheduler is not None and checkpoint.scheduler is not None:
+                self.scheduler.load_state_dict(checkpoint.scheduler)
+            self.epoch = checkpoint.epoch
+
+        self.peer.run_sync(apply)
+        log.info("resumed from the checkpoint of epoch %d", checkpoint.epoch)
