@@ -278,7 +278,10 @@ class Peer:
         """Run ``await fn(*args)`` on the peer's trio loop, blocking until done."""
         if self._token is None or self._thread is None:
             raise ClosedError("the peer is not running")
-        return trio.from_thread.run(fn, *args, trio_token=self._token)
+        try:
+            return trio.from_thread.run(fn, *args, trio_token=self._token)
+        except trio.RunFinishedError:
+            raise ClosedError("the peer stopped") from None
 
     def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run plain ``fn(*args)`` on the peer's trio thread, blocking until done.
@@ -288,7 +291,10 @@ class Peer:
         """
         if self._token is None or self._thread is None:
             raise ClosedError("the peer is not running")
-        return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+        try:
+            return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+        except trio.RunFinishedError:
+            raise ClosedError("the peer stopped") from None
 
     @property
     def peer_id(self) -> PeerID:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
+import time
 
+import pytest
 import torch
-from trainer_harness import TrainingPeer, training_config, training_peers
+from trainer_harness import FAST, TrainingPeer, training_config, training_peers
 
+from swarm import SwarmError
 from trainer import CollaborativeOptimizer
 
 
@@ -65,3 +69,100 @@ def test_three_peers_train_digits_together() -> None:
                     assert torch.equal(a, b), f"epoch {epoch}: peers {i} and {j} differ"
                 compared += 1
     assert compared >= 20
+
+
+def _optimizer_tensors(opt: CollaborativeOptimizer) -> list[torch.Tensor]:
+    tensors = []
+    for p in opt.params:
+        for value in opt.optimizer.state.get(p, {}).values():
+            if isinstance(value, torch.Tensor):
+                tensors.append(value.detach().clone())
+    return tensors
+
+
+def test_a_newcomer_starts_from_the_swarms_exact_state() -> None:
+    torch.set_num_threads(1)
+    snapshots: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    lock = threading.Lock()
+
+    def record(opt: CollaborativeOptimizer, report: object) -> None:
+        with lock:
+            snapshots.setdefault(opt.epoch, (_fingerprint(opt), _optimizer_tensors(opt)))
+
+    reached = threading.Event()
+
+    def record_and_signal(opt: CollaborativeOptimizer, report: object) -> None:
+        record(opt, report)
+        if opt.epoch >= 4:
+            reached.set()
+
+    with training_peers(4) as (_, peers):
+        trainers = [
+            TrainingPeer(p, training_config(i, max_epochs=12)) for i, p in enumerate(peers[:3])
+        ]
+        trainers[0].start(on_epoch=record_and_signal)
+        for t in trainers[1:]:
+            t.start(on_epoch=record)
+        assert reached.wait(60)
+        # a fourth peer joins mid-run: before it contributes anything it must
+        # hold exactly the parameters and optimizer state of the swarm's epoch
+        from trainer import load_task
+
+        model, inner, _ = load_task("digits").build(seed=123)  # deliberately other weights
+        newcomer = CollaborativeOptimizer(
+            peers[3],
+            run_id="digits-test",
+            params=model.parameters(),
+            optimizer=inner,
+            target_batch_size=192,
+            batch_size_per_step=32,
+            config=trainers[0].config.optimizer,
+        )
+        try:
+            epoch = newcomer.epoch
+            assert epoch >= 4
+            with lock:
+                expected_params, expected_state = snapshots[epoch]
+            assert all(
+                torch.equal(a, b)
+                for a, b in zip(_fingerprint(newcomer), expected_params, strict=True)
+            )
+            assert all(
+                torch.equal(a, b)
+                for a, b in zip(_optimizer_tensors(newcomer), expected_state, strict=True)
+            )
+        finally:
+            newcomer.close()
+        for t in trainers:
+            assert t.join().epochs == 12
+
+
+def test_the_others_train_on_when_a_peer_is_killed() -> None:
+    torch.set_num_threads(1)
+    epoch_times: dict[int, list[float]] = {0: [], 1: []}
+
+    def timer(i: int):  # type: ignore[no-untyped-def]
+        def on_epoch(opt: CollaborativeOptimizer, report: object) -> None:
+            epoch_times[i].append(time.monotonic())
+
+        return on_epoch
+
+    with training_peers(3) as (_, peers):
+        victim_peer = peers[2]
+
+        def kill_at_epoch_3(opt: CollaborativeOptimizer, report: object) -> None:
+            if opt.epoch == 3:
+                victim_peer.close()  # the process "dies": no goodbye, record left behind
+
+        trainers = [TrainingPeer(p, training_config(i, max_epochs=10)) for i, p in enumerate(peers)]
+        trainers[0].start(on_epoch=timer(0))
+        trainers[1].start(on_epoch=timer(1))
+        trainers[2].start(on_epoch=kill_at_epoch_3)
+        survivors = [trainers[0].join(), trainers[1].join()]
+        with pytest.raises(SwarmError):
+            trainers[2].join()
+    bound = FAST.averaging_timeout + 5.0  # averaging timeout plus an epoch's compute
+    for i, report in enumerate(survivors):
+        assert report.epochs == 10
+        gaps = [b - a for a, b in itertools.pairwise(epoch_times[i])]
+        assert max(gaps) < bound, gaps
