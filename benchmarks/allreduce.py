@@ -241,7 +241,7 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--size", type=int, default=25_000_000)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--chunk-elements", type=int, default=(1 << 18) - 16)
+    parser.add_argument("--chunk-elements", type=int, default=(1 << 19) - 16)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per peer")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--plain-only", action="store_true", help="skip the encrypted run")
