@@ -1,4 +1,7 @@
-"""The ``swarm`` command.
+"""The ``swarm`` command: ``swarm dht``, ``swarm train`` and ``swarm status``.
+
+Configuration is read once, here, into the frozen config dataclasses of the
+layers below; nothing underneath reads the environment or the command line.
 
 Exit codes: 0 done, 1 runtime failure, 2 bad usage or bad configuration (with a
 one-line message that says what to change).
@@ -7,10 +10,16 @@ one-line message that says what to change).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import math
 import signal
+import socket
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -18,9 +27,20 @@ from ._address import parse_address
 from ._errors import BootstrapError, ConfigError, SwarmError, collapse_exception_groups
 from ._identity import Identity
 
+if TYPE_CHECKING:
+    from trainer import CollaborativeConfig, CollaborativeOptimizer, PeerProgress, SwarmProgress
+    from trainer._loop import TrainingReport
+
+    from ._peer import PeerConfig
+
 log = logging.getLogger("swarm")
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+#: The task ``swarm train`` trains when given no ``--task``.
+DEFAULT_TASK = "digits"
+#: Records older than this are from peers presumed gone (CollaborativeConfig's default TTL).
+DEFAULT_STALE_AFTER = 30.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,6 +65,77 @@ def _add_peer_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
+def _add_train_options(parser: argparse.ArgumentParser) -> None:
+    run = parser.add_argument_group("the run (every peer of a run passes the same values)")
+    run.add_argument(
+        "--task",
+        default=DEFAULT_TASK,
+        metavar="NAME|FILE.py:FACTORY",
+        help=f"built-in task name or a file and the function returning a Task "
+        f"(default {DEFAULT_TASK})",
+    )
+    run.add_argument("--run-id", metavar="ID", help="name of the run (default: the task's name)")
+    run.add_argument(
+        "--target-batch-size",
+        type=int,
+        default=256,
+        metavar="N",
+        help="samples the whole swarm processes per global step (default 256)",
+    )
+    run.add_argument(
+        "--matchmaking-time",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long a group leader gathers peers to average with (default 5)",
+    )
+    run.add_argument(
+        "--target-group-size",
+        type=int,
+        default=16,
+        metavar="N",
+        help="peers per averaging group (Moshpit; default 16)",
+    )
+    peer = parser.add_argument_group("this peer")
+    peer.add_argument(
+        "--batch-size", type=int, metavar="N", help="samples per local step (default: the task's)"
+    )
+    peer.add_argument(
+        "--max-epochs", type=int, metavar="N", help="leave after this global step (default: never)"
+    )
+    peer.add_argument(
+        "--averaging-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="longest wait for one averaging round (default: max(60, 2 x matchmaking bound))",
+    )
+    peer.add_argument(
+        "--eval-every",
+        type=int,
+        default=5,
+        metavar="N",
+        help="evaluate every N epochs (0: only at the end; default 5)",
+    )
+    peer.add_argument(
+        "--seed",
+        type=int,
+        metavar="N",
+        help="seed of this peer's data order (default: derived from the peer id)",
+    )
+    peer.add_argument("--checkpoint-dir", metavar="DIR", help="save and resume checkpoints here")
+    peer.add_argument(
+        "--checkpoint-every", type=int, default=10, metavar="N", help="epochs between checkpoints"
+    )
+    peer.add_argument(
+        "--client-mode",
+        action="store_true",
+        help="accept no incoming connections (behind NAT); still trains and averages",
+    )
+    peer.add_argument(
+        "--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="swarm", description="Train one model on many unreliable machines.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -56,6 +147,38 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds between routing/storage reports in the log",
     )
+    train = commands.add_parser(
+        "train",
+        help="train with a swarm (starts a new one without --initial-peer)",
+        description="Train a task with the swarm. Without --initial-peer this peer starts a "
+        "new swarm and prints the command other machines run to join it. "
+        "Ctrl-C or SIGTERM leaves after the current step.",
+    )
+    _add_peer_options(train)
+    _add_train_options(train)
+    status = commands.add_parser(
+        "status", help="show who is training in a run and how far it has got"
+    )
+    status.add_argument(
+        "--initial-peer",
+        action="append",
+        required=True,
+        metavar="HOST:PORT",
+        help="any peer of the swarm (repeat for several)",
+    )
+    status.add_argument("--run-id", default=DEFAULT_TASK, metavar="ID", help="default: digits")
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.add_argument(
+        "--host", help="address to listen on (default: 127.0.0.1 for loopback peers, else 0.0.0.0)"
+    )
+    status.add_argument(
+        "--stale-after",
+        type=float,
+        default=DEFAULT_STALE_AFTER,
+        metavar="SECONDS",
+        help=f"peers silent this long count as gone (default {DEFAULT_STALE_AFTER:g})",
+    )
+    status.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
 
 
@@ -70,15 +193,20 @@ def _configure_logging(verbose: bool) -> None:
             logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def _announce_host(host: str) -> str:
-    if host not in ("0.0.0.0", "::"):
-        return host
-    import socket
+def _is_wildcard(host: str) -> bool:
+    return host in ("0.0.0.0", "::", "")
 
+
+def _announce_host(host: str) -> str:
+    if not _is_wildcard(host):
+        return host
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+# -- swarm dht ------------------------------------------------------------------------
 
 
 async def _run_dht(args: argparse.Namespace) -> int:
@@ -114,13 +242,265 @@ async def _run_dht(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- swarm train ----------------------------------------------------------------------
+
+
+def _collaborative_config(args: argparse.Namespace) -> CollaborativeConfig:
+    from averaging import AveragerConfig, MatchmakingConfig
+    from trainer import CollaborativeConfig
+
+    defaults = MatchmakingConfig()
+    if not (math.isfinite(args.matchmaking_time) and args.matchmaking_time > 0):
+        raise ConfigError(f"--matchmaking-time {args.matchmaking_time} must be positive")
+    matchmaking = MatchmakingConfig(
+        target_group_size=args.target_group_size,
+        min_group_size=min(defaults.min_group_size, args.target_group_size),
+        matchmaking_time=args.matchmaking_time,
+        request_timeout=defaults.request_timeout,
+        # a peer must look for a leader several times within one matchmaking window
+        poll_interval=min(defaults.poll_interval, args.matchmaking_time / 4),
+    )
+    timeout = args.averaging_timeout
+    if timeout is None:
+        timeout = max(60.0, 2 * matchmaking.bound)
+    elif not timeout > matchmaking.bound:
+        raise ConfigError(
+            f"--averaging-timeout {timeout:g} must exceed --matchmaking-time plus two "
+            f"request timeouts ({matchmaking.bound:g}s), or no group can form"
+        )
+    return CollaborativeConfig(
+        averaging=AveragerConfig(matchmaking=matchmaking),
+        averaging_timeout=timeout,
+        checkpoint_every=args.checkpoint_every,
+    )
+
+
+def _check_train_args(args: argparse.Namespace) -> None:
+    for name in ("target_batch_size", "batch_size", "max_epochs", "threads", "checkpoint_every"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.eval_every < 0:
+        raise ConfigError(f"--eval-every must be 0 or more, got {args.eval_every}")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port} is outside 0-65535")
+
+
+def _free_port(host: str) -> int:
+    """A port number free for both TCP and UDP on ``host`` right now."""
+    for _ in range(16):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
+            tcp.bind((host, 0))
+            port: int = tcp.getsockname()[1]
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+                try:
+                    udp.bind((host, port))
+                except OSError:
+                    continue
+                return port
+    raise ConfigError(f"cannot find a free port on {host}: pass --port")
+
+
+def _peer_config(args: argparse.Namespace) -> PeerConfig:
+    from ._peer import PeerConfig
+
+    port, announce = args.port, args.announce
+    if announce is None and _is_wildcard(args.host):
+        # Others cannot dial 0.0.0.0: announce this machine's address, which
+        # needs the port number before the peer starts.
+        if port == 0:
+            port = _free_port(args.host)
+        announce = f"{_announce_host(args.host)}:{port}"
+    return PeerConfig(
+        host=args.host,
+        port=port,
+        initial_peers=tuple(args.initial_peer),
+        announce=announce,
+        client_mode=args.client_mode,
+    )
+
+
+def _join_command(args: argparse.Namespace, address: str, run_id: str) -> str:
+    """The command another machine runs to join this run."""
+    parts = ["swarm", "train", "--initial-peer", address, "--run-id", run_id]
+    if args.task != DEFAULT_TASK:
+        parts += ["--task", args.task]
+    defaults = build_parser().parse_args(["train"])
+    for option in ("target_batch_size", "matchmaking_time", "target_group_size"):
+        value = getattr(args, option)
+        if value != getattr(defaults, option):
+            parts += [
+                f"--{option.replace('_', '-')}",
+                f"{value:g}" if isinstance(value, float) else str(value),
+            ]
+    return " ".join(parts)
+
+
+def _format_metric(value: float | None, spec: str = ".4f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _report_epoch(opt: CollaborativeOptimizer, report: TrainingReport) -> None:
+    """One line per global step on stdout (diagnostics go to the log on stderr)."""
+    swarm = opt.swarm_progress()
+    print(
+        f"epoch {opt.epoch}: loss {_format_metric(opt.loss)}, "
+        f"accuracy {_format_metric(opt.accuracy, '.3f')}, "
+        f"swarm {swarm.samples_per_second:.0f} samples/s, {swarm.num_peers} peers alive",
+        flush=True,
+    )
+
+
+class _StopOnSignal:
+    """SIGINT/SIGTERM set ``stop`` so the training loop leaves after its step;
+    a second SIGINT interrupts at once. Installed in the main thread (Python
+    runs signal handlers only there), restored on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, stop: threading.Event) -> None:
+        self.stop = stop
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.stop.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        log.info("received %s: leaving after this step", signal.Signals(signum).name)
+        self.stop.set()
+
+    def __enter__(self) -> _StopOnSignal:
+        for signum in self.SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+    with _StopOnSignal(stop):
+        _check_train_args(args)
+        from trainer import load_task
+        from trainer._loop import TrainingConfig, train
+
+        from ._peer import Peer
+
+        peer_config = _peer_config(args)
+        optimizer_config = _collaborative_config(args)
+        task = load_task(args.task)
+        run_id = args.run_id or task.name
+        identity = Identity.load_or_create(args.identity) if args.identity else Identity.generate()
+        seed = args.seed
+        if seed is None:
+            seed = int.from_bytes(bytes(identity.peer_id)[:4], "big")
+        config = TrainingConfig(
+            run_id=run_id,
+            target_batch_size=args.target_batch_size,
+            batch_size=args.batch_size,
+            max_epochs=args.max_epochs,
+            eval_every=args.eval_every,
+            data_seed=seed,
+            checkpoint_dir=args.checkpoint_dir,
+            optimizer=optimizer_config,
+        )
+        if args.threads is not None:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        with Peer(identity, peer_config) as peer:
+            print(
+                f"peer {peer.peer_id} listening on {args.host}:{peer.async_peer.port}", flush=True
+            )
+            print(f"training task {task.name} in run {run_id}", flush=True)
+            print(f"join with: {_join_command(args, peer.address, run_id)}", flush=True)
+            report = train(peer, task, config, stop=stop, on_epoch=_report_epoch)
+        how = "stopped" if stop.is_set() else "finished"
+        metrics = ", ".join(f"{k} {v:.4f}" for k, v in sorted(report.metrics.items()))
+        print(f"{how} at epoch {report.epochs}: {metrics}", flush=True)
+    return EXIT_OK
+
+
+# -- swarm status ---------------------------------------------------------------------
+
+
+def _status_object(
+    run_id: str, swarm: SwarmProgress, live: list[PeerProgress], now: float
+) -> dict[str, Any]:
+    return {
+        "run_id": run_id,
+        "epoch": swarm.epoch,
+        "samples_per_second": swarm.samples_per_second,
+        "num_peers": swarm.num_peers,
+        "peers": [
+            {
+                "peer_id": str(record.peer_id),
+                "epoch": record.epoch,
+                "samples": record.samples,
+                "samples_per_second": record.samples_per_second,
+                "loss": record.loss,
+                "accuracy": record.accuracy,
+                "client": record.client,
+                "age": max(0.0, now - record.time),
+            }
+            for record in live
+        ],
+    }
+
+
+def _status_table(status: dict[str, Any]) -> str:
+    lines = [
+        f"run {status['run_id']}: epoch {status['epoch']}, {status['num_peers']} peers, "
+        f"{status['samples_per_second']:.0f} samples/s"
+    ]
+    if status["peers"]:
+        lines.append(f"{'peer':<40}  {'epoch':>5}  {'samples/s':>9}  {'loss':>7}  {'accuracy':>8}")
+    for p in status["peers"]:
+        lines.append(
+            f"{p['peer_id']:<40}  {p['epoch']:>5}  {p['samples_per_second']:>9.1f}  "
+            f"{_format_metric(p['loss']):>7}  {_format_metric(p['accuracy'], '.3f'):>8}"
+            + ("  (client)" if p["client"] else "")
+        )
+    return "\n".join(lines)
+
+
+async def _run_status(args: argparse.Namespace) -> int:
+    from dht import open_dht_node
+    from trainer import estimate, parse_progress, progress_key
+
+    initial = [parse_address(a) for a in args.initial_peer]
+    if not (math.isfinite(args.stale_after) and args.stale_after > 0):
+        raise ConfigError(f"--stale-after {args.stale_after} must be positive")
+    host = args.host
+    if host is None:
+        host = "127.0.0.1" if all(h.startswith("127.") for h, _ in initial) else "0.0.0.0"
+    async with open_dht_node(Identity.generate(), host=host, initial_peers=initial) as node:
+        records = parse_progress(await node.get(progress_key(args.run_id), latest=True))
+        now = node.now()
+    live = sorted(
+        (r for r in records if now - r.time <= args.stale_after), key=lambda r: str(r.peer_id)
+    )
+    swarm = estimate(live, now=now, target_batch_size=1, stale_after=args.stale_after)
+    status = _status_object(args.run_id, swarm, live, now)
+    print(json.dumps(status) if args.json else _status_table(status), flush=True)
+    return EXIT_OK
+
+
+# -- entry point ----------------------------------------------------------------------
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
-    runners = {"dht": _run_dht}
+    runners: dict[str, Callable[[argparse.Namespace], int]] = {
+        "dht": lambda a: trio.run(_run_dht, a),
+        "train": _run_train,
+        "status": lambda a: trio.run(_run_status, a),
+    }
     try:
         with collapse_exception_groups():
-            return trio.run(runners[args.command], args)
+            return runners[args.command](args)
     except (ConfigError, BootstrapError) as e:
         print(f"swarm {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -128,7 +508,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"swarm {args.command}: failed: {e}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
-        return EXIT_OK
+        # `swarm dht` leaves cleanly on SIGINT; a second Ctrl-C during training does not.
+        return EXIT_OK if args.command == "dht" else EXIT_FAILURE
 
 
 if __name__ == "__main__":
