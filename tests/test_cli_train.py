@@ -1,0 +1,143 @@
+"""``swarm train`` and ``swarm status`` as a user runs them: real processes on 127.0.0.1.
+
+The peers train a throttled copy of the built-in digits task (a task file, so
+``--task FILE.py:FACTORY`` is exercised too): unthrottled, the first peer would
+finish all its epochs alone before the others have imported torch.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import trio
+from cli_harness import CLIProcess, run_cli, run_to_completion
+
+THROTTLED_TASK = """
+import dataclasses
+import time
+
+from trainer import make_digits_task
+
+
+def make_task():
+    task = make_digits_task()
+
+    def loss(model, batch):
+        time.sleep({delay})  # a slow machine: the peers must wait for each other
+        return task.loss(model, batch)
+
+    return dataclasses.replace(task, loss=loss)
+"""
+
+FAST = (
+    "--host", "127.0.0.1",
+    "--threads", "1",
+    "--matchmaking-time", "1",
+    "--averaging-timeout", "6",
+)  # fmt: skip
+
+
+def _task_file(tmp_path: Path, delay: float) -> str:
+    path = tmp_path / f"throttled_{int(delay * 1000)}.py"
+    path.write_text(THROTTLED_TASK.format(delay=delay))
+    return f"{path}:make_task"
+
+
+async def _join_address(peer: CLIProcess) -> str:
+    line = await peer.read_line_containing("join with:", timeout=40)
+    address = line.split("--initial-peer", 1)[1].split()[0]
+    assert address.startswith("127.0.0.1:"), line
+    return address
+
+
+async def _status(address: str, run_id: str) -> dict[str, Any]:
+    result = await run_to_completion(
+        "status", "--initial-peer", address, "--run-id", run_id, "--json", timeout=40
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    lines = result.stdout.decode().strip().splitlines()
+    assert len(lines) == 1, lines
+    status: dict[str, Any] = json.loads(lines[0])
+    return status
+
+
+async def test_three_peers_train_and_status_shows_them(tmp_path: Path) -> None:
+    # 8 samples per 0.1 s: alone, an epoch of 400 samples takes 5 s; together ~2 s.
+    train = (
+        "train", *FAST,
+        "--task", _task_file(tmp_path, 0.1),
+        "--run-id", "cli-test",
+        "--target-batch-size", "400",
+        "--batch-size", "8",
+        "--max-epochs", "5",
+        "--eval-every", "1",
+    )  # fmt: skip
+    async with run_cli(*train) as first:
+        address = await _join_address(first)
+        async with (
+            run_cli(*train, "--initial-peer", address) as second,
+            run_cli(*train, "--initial-peer", address) as third,
+        ):
+            peers = (first, second, third)
+            for peer in peers[1:]:
+                await _join_address(peer)
+
+            seen_three = False
+            epochs: list[int] = []
+            for _ in range(8):
+                status = await _status(address, "cli-test")
+                assert status["run_id"] == "cli-test"
+                epochs.append(status["epoch"])
+                if len(status["peers"]) == 3:
+                    seen_three = True
+                    for peer_status in status["peers"]:
+                        assert len(peer_status["peer_id"]) == 40
+                        assert peer_status["epoch"] <= status["epoch"]
+                        assert peer_status["samples_per_second"] >= 0
+                        accuracy = peer_status["accuracy"]
+                        assert accuracy is None or 0 <= accuracy <= 1
+                        assert "loss" in peer_status
+                if seen_three and epochs[-1] > epochs[0]:
+                    break
+            assert seen_three, epochs
+            assert epochs[-1] > epochs[0], epochs
+
+            async def finishes(peer: CLIProcess) -> None:
+                line = await peer.read_line_containing("finished at epoch", timeout=60)
+                assert line.startswith("finished at epoch 5: accuracy 0."), line
+                with trio.fail_after(20):
+                    assert await peer.process.wait() == 0
+
+            async with trio.open_nursery() as nursery:
+                for peer in peers:
+                    nursery.start_soon(finishes, peer)
+
+
+async def test_sigterm_mid_run_leaves_cleanly(tmp_path: Path) -> None:
+    train = (
+        "train", *FAST,
+        "--task", _task_file(tmp_path, 0.02),
+        "--target-batch-size", "32",
+        "--batch-size", "8",
+    )  # fmt: skip
+    async with run_cli(*train) as peer:
+        await peer.read_line_containing("epoch 2:", timeout=40)
+        assert await peer.stop(signal.SIGTERM) == 0
+        assert any(line.startswith("epoch ") for line in peer.output)
+        line = await peer.read_line_containing("stopped at epoch", timeout=5)
+        assert "accuracy" in line
+
+
+async def test_bad_task_exits_2_with_one_line(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.py"
+    for spec in ("no-such-task", f"{missing}:make_task"):
+        result = await run_to_completion("train", "--host", "127.0.0.1", "--task", spec)
+        assert result.returncode == 2, result.stderr.decode()
+        lines = result.stderr.decode().strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("swarm train: error:"), lines
+    result = await run_to_completion("train", "--target-batch-size", "0")
+    assert result.returncode == 2
+    assert "--target-batch-size" in result.stderr.decode()
