@@ -1,77 +1,101 @@
-"""Train the built-in ``digits`` task with the library API, in a script of your own.
+"""Collaborative training with the library API, in a plain PyTorch loop.
 
-    python examples/digits_standalone.py --epochs 3
+Start a swarm on this machine, then join it from a second terminal (or
+machine) with the command the first peer prints::
 
-As written this trains alone. To train with a swarm, open a peer around
-``train(...)`` and pass it the collaborative optimizer instead of the local one;
-``train`` itself does not change::
+    python examples/digits_standalone.py --max-epochs 20
+    python examples/digits_standalone.py --max-epochs 20 --initial-peer 127.0.0.1:41234
 
-    with swarm.Peer(...) as peer:
-        optimizer = CollaborativeOptimizer(peer, run_id="digits", params=model.parameters(),
-                                           optimizer=optimizer, target_batch_size=256,
-                                           batch_size_per_step=args.batch_size)
-        train(task, model, optimizer, ...)
-
-Here an epoch is one pass of this peer over the training set (in the swarm's
-vocabulary an epoch is one global optimizer step).
+``swarm train`` does the same with more options; this script shows the few
+calls it takes to make an ordinary training loop collaborative: a running
+``swarm.Peer`` and a ``trainer.CollaborativeOptimizer`` around the task's own
+optimizer. ``opt.step()`` returns True when the swarm took a global step
+(averaged gradients over the target batch size of all peers). On another
+machine, listen on all interfaces and tell the others your address:
+``--host 0.0.0.0 --port 31337 --announce 192.0.2.10:31337``.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
-import math
-from collections.abc import Iterator
-from typing import Any
+import sys
+import time
 
 import torch
-from torch import nn
 
-from trainer._task import Task, load_task
-
-
-def train(
-    task: Task[Any],
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batches: Iterator[Any],
-    *,
-    epochs: int,
-    steps_per_epoch: int,
-) -> dict[str, float]:
-    """Train for ``epochs`` x ``steps_per_epoch`` batches; print and return test metrics."""
-    metrics: dict[str, float] = {}
-    model.train()
-    for epoch in range(1, epochs + 1):
-        for batch in itertools.islice(batches, steps_per_epoch):
-            loss, _samples = task.loss(model, batch)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        metrics = task.run_evaluation(model)
-        print(f"epoch {epoch}: test accuracy {metrics['accuracy']:.3f}, loss {metrics['loss']:.3f}")
-    return metrics
+from averaging import AveragerConfig, MatchmakingConfig
+from swarm import BootstrapError, ConfigError, Peer, PeerConfig
+from trainer import CollaborativeConfig, CollaborativeOptimizer, load_task
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Train the digits task on this machine.")
-    parser.add_argument("--epochs", type=int, default=3, help="passes over the training set")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0, help="model initialisation seed")
-    parser.add_argument("--data-seed", type=int, default=0, help="this peer's data order")
+    parser = argparse.ArgumentParser(description="Train the digits task with a swarm.")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=0, help="UDP+TCP port (default: any free)")
+    parser.add_argument("--announce", metavar="HOST:PORT", help="address others dial, if not ours")
+    parser.add_argument("--initial-peer", action="append", default=[], metavar="HOST:PORT")
+    parser.add_argument("--run-id", default="digits-example")
+    parser.add_argument("--target-batch-size", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per local step")
+    parser.add_argument("--max-epochs", type=int, default=10, help="global steps to train")
+    parser.add_argument("--min-peers", type=int, default=1, help="wait for this many peers")
+    parser.add_argument("--seed", type=int, default=None, help="this peer's data order")
+    parser.add_argument(
+        "--matchmaking-time", type=float, default=5.0, help="seconds to gather an averaging group"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # the model is tiny: more threads only add overhead
 
     task = load_task("digits")
-    model, optimizer, _scheduler = task.build(seed=args.seed)
-    train(
-        task,
-        model,
-        optimizer,
-        task.batches(args.data_seed, args.batch_size),
-        epochs=args.epochs,
-        steps_per_epoch=math.ceil((task.train_size or args.batch_size) / args.batch_size),
-    )
+    # Every peer starts from the same weights (seed 0); each reads its own data order.
+    model, inner_optimizer, scheduler = task.build(seed=0)
+    try:
+        config = PeerConfig(
+            host=args.host, port=args.port, initial_peers=tuple(args.initial_peer),
+            announce=args.announce,
+        )  # fmt: skip
+        # Settings are nested frozen dataclasses; each validates itself on construction.
+        matchmaking = MatchmakingConfig(
+            matchmaking_time=args.matchmaking_time,
+            poll_interval=min(0.5, args.matchmaking_time / 4),
+        )
+        collaboration = CollaborativeConfig(averaging=AveragerConfig(matchmaking=matchmaking))
+        with Peer(config=config) as peer:
+            print(f"join with: python {sys.argv[0]} --initial-peer {peer.address}", flush=True)
+            seed = args.seed if args.seed is not None else int(peer.peer_id.short(), 16)
+            batches = task.batches(seed, args.batch_size)
+            with CollaborativeOptimizer(
+                peer,
+                run_id=args.run_id,
+                params=model.parameters(),
+                optimizer=inner_optimizer,
+                scheduler=scheduler,
+                target_batch_size=args.target_batch_size,
+                batch_size_per_step=args.batch_size,
+                config=collaboration,
+            ) as opt:
+                while opt.swarm_progress().num_peers < args.min_peers:
+                    time.sleep(0.2)
+                while opt.epoch < args.max_epochs:
+                    model.train()
+                    loss, samples = task.loss(model, next(batches))
+                    loss.backward()
+                    stepped = opt.step(samples, loss=loss.item())
+                    opt.zero_grad()
+                    if stepped:
+                        metrics = task.run_evaluation(model)
+                        opt.report_accuracy(metrics["accuracy"])  # shown by `swarm status`
+                        peers = opt.swarm_progress().num_peers
+                        print(
+                            f"epoch {opt.epoch}: test accuracy {metrics['accuracy']:.3f}, "
+                            f"loss {metrics['loss']:.3f}, {peers} peers",
+                            flush=True,
+                        )
+    except (ConfigError, BootstrapError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
     return 0
 
 

@@ -54,25 +54,39 @@ def test_tiny_lm_reads_a_text_file(tmp_path: Path) -> None:
         make_task(str(tmp_path / "missing.txt"))
 
 
-@pytest.mark.slow
-def test_digits_standalone_script_runs() -> None:
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            str(EXAMPLES / "digits_standalone.py"),
-            "--epochs",
-            "1",
-            "--batch-size",
-            "128",
-        ],
+def _start_example(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(EXAMPLES / "digits_standalone.py"), "--host", "127.0.0.1", *args],
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
         text=True,
     )
+
+
+@pytest.mark.slow
+def test_digits_standalone_first_peer_prints_address_and_a_second_joins() -> None:
+    """The documented use: the first peer prints the command that joins it; both
+    wait for each other (--min-peers), train three epochs together and exit 0."""
+    fast = ["--max-epochs", "3", "--min-peers", "2", "--matchmaking-time", "1"]
+    processes: list[subprocess.Popen[str]] = []
     try:
-        stdout, stderr = process.communicate(timeout=60)
+        first = _start_example(*fast)
+        processes.append(first)
+        assert first.stdout is not None
+        join = first.stdout.readline()
+        assert join.startswith("join with: python ") and "--initial-peer 127.0.0.1:" in join
+        address = join.split("--initial-peer")[1].strip()
+        second = _start_example(*fast, "--initial-peer", address)
+        processes.append(second)
+        outputs = [process.communicate(timeout=90)[0] for process in processes]
+        assert [process.returncode for process in processes] == [0, 0]
+        assert outputs[0].startswith("epoch 1: test accuracy 0."), outputs[0]
+        assert "epoch 3: test accuracy 0." in outputs[0]
+        assert outputs[1].startswith("join with: python ")
+        assert "epoch 3: test accuracy 0." in outputs[1]
     finally:
-        process.kill()
-        process.wait()
-    assert process.returncode == 0, stderr
-    assert stdout.startswith("epoch 1: test accuracy 0.")
+        for process in processes:
+            process.kill()
+            process.wait()
+            if process.stdout is not None:
+                process.stdout.close()
