@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from swarm import ConfigError
-from trainer._task import Task
+from trainer import Task
 
 CONTEXT = 64
 EMBED = 64

@@ -343,9 +343,9 @@ def _format_metric(value: float | None, spec: str = ".4f") -> str:
 def _report_epoch(opt: CollaborativeOptimizer, report: TrainingReport) -> None:
     """One line per global step on stdout (diagnostics go to the log on stderr)."""
     swarm = opt.swarm_progress()
+    accuracy = "" if opt.accuracy is None else f", accuracy {opt.accuracy:.3f}"
     print(
-        f"epoch {opt.epoch}: loss {_format_metric(opt.loss)}, "
-        f"accuracy {_format_metric(opt.accuracy, '.3f')}, "
+        f"epoch {opt.epoch}: loss {_format_metric(opt.loss)}{accuracy}, "
         f"swarm {swarm.samples_per_second:.0f} samples/s, {swarm.num_peers} peers alive",
         flush=True,
     )

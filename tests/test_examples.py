@@ -63,6 +63,21 @@ def _start_example(*args: str) -> subprocess.Popen[str]:
     )
 
 
+def test_tiny_lm_trains_with_swarm_train() -> None:
+    task = f"{EXAMPLES / 'tiny_lm.py'}:make_task"
+    args = ["--task", task, "--host", "127.0.0.1", "--max-epochs", "1", "--threads", "1"]
+    result = subprocess.run(
+        [sys.executable, "-m", "swarm.cli", "train", *args, "--target-batch-size", "32"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "training task tiny-lm in run tiny-lm" in result.stdout
+    assert "finished at epoch 1: loss " in result.stdout
+
+
 @pytest.mark.slow
 def test_digits_standalone_first_peer_prints_address_and_a_second_joins() -> None:
     """The documented use: the first peer prints the command that joins it; both
