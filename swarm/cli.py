@@ -336,6 +336,10 @@ def _join_command(args: argparse.Namespace, address: str, run_id: str) -> str:
     return " ".join(parts)
 
 
+def _peers(count: int) -> str:
+    return f"{count} peer" if count == 1 else f"{count} peers"
+
+
 def _format_metric(value: float | None, spec: str = ".4f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -346,7 +350,7 @@ def _report_epoch(opt: CollaborativeOptimizer, report: TrainingReport) -> None:
     accuracy = "" if opt.accuracy is None else f", accuracy {opt.accuracy:.3f}"
     print(
         f"epoch {opt.epoch}: loss {_format_metric(opt.loss)}{accuracy}, "
-        f"swarm {swarm.samples_per_second:.0f} samples/s, {swarm.num_peers} peers alive",
+        f"swarm {swarm.samples_per_second:.0f} samples/s, {_peers(swarm.num_peers)} alive",
         flush=True,
     )
 
@@ -451,7 +455,7 @@ def _status_object(
 
 def _status_table(status: dict[str, Any]) -> str:
     lines = [
-        f"run {status['run_id']}: epoch {status['epoch']}, {status['num_peers']} peers, "
+        f"run {status['run_id']}: epoch {status['epoch']}, {_peers(status['num_peers'])}, "
         f"{status['samples_per_second']:.0f} samples/s"
     ]
     if status["peers"]:
