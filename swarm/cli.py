@@ -39,6 +39,8 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 #: The task ``swarm train`` trains when given no ``--task``.
 DEFAULT_TASK = "digits"
+#: Any address outside this machine (TEST-NET-1): only used to find the outgoing route.
+_ROUTE_PROBE = "192.0.2.1"
 #: Records older than this are from peers presumed gone (CollaborativeConfig's default TTL).
 DEFAULT_STALE_AFTER = 30.0
 
@@ -197,13 +199,29 @@ def _is_wildcard(host: str) -> bool:
     return host in ("0.0.0.0", "::", "")
 
 
-def _announce_host(host: str) -> str:
+def _announce_host(host: str, toward: str | None = None) -> str:
+    """The host others should dial: ``host`` itself, or for a wildcard the address
+    of the interface that routes toward ``toward`` (an initial peer's IP) or, with
+    none, toward the internet. No packet is sent: a UDP ``connect`` only picks the
+    route. Falls back to the address of the machine's host name."""
     if not _is_wildcard(host):
         return host
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((toward or _ROUTE_PROBE, 9))
+            address: str = probe.getsockname()[0]
+        if address != "0.0.0.0":
+            return address
+    except OSError:
+        pass
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def _first_initial_host(initial_peers: Sequence[str]) -> str | None:
+    return parse_address(initial_peers[0])[0] if initial_peers else None
 
 
 # -- swarm dht ------------------------------------------------------------------------
@@ -220,7 +238,8 @@ async def _run_dht(args: argparse.Namespace) -> int:
         async with open_dht_node(
             identity, host=args.host, port=args.port, initial_peers=initial
         ) as node:
-            announce = args.announce or f"{_announce_host(args.host)}:{node.port}"
+            toward = _first_initial_host(args.initial_peer)
+            announce = args.announce or f"{_announce_host(args.host, toward)}:{node.port}"
             print(f"peer {node.peer_id} listening on {args.host}:{node.port}", flush=True)
             print(f"join with: swarm dht --initial-peer {announce}", flush=True)
             async with trio.open_nursery() as nursery:
@@ -310,7 +329,8 @@ def _peer_config(args: argparse.Namespace) -> PeerConfig:
         # needs the port number before the peer starts.
         if port == 0:
             port = _free_port(args.host)
-        announce = f"{_announce_host(args.host)}:{port}"
+        toward = _first_initial_host(args.initial_peer)
+        announce = f"{_announce_host(args.host, toward)}:{port}"
     return PeerConfig(
         host=args.host,
         port=port,
@@ -470,12 +490,12 @@ def _status_table(status: dict[str, Any]) -> str:
 
 
 async def _run_status(args: argparse.Namespace) -> int:
-    from dht import open_dht_node
-    from trainer import estimate, parse_progress, progress_key
-
     initial = [parse_address(a) for a in args.initial_peer]
     if not (math.isfinite(args.stale_after) and args.stale_after > 0):
         raise ConfigError(f"--stale-after {args.stale_after} must be positive")
+    from dht import open_dht_node
+    from trainer import estimate, parse_progress, progress_key
+
     host = args.host
     if host is None:
         host = "127.0.0.1" if all(h.startswith("127.") for h, _ in initial) else "0.0.0.0"

@@ -65,12 +65,12 @@ async def _status(address: str, run_id: str) -> dict[str, Any]:
 
 
 async def test_three_peers_train_and_status_shows_them(tmp_path: Path) -> None:
-    # 8 samples per 0.1 s: alone, an epoch of 400 samples takes 5 s; together ~2 s.
+    # 8 samples per 0.1 s: alone, an epoch of 600 samples takes 7.5 s; together ~3.5 s.
     train = (
         "train", *FAST,
         "--task", _task_file(tmp_path, 0.1),
         "--run-id", "cli-test",
-        "--target-batch-size", "400",
+        "--target-batch-size", "600",
         "--batch-size", "8",
         "--max-epochs", "5",
         "--eval-every", "1",
@@ -131,13 +131,31 @@ async def test_sigterm_mid_run_leaves_cleanly(tmp_path: Path) -> None:
         assert "accuracy" in line
 
 
-async def test_bad_task_exits_2_with_one_line(tmp_path: Path) -> None:
-    missing = tmp_path / "missing.py"
-    for spec in ("no-such-task", f"{missing}:make_task"):
-        result = await run_to_completion("train", "--host", "127.0.0.1", "--task", spec)
-        assert result.returncode == 2, result.stderr.decode()
+async def _free_udp_port() -> int:
+    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM)
+    await sock.bind(("127.0.0.1", 0))
+    port: int = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+async def test_bad_configuration_exits_2_with_one_line(tmp_path: Path) -> None:
+    nobody = f"127.0.0.1:{await _free_udp_port()}"
+    cases = {
+        ("train", "--task", "no-such-task"): "unknown task",
+        ("train", "--target-batch-size", "0"): "--target-batch-size",
+        ("train", "--initial-peer", nobody): "no initial peer answered",
+        ("status", "--initial-peer", nobody): "no initial peer answered",
+        ("status", "--initial-peer", "nonsense"): "HOST:PORT",
+    }
+
+    async def check(args: tuple[str, ...], expected: str) -> None:
+        result = await run_to_completion(*args, "--host", "127.0.0.1", timeout=40)
         lines = result.stderr.decode().strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("swarm train: error:"), lines
-    result = await run_to_completion("train", "--target-batch-size", "0")
-    assert result.returncode == 2
-    assert "--target-batch-size" in result.stderr.decode()
+        assert result.returncode == 2, (args, lines)
+        assert len(lines) == 1 and lines[0].startswith(f"swarm {args[0]}: error:"), lines
+        assert expected in lines[0], lines
+
+    async with trio.open_nursery() as nursery:
+        for args, expected in cases.items():
+            nursery.start_soon(check, args, expected)
