@@ -18,6 +18,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -426,7 +427,7 @@ def _run_train(args: argparse.Namespace) -> int:
             max_epochs=args.max_epochs,
             eval_every=args.eval_every,
             data_seed=seed,
-            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_dir=None if args.checkpoint_dir is None else Path(args.checkpoint_dir),
             optimizer=optimizer_config,
         )
         if args.threads is not None:
