@@ -77,6 +77,8 @@ async def test_three_peers_train_and_status_shows_them(tmp_path: Path) -> None:
     )  # fmt: skip
     async with run_cli(*train) as first:
         address = await _join_address(first)
+        join = f"swarm train --initial-peer {address} --run-id cli-test --task "
+        assert first.output[-1].startswith(f"join with: {join}"), first.output
         async with (
             run_cli(*train, "--initial-peer", address) as second,
             run_cli(*train, "--initial-peer", address) as third,
@@ -84,6 +86,7 @@ async def test_three_peers_train_and_status_shows_them(tmp_path: Path) -> None:
             peers = (first, second, third)
             for peer in peers[1:]:
                 await _join_address(peer)
+            peer_ids = {peer.output[0].split()[1] for peer in peers}  # "peer <id> listening on"
 
             seen_three = False
             epochs: list[int] = []
@@ -93,8 +96,8 @@ async def test_three_peers_train_and_status_shows_them(tmp_path: Path) -> None:
                 epochs.append(status["epoch"])
                 if len(status["peers"]) == 3:
                     seen_three = True
+                    assert {p["peer_id"] for p in status["peers"]} == peer_ids
                     for peer_status in status["peers"]:
-                        assert len(peer_status["peer_id"]) == 40
                         assert peer_status["epoch"] <= status["epoch"]
                         assert peer_status["samples_per_second"] >= 0
                         accuracy = peer_status["accuracy"]
