@@ -1,34 +1,41 @@
 """Session frames: layout, sealing and decoding, as pure code without sockets.
 
 After the handshake, each direction of a connection is a sequence of frames.
-A frame is a kind, a payload of ``length`` bytes, and on the wire::
+A frame is a kind and a payload of ``length`` bytes. On the wire::
 
     header block   21 bytes: sealed (kind: u8, length: u32 big-endian)
-    chunk 0        min(length, CHUNK_SIZE) bytes of sealed payload + 16-byte tag
-    chunk 1 ...    until ``length`` bytes of payload have been carried
+    payload, encrypted sessions: chunks of min(remaining, CHUNK_SIZE) bytes of
+                   ciphertext, each followed by its 16-byte tag
+    payload, plaintext sessions: ``length`` bytes in the clear, then one
+                   16-byte GMAC tag over all of them
 
-A zero-length frame is its header block alone. Every header block and every
-chunk is one AES-256-GCM operation with the next value of this direction's
-counter as its nonce (4 zero bytes, then the counter as u64 big-endian), so
-nonces never repeat under a key, and dropping, reordering, replaying or
-splicing any block breaks authentication.
+A zero-length frame is its header block alone. Every header block, every
+encrypted chunk and every plaintext payload tag is one AES-256-GCM operation
+with the next value of this direction's counter as its nonce (4 zero bytes,
+then the counter as u64 big-endian), so nonces never repeat under a key, and
+dropping, reordering, replaying or splicing any block breaks authentication.
 
 - Encrypted sessions encrypt the header and the payload (AEAD).
 - Authenticated sessions (``encrypt=False``) send header and payload in the
   clear, each followed by its GMAC tag (AES-GCM with the block as associated
-  data and an empty plaintext). Plaintext mode therefore guarantees everything
-  the encrypted mode does (integrity, authenticity, order, no injection or
-  replay) except confidentiality: anyone on the path can read the payload.
+  data and an empty plaintext). GMAC with unique nonces is a secure MAC, so
+  plaintext mode guarantees everything the encrypted mode does (integrity,
+  authenticity, order, no injection or replay) except confidentiality: anyone
+  on the path can read the payload. One tag covers a whole payload: GHASH runs
+  at several GB/s, and one call per frame lets the payload go from the
+  sender's memory to the socket, and from the socket to the receiver's
+  buffer, without any copy.
 
-Payloads are sealed in chunks of ``CHUNK_SIZE`` (1 MiB) so a large frame is
-never copied whole, and nothing of a frame is handed out before all of its
-chunks have been authenticated.
+Encrypted payloads are sealed in chunks of ``CHUNK_SIZE`` (1 MiB), so a
+sender encrypts through one reusable 1 MiB buffer, never a whole frame.
+Nothing of a frame is handed out before all of it has been authenticated.
 
-``FrameDecoder`` owns the receive buffers: the I/O loop asks it where the next
-bytes go (``next_buffer``), receives into that memory and reports how many
-bytes arrived (``advance``); the socket writes straight into the decoder's
-buffer. Malformed or unauthenticated input raises ``ProtocolError``
-and poisons the decoder. ``FrameEncoder`` yields the buffers to send.
+``FrameDecoder`` does no I/O: the I/O loop asks it where the next bytes go
+(``next_buffer``), receives into that memory and reports how many bytes
+arrived (``advance``). The payload of a raw frame can go straight into a
+buffer of the caller's (``next_buffer(into)``). Malformed or unauthenticated
+input raises ``ProtocolError`` and poisons the decoder. ``FrameEncoder``
+yields the buffers to send.
 """
 
 from __future__ import annotations
@@ -47,8 +54,8 @@ CHUNK_SIZE = 1 << 20
 TAG_SIZE = 16
 _HEADER = struct.Struct(">BI")
 HEADER_BLOCK_SIZE = _HEADER.size + TAG_SIZE
-#: Frames at most this large are sent as one buffer (one syscall); larger ones
-#: are sent block by block so their payload is never concatenated.
+#: Frames at most this large are sealed into one buffer; larger ones are sent
+#: block by block so their payload is never concatenated.
 _COALESCE_LIMIT = 64 * 1024
 _MAX_COUNTER = 2**64 - 1
 #: Hard ceiling of ``max_frame_size`` (the length field is 32 bits).
@@ -75,7 +82,9 @@ _KINDS = frozenset(int(k) for k in FrameKind)
 
 class Frame(NamedTuple):
     kind: FrameKind
-    payload: bytes
+    #: ``bytes``, or a view of the caller's buffer if it was received into one
+    #: (``FrameDecoder.next_buffer(into)``).
+    payload: bytes | memoryview
 
 
 def _nonce(counter: int) -> bytes:
@@ -106,8 +115,21 @@ class FrameEncoder:
     ) -> Iterator[bytes | memoryview]:
         """Yield the buffers that carry one frame, to be sent in order.
 
-        Each yielded buffer is valid only until the next one is requested (the
-        encrypted path reuses one scratch buffer). Raises ``ValueError`` if the
+        Each yielded buffer is valid only until the next one is requested;
+        ``encode_batches`` promises more. Raises what ``encode_batches`` raises.
+        """
+        for batch in self.encode_batches(kind, payload):
+            yield from batch
+
+    def encode_batches(
+        self, kind: FrameKind, payload: bytes | bytearray | memoryview
+    ) -> Iterator[list[bytes | memoryview]]:
+        """Yield the buffers that carry one frame, in batches to be sent in order.
+
+        The buffers of a batch stay valid until the next batch is requested
+        (the encrypted path reuses one scratch buffer), so a batch can be sent
+        with one gathering system call. A plaintext frame is one batch that
+        sends the payload from its own memory. Raises ``ValueError`` if the
         payload exceeds ``max_frame_size`` (checked before anything is sealed).
         An encoding abandoned halfway leaves the session unusable.
         """
@@ -123,34 +145,36 @@ class FrameEncoder:
             header_block = self._aead.encrypt(self._next_nonce(), header, None)
         else:
             header_block = header + self._aead.encrypt(self._next_nonce(), b"", header)
-        if length <= _COALESCE_LIMIT:
-            parts = [header_block]
-            if length:
-                if self._encrypt:
-                    parts.append(self._aead.encrypt(self._next_nonce(), view, None))
-                else:
-                    parts.append(bytes(view))
-                    parts.append(self._aead.encrypt(self._next_nonce(), b"", view))
-            yield b"".join(parts)
+        if not length:
+            yield [header_block]
             return
-        yield header_block
+        if not self._encrypt:
+            tag = self._aead.encrypt(self._next_nonce(), b"", view)
+            if length <= _COALESCE_LIMIT:
+                yield [b"".join((header_block, view, tag))]
+            else:
+                yield [header_block, view, tag]
+            return
+        if length <= _COALESCE_LIMIT:
+            yield [header_block + self._aead.encrypt(self._next_nonce(), view, None)]
+            return
+        batch: list[bytes | memoryview] = [header_block]
         for start in range(0, length, CHUNK_SIZE):
             chunk = view[start : start + CHUNK_SIZE]
-            if self._encrypt:
-                if not self._scratch:
-                    self._scratch = bytearray(CHUNK_SIZE + TAG_SIZE)
-                out = memoryview(self._scratch)[: chunk.nbytes + TAG_SIZE]
-                self._aead.encrypt_into(self._next_nonce(), chunk, None, out)
-                yield out
-            else:
-                tag = self._aead.encrypt(self._next_nonce(), b"", chunk)
-                yield chunk
-                yield tag
+            if not self._scratch:
+                self._scratch = bytearray(CHUNK_SIZE + TAG_SIZE)
+            out = memoryview(self._scratch)[: chunk.nbytes + TAG_SIZE]
+            self._aead.encrypt_into(self._next_nonce(), chunk, None, out)
+            batch.append(out)
+            yield batch
+            batch = []
 
 
 class _Phase(enum.Enum):
     HEADER = "header"
-    CHUNK = "chunk"  # sealed chunk and its tag, into the scratch buffer
+    PAYLOAD = "payload"  # plaintext: the payload, into its target
+    TAG = "tag"  # plaintext: the payload's tag
+    CHUNK = "chunk"  # encrypted: a sealed chunk and its tag, into the scratch buffer
     FAILED = "failed"
 
 
@@ -159,11 +183,16 @@ class FrameDecoder:
 
     A frame whose header announces more than ``max_frame_size`` bytes is refused
     (``ProtocolError``) as soon as its header is authenticated, before any of
-    its payload is buffered. Each chunk is received into one reusable scratch
-    buffer (at most ``CHUNK_SIZE`` + 16 bytes, kept for the connection's life)
-    and leaves it as ``bytes`` once authenticated: one copy for frames up to
-    ``CHUNK_SIZE``, two for larger ones (the chunks are joined). Fresh buffers
-    per frame would cost more than the copies: large new allocations page-fault.
+    its payload is buffered.
+
+    Where a payload goes: into the caller's buffer if ``next_buffer(into)``
+    offered one that fits a raw (``BYTES``) frame when its payload began; then
+    the frame's payload is a view of that buffer (no copy). Otherwise into the
+    decoder's own memory, and the payload leaves it as ``bytes`` (one copy). A
+    reusable buffer (kept for the connection's life, at most ``CHUNK_SIZE``)
+    takes payloads up to ``CHUNK_SIZE``; larger ones get a fresh buffer.
+    Encrypted chunks are received into a reusable ``CHUNK_SIZE`` + 16 byte
+    buffer and decrypted into the payload's place.
     """
 
     def __init__(self, key: bytes, *, encrypt: bool, max_frame_size: int) -> None:
@@ -173,12 +202,16 @@ class FrameDecoder:
         self._counter = 0
         self._phase = _Phase.HEADER
         self._header = bytearray(HEADER_BLOCK_SIZE)
-        self._scratch = bytearray()
-        self._filled = 0  # bytes of the current block received so far
+        self._tag = bytearray(TAG_SIZE)
+        self._sealed = bytearray()  # encrypted chunk and tag
+        self._spare = bytearray()  # own payload memory for frames up to CHUNK_SIZE
+        self._filled = 0  # bytes of the current block (header, tag, sealed chunk) received
         self._kind = FrameKind.EOF
-        self._remaining = 0  # payload bytes of the current frame not yet received
-        self._chunk = 0  # payload bytes in the current chunk
-        self._chunks: list[bytes] = []
+        self._length = 0  # payload bytes of the current frame
+        self._done = 0  # payload bytes of the current frame in place (received or decrypted)
+        self._chunk = 0  # payload bytes in the current encrypted chunk
+        self._target: memoryview | None = None  # where the payload goes; None: not chosen
+        self._caller_owned = False  # ``_target`` is the caller's memory
         #: Payload bytes announced by authenticated headers (see ``KEY_USAGE_LIMIT``).
         self.payload_bytes = 0
 
@@ -187,17 +220,56 @@ class FrameDecoder:
         self._counter += 1
         return nonce
 
-    def next_buffer(self) -> memoryview:
+    def next_buffer(self, into: memoryview | None = None) -> memoryview:
         """The writable memory the next received bytes must go to (never empty).
 
         Valid until the next ``advance``; bytes written there are not inspected
-        before ``advance`` reports them.
+        before ``advance`` reports them. ``into``: if the next payload to begin
+        is that of a ``BYTES`` frame of at most ``into.nbytes`` bytes, it is
+        written to the start of ``into`` (offered later, it is ignored). The
+        caller's buffer then holds unauthenticated bytes until the frame is
+        returned; after a ``ProtocolError`` its contents are undefined.
         """
-        if self._phase is _Phase.HEADER:
+        phase = self._phase
+        if phase is _Phase.HEADER:
             return memoryview(self._header)[self._filled :]
-        if self._phase is _Phase.CHUNK:
-            return memoryview(self._scratch)[self._filled : self._chunk + TAG_SIZE]
-        raise ProtocolError("the frame decoder already failed")
+        if phase is _Phase.FAILED:
+            raise ProtocolError("the frame decoder already failed")
+        if self._target is None:
+            self._choose_target(into)
+        if phase is _Phase.PAYLOAD:
+            assert self._target is not None
+            return self._target[self._done :]
+        if phase is _Phase.TAG:
+            return memoryview(self._tag)[self._filled :]
+        return memoryview(self._sealed)[self._filled : self._chunk + TAG_SIZE]
+
+    def _choose_target(self, into: memoryview | None) -> None:
+        length = self._length
+        if into is not None and self._kind is FrameKind.BYTES and into.nbytes >= length:
+            self._target = into.cast("B")[:length]
+            self._caller_owned = True
+            return
+        self._target = self._own_memory(length)
+        self._caller_owned = False
+
+    def _own_memory(self, length: int) -> memoryview:
+        if length > CHUNK_SIZE:
+            return memoryview(bytearray(length))
+        if len(self._spare) < length:
+            self._spare = bytearray(max(length, min(2 * len(self._spare), CHUNK_SIZE)))
+        return memoryview(self._spare)[:length]
+
+    def release(self, into: memoryview) -> None:
+        """``into`` (offered to ``next_buffer``) is about to become invalid, and
+        the current frame is not complete: move its payload so far into the
+        decoder's own memory. A no-op if the current frame does not use it."""
+        if not self._caller_owned or self._target is None:
+            return
+        own = self._own_memory(self._length)
+        own[: self._done] = self._target[: self._done]
+        self._target = own
+        self._caller_owned = False
 
     def advance(self, count: int) -> Frame | None:
         """Record that ``count`` bytes were written into ``next_buffer()``.
@@ -205,15 +277,24 @@ class FrameDecoder:
         Returns the frame those bytes completed, if any. Raises ``ProtocolError``
         for unauthenticated or malformed input; the decoder then stays failed.
         """
-        if self._phase is _Phase.FAILED:
+        phase = self._phase
+        if phase is _Phase.FAILED:
             raise ProtocolError("the frame decoder already failed")
         try:
+            if phase is _Phase.PAYLOAD:
+                self._done += count
+                if self._done >= self._length:
+                    self._phase, self._filled = _Phase.TAG, 0
+                return None
             self._filled += count
-            if self._phase is _Phase.HEADER:
+            if phase is _Phase.HEADER:
                 return self._on_header() if self._filled >= HEADER_BLOCK_SIZE else None
+            if phase is _Phase.TAG:
+                return self._on_tag() if self._filled >= TAG_SIZE else None
             return self._on_chunk() if self._filled >= self._chunk + TAG_SIZE else None
         except BaseException:
             self._phase = _Phase.FAILED
+            self._target = None
             raise
 
     def _on_header(self) -> Frame | None:
@@ -238,37 +319,51 @@ class FrameDecoder:
         self._filled = 0
         if length == 0:
             return Frame(self._kind, b"")
-        self._remaining = length
-        self._start_chunk()
+        self._length, self._done, self._target = length, 0, None
+        if self._encrypt:
+            self._start_chunk()
+        else:
+            self._phase = _Phase.PAYLOAD
         return None
 
     def _start_chunk(self) -> None:
-        self._chunk = min(CHUNK_SIZE, self._remaining)
-        if len(self._scratch) < self._chunk + TAG_SIZE:
-            self._scratch = bytearray(self._chunk + TAG_SIZE)
+        self._chunk = min(CHUNK_SIZE, self._length - self._done)
+        if len(self._sealed) < self._chunk + TAG_SIZE:
+            self._sealed = bytearray(self._chunk + TAG_SIZE)
         self._phase, self._filled = _Phase.CHUNK, 0
 
+    def _on_tag(self) -> Frame:
+        assert self._target is not None
+        try:
+            self._aead.decrypt(self._next_nonce(), bytes(self._tag), self._target)
+        except InvalidTag as e:
+            raise ProtocolError("a frame payload failed authentication") from e
+        return self._finish()
+
     def _on_chunk(self) -> Frame | None:
-        nonce = self._next_nonce()
-        with memoryview(self._scratch) as scratch:
-            sealed = scratch[: self._chunk + TAG_SIZE]
+        assert self._target is not None
+        done, chunk = self._done, self._chunk
+        with memoryview(self._sealed) as sealed:
             try:
-                if self._encrypt:
-                    chunk = self._aead.decrypt(nonce, sealed, None)
-                else:
-                    body = sealed[: self._chunk]
-                    self._aead.decrypt(nonce, sealed[self._chunk :], body)
-                    chunk = bytes(body)
+                self._aead.decrypt_into(
+                    self._next_nonce(),
+                    sealed[: chunk + TAG_SIZE],
+                    None,
+                    self._target[done : done + chunk],
+                )
             except InvalidTag as e:
                 raise ProtocolError("a frame chunk failed authentication") from e
-        self._chunks.append(chunk)
-        self._remaining -= self._chunk
-        if self._remaining:
+        self._done = done + chunk
+        if self._done < self._length:
             self._start_chunk()
             return None
-        # join() returns a lone chunk itself: frames up to CHUNK_SIZE are not copied again.
-        payload = b"".join(self._chunks)
-        self._chunks.clear()
+        return self._finish()
+
+    def _finish(self) -> Frame:
+        assert self._target is not None
+        target, self._target = self._target, None
+        payload: bytes | memoryview = target if self._caller_owned else bytes(target)
+        self._caller_owned = False
         self._phase, self._filled = _Phase.HEADER, 0
         return Frame(self._kind, payload)
 

@@ -28,6 +28,7 @@ from swarm import (
 )
 from swarm._connections import ConnectionConfig, Connections, Stream, open_connections
 from swarm._errors import EndOfStreamError, StreamResetError
+from swarm._framing import FrameKind
 from swarm._handshake import Handshake
 from swarm._wire import pack
 
@@ -638,3 +639,77 @@ async def test_worn_out_connection_is_replaced(monkeypatch: pytest.MonkeyPatch) 
         assert first not in a._connections and not b._connections
         assert await a.call(B.peer_id, address(b), "echo", 1, timeout=5) == 1
         assert len(a._connections) == 1 and first not in a._connections
+
+
+@pytest.mark.parametrize("config", MODES)
+async def test_receive_into_and_send_bytes_batch(config: ConnectionConfig) -> None:
+    """A batch of raw frames arrives frame by frame; ``receive_into`` puts a raw
+    payload (small, or larger than the 1 MiB sealing chunk) into the caller's
+    buffer, and refuses a frame that is not raw bytes or does not fit."""
+    rng = random.Random(5)
+    big, small = rng.randbytes(3 * 2**20 + 7), rng.randbytes(100)
+
+    async def source(stream: Stream) -> None:
+        await stream.send_bytes_batch([b"head", big, small])
+        await stream.send_bytes(small)
+        await stream.send({"not": "bytes"})
+        await stream.send_eof()
+
+    async with two_peers(config, config) as (a, b):
+        b.set_handler("source", source)
+        async with a.open_stream(B.peer_id, address(b), "source") as stream:
+            buffer = bytearray(4 * 2**20)
+            assert await stream.receive() == b"head"
+            assert await stream.receive_into(buffer) == len(big)
+            assert buffer[: len(big)] == big
+            assert await stream.receive_into(memoryview(buffer)[10:]) == len(small)
+            assert buffer[10 : 10 + len(small)] == small
+            with pytest.raises(ProtocolError, match="more than the 50 expected"):
+                await stream.receive_into(bytearray(50))
+        b.set_handler("source", source)
+        async with a.open_stream(B.peer_id, address(b), "source") as stream:
+            for _ in range(4):  # head, big, small, small
+                await stream.receive()
+            with pytest.raises(ProtocolError, match="where raw bytes were expected"):
+                await stream.receive_into(buffer)
+
+
+async def test_cancelled_receive_into_loses_nothing() -> None:
+    """A ``receive_into`` cancelled halfway through a payload moves what
+    arrived out of the caller's buffer; the next receive gets the whole frame."""
+    payload = random.Random(6).randbytes(2**20 + 5)
+    sent_half = trio.Event()
+    go_on = trio.Event()
+
+    async def slow(stream: Stream) -> None:
+        # A raw frame whose payload arrives in two parts, by hand.
+        connection = stream._connection
+        buffers = [bytes(b) for b in connection._encoder.encode(FrameKind.BYTES, payload)]
+        wire = b"".join(buffers)
+        half = len(wire) // 2
+        await connection._send_gathered([wire[:half]])
+        sent_half.set()
+        await go_on.wait()
+        await connection._send_gathered([wire[half:]])
+        await stream.send_eof()
+
+    async with two_peers(PLAIN, PLAIN) as (a, b):
+        b.set_handler("slow", slow)
+        async with a.open_stream(B.peer_id, address(b), "slow") as stream:
+            buffer = bytearray(2**21)
+            with trio.move_on_after(5) as scope:
+                async with trio.open_nursery() as nursery:
+
+                    async def cancel_when_half_arrived() -> None:
+                        await sent_half.wait()
+                        await trio.testing.wait_all_tasks_blocked()
+                        nursery.cancel_scope.cancel()
+
+                    nursery.start_soon(cancel_when_half_arrived)
+                    await stream.receive_into(buffer)
+            assert not scope.cancelled_caught
+            buffer[:] = bytes(len(buffer))  # the caller reuses its buffer: nothing may depend on it
+            go_on.set()
+            assert await stream.receive() == payload
+            with pytest.raises(EndOfStreamError):
+                await stream.receive()

@@ -44,7 +44,8 @@ def test_round_trip_in_random_splits(encrypt: bool, size: int) -> None:
     encoder = FrameEncoder(KEY, encrypt=encrypt, max_frame_size=MAX)
     wire = encode(FrameKind.BYTES, payload, encrypt=encrypt, encoder=encoder)
     wire += encode(FrameKind.EOF, b"", encrypt=encrypt, encoder=encoder)
-    chunks = -(-size // CHUNK_SIZE)  # each 1 MiB chunk carries its own tag
+    # Encrypted: each 1 MiB chunk carries its own tag; plaintext: one tag per payload.
+    chunks = -(-size // CHUNK_SIZE) if encrypt else int(size > 0)
     assert len(wire) == 2 * HEADER_BLOCK_SIZE + size + 16 * chunks
     dec = decoder(encrypt)
     frames: list[Frame] = []
@@ -151,3 +152,56 @@ def test_truncated_or_garbled_frames_raise_only_protocol_error(
         return
     # Whatever decodes without error is exactly what was sent.
     assert frames in ([], [Frame(FrameKind.MESSAGE, payload)])
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+@pytest.mark.parametrize("size", [1, 64 * 1024, CHUNK_SIZE + 1, 2 * CHUNK_SIZE + 3])
+def test_payload_goes_into_the_callers_buffer(encrypt: bool, size: int) -> None:
+    """A raw payload offered a buffer that fits is decoded into it (the frame
+    holds a view of it); a message, or a payload too large, is not."""
+    payload = random.Random(size).randbytes(size)
+    encoder = FrameEncoder(KEY, encrypt=encrypt, max_frame_size=MAX)
+    wire = encode(FrameKind.BYTES, payload, encrypt=encrypt, encoder=encoder)
+    wire += encode(FrameKind.MESSAGE, b"\x01", encrypt=encrypt, encoder=encoder)
+    wire += encode(FrameKind.BYTES, payload, encrypt=encrypt, encoder=encoder)
+    dec = decoder(encrypt)
+    into = memoryview(bytearray(size + 10))
+    small = memoryview(bytearray(size - 1))
+    frames: list[Frame] = []
+    view = memoryview(wire)
+    offers = [into, into, small]
+    while view.nbytes:
+        buffer = dec.next_buffer(offers[len(frames)])
+        count = min(buffer.nbytes, view.nbytes, 1 << 16)
+        buffer[:count] = view[:count]
+        view = view[count:]
+        frame = dec.advance(count)
+        if frame is not None:
+            frames.append(frame)
+    first, message, last = frames
+    assert isinstance(first.payload, memoryview) and first.payload.obj is into.obj
+    assert bytes(first.payload) == payload
+    assert message == Frame(FrameKind.MESSAGE, b"\x01")
+    assert last == Frame(FrameKind.BYTES, payload)
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_released_buffer_is_no_longer_written(encrypt: bool) -> None:
+    """After ``release``, the part of the payload already in the caller's buffer
+    moves into the decoder's memory; the frame completes without the buffer."""
+    size = 2 * CHUNK_SIZE + 3
+    payload = random.Random(1).randbytes(size)
+    wire = encode(FrameKind.BYTES, payload, encrypt=encrypt)
+    dec = decoder(encrypt)
+    into = memoryview(bytearray(size))
+    half = len(wire) // 2
+    view = memoryview(wire)[:half]
+    while view.nbytes:
+        buffer = dec.next_buffer(into)
+        count = min(buffer.nbytes, view.nbytes)
+        buffer[:count] = view[:count]
+        view = view[count:]
+        assert dec.advance(count) is None
+    dec.release(into)
+    into[:] = bytes(size)
+    assert dec.feed(wire[half:]) == [Frame(FrameKind.BYTES, payload)]
