@@ -11,14 +11,20 @@ Wire protocol of one stream (name ``ALLREDUCE_STREAM``), sender -> reducer:
 
 1. header, msgpack: ``[version, group_id, part, sender, weight, chunk_elements, total]``
 2. per chunk, two raw frames: ``u32 chunk index | blob header`` (16 bytes), then
-   the blob's payload (``_codecs``). Two frames so that an uncompressed chunk
-   is sent straight from the tensor's memory, without a copy.
+   the blob's payload (``_codecs``).
 
-reducer -> sender: result frames, raw bytes:
-``u32 chunk index | contributor bit mask | codec blob``. The mask has one bit
-per member (bit i of byte i // 8), padded to a multiple of 4 bytes; an
+reducer -> sender, per chunk: a raw frame ``u32 chunk index | contributor bit
+mask | blob header``, then a raw frame with the blob's payload. The mask has
+one bit per member (bit i of byte i // 8), padded to a multiple of 4 bytes; an
 all-zero mask means the chunk has no result (nobody with weight > 0 delivered
-it) and carries no blob. A refused stream is reset with a one-line reason.
+it): then there is no blob header and no payload frame. A refused stream is
+reset with a one-line reason.
+
+Payloads travel as frames of their own, each with the small header in front
+of it in the same system call (``send_bytes_batch``), so that an uncompressed
+chunk is sent straight from the tensor's memory (the sender's vector, the
+reducer's accumulator) and received straight into a reusable buffer
+(``receive_into``): no copy on either side beyond the one into place.
 
 Quantized codecs are two-step, as in Flash Communication (Li et al. 2024,
 sec. 3): senders quantize their part, the reducer dequantizes, averages in
@@ -63,10 +69,9 @@ from ._codecs import (
     NONE,
     Codec,
     all_finite,
-    decode,
     decode_split,
-    encode_into,
     encode_split,
+    payload_size,
 )
 from ._faults import FaultPlan, InjectedFault, MemberFault
 from ._group import Group, MemberMode
@@ -77,7 +82,7 @@ logger = logging.getLogger(__name__)
 
 #: Name of the stream (connection handler) of the all-reduce.
 ALLREDUCE_STREAM = "allreduce"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 #: How long a stream for a group id this peer does not (yet) run waits for
 #: that round to start before it is refused: members enter a round a little
 #: apart, but not by seconds.
@@ -167,7 +172,9 @@ class StreamLike(Protocol):
 
     async def send(self, message: Any) -> None: ...
     async def send_bytes(self, data: bytes | bytearray | memoryview) -> None: ...
+    async def send_bytes_batch(self, frames: Sequence[bytes | bytearray | memoryview]) -> None: ...
     async def receive(self) -> Any: ...
+    async def receive_into(self, buffer: bytearray | memoryview) -> int: ...
     async def aclose(self) -> None: ...
 
 
@@ -281,7 +288,7 @@ class _Round:
         self._connected: set[int] = set()
         n_chunks = partition.num_chunks(me) if self.reducer is not None else 0
         self._chunk_done = [trio.Event() for _ in range(n_chunks)]
-        self._frames: dict[int, bytes | bytearray] = {}
+        self._frames: dict[int, tuple[bytes | bytearray | memoryview, ...]] = {}
         self._frame_waiters: dict[int, set[int]] = {}
         self._responders: set[int] = set()
 
@@ -401,24 +408,25 @@ class _Round:
         assert self.reducer is not None
         reducer = self.reducer
         sizes = reducer.chunk_sizes
+        scratch = _Scratch()  # each chunk's payload, until it is added
         try:
             while reducer.expects(sender):
                 header = payload = None
                 with trio.move_on_after(self.config.sender_timeout):
                     header = _expect_frame(await stream.receive(), "chunk header")
-                    payload = _expect_frame(await stream.receive(), "chunk payload")
+                    if len(header) != _CHUNK_HEADER_SIZE:
+                        raise ProtocolError(f"chunk header of {len(header)} bytes")
+                    (chunk,) = _CHUNK_INDEX.unpack_from(header)
+                    if chunk != reducer.delivered(sender):
+                        raise ProtocolError(f"chunk {chunk} out of order")
+                    blob_header = memoryview(header)[_CHUNK_INDEX.size :]
+                    size = payload_size(blob_header, expected_length=sizes[chunk])
+                    payload = await scratch.receive(stream, size)
                 if header is None or payload is None:
                     logger.info("all-reduce: member %d missed sender_timeout", sender)
                     self._completed(reducer.fail(sender))
                     break
-                if len(header) != _CHUNK_HEADER_SIZE:
-                    raise ProtocolError(f"chunk header of {len(header)} bytes")
-                (chunk,) = _CHUNK_INDEX.unpack_from(header)
-                if chunk != reducer.delivered(sender):
-                    raise ProtocolError(f"chunk {chunk} out of order")
-                values = decode_split(
-                    memoryview(header)[_CHUNK_INDEX.size :], payload, expected_length=sizes[chunk]
-                )
+                values = decode_split(blob_header, payload, expected_length=sizes[chunk])
                 self._completed(reducer.add(sender, chunk, values))
             # Excluded or finished: drain whatever it still sends, so a slow
             # sender is never blocked writing to us while it waits for results.
@@ -437,7 +445,7 @@ class _Round:
             await self.fault.before_reply(chunk)
             # A sender that stops reading must not hold the round open.
             with trio.fail_after(self.config.reducer_timeout):
-                await stream.send_bytes(self._frames[chunk])
+                await stream.send_bytes_batch(self._frames[chunk])
             self._frame_sent(chunk, sender)
 
     def _completed(self, chunks: range) -> None:
@@ -450,8 +458,13 @@ class _Round:
                 mask[i // 8] |= 1 << (i % 8)
             prefix = _CHUNK_INDEX.pack(chunk) + bytes(mask)
             values = self.reducer.result(chunk)
-            frame = prefix if values is None else encode_into(values, self.codec, prefix)
-            self._frames[chunk] = frame
+            if values is None:
+                self._frames[chunk] = (prefix,)
+            else:
+                # NONE sends the accumulator's own memory: a finished chunk is
+                # not written again, and the accumulator outlives the replies.
+                header, payload = encode_split(values, self.codec)
+                self._frames[chunk] = (prefix + header, payload)
             self._frame_waiters[chunk] = set(self._responders)
             if not self._responders:
                 del self._frames[chunk]
@@ -549,8 +562,7 @@ class _Round:
                 # this chunk, which overwrite it, come only once the reducer
                 # has all of it (or has excluded us and ignores the rest).
                 header, payload = encode_split(self.flat[start + a : start + b], self.codec)
-                await stream.send_bytes(_CHUNK_INDEX.pack(chunk) + header)
-                await stream.send_bytes(payload)
+                await stream.send_bytes_batch((_CHUNK_INDEX.pack(chunk) + header, payload))
         except Exception as e:  # per-peer boundary: ends this exchange
             failure.append(e)
             scope.cancel()
@@ -559,30 +571,37 @@ class _Round:
         start, _ = self.partition.part_bounds[part]
         senders = set(self.group.senders())
         header = _CHUNK_INDEX.size + self._mask_size
+        scratch = _Scratch()  # each chunk's payload, until it is checked and copied
         while not self.received.is_complete(part):
             chunk = self.received.next_chunk(part)
             with trio.fail_after(self.config.reducer_timeout):
-                frame = await stream.receive()
-            data = _expect_frame(frame, "result frame")
-            if len(data) < header:
-                raise ProtocolError("result frame shorter than its header")
-            (index,) = _CHUNK_INDEX.unpack_from(data)
-            if index != chunk:
-                raise ProtocolError(f"result chunk {index} out of order, expected {chunk}")
-            mask = data[_CHUNK_INDEX.size : header]
-            contributors = frozenset(
-                i for i in range(self.group.size) if mask[i // 8] >> (i % 8) & 1
-            )
-            if not contributors <= senders:
-                raise ProtocolError("result names contributors that are not senders")
-            if contributors:
+                data = _expect_frame(await stream.receive(), "result frame")
+                if len(data) < header:
+                    raise ProtocolError("result frame shorter than its header")
+                (index,) = _CHUNK_INDEX.unpack_from(data)
+                if index != chunk:
+                    raise ProtocolError(f"result chunk {index} out of order, expected {chunk}")
+                mask = data[_CHUNK_INDEX.size : header]
+                contributors = frozenset(
+                    i for i in range(self.group.size) if mask[i // 8] >> (i % 8) & 1
+                )
+                if not contributors <= senders:
+                    raise ProtocolError("result names contributors that are not senders")
+                if not contributors:
+                    if len(data) != header:
+                        raise ProtocolError("a result without contributors carries no values")
+                    self.received.received(part, chunk, contributors)
+                    continue
                 a, b = self.partition.chunk_bounds(part, chunk)
-                values = decode(memoryview(data)[header:], expected_length=b - a)
-                if not all_finite(values):
-                    raise ProtocolError("the reducer sent NaN or Inf")
-                self.flat[start + a : start + b].copy_(values)
-            elif len(data) != header:
-                raise ProtocolError("a result without contributors carries no values")
+                blob_header = memoryview(data)[header:]
+                size = payload_size(blob_header, expected_length=b - a)
+                payload = await scratch.receive(stream, size)
+            values = decode_split(blob_header, payload, expected_length=b - a)
+            # Into place only once it is known to be good: a failed chunk
+            # keeps the local values.
+            if not all_finite(values):
+                raise ProtocolError("the reducer sent NaN or Inf")
+            self.flat[start + a : start + b].copy_(values)
             self.received.received(part, chunk, contributors)
 
     # ------------------------------------------------------------------ result
@@ -623,6 +642,31 @@ def _expect_frame(obj: Any, what: str) -> bytes | bytearray | memoryview:
     if not isinstance(obj, bytes | bytearray | memoryview):
         raise ProtocolError(f"{what}: expected raw bytes, got {type(obj).__name__}")
     return obj
+
+
+class _Scratch:
+    """A reusable receive buffer for the payloads of one stream."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    async def receive(self, stream: StreamLike, size: int) -> memoryview:
+        """Receive the next raw frame, of exactly ``size`` bytes, into the
+        buffer; the view is valid until the next call. ``ProtocolError`` if the
+        frame is larger (from the stream) or smaller."""
+        if isinstance(stream, _LocalStream):
+            # Our own part: the frame is the sender's memory, which stays
+            # unchanged until the receiver is done with it. No copy.
+            view = memoryview(_expect_frame(await stream.receive(), "payload")).cast("B")
+            received = view.nbytes
+        else:
+            if len(self._buffer) < size:
+                self._buffer = bytearray(size)
+            view = memoryview(self._buffer)[:size]
+            received = await stream.receive_into(view)
+        if received != size:
+            raise ProtocolError(f"payload of {received} bytes, expected {size}")
+        return view
 
 
 async def _refuse(done: trio.Event, stream: StreamLike, reason: str) -> None:
@@ -737,11 +781,25 @@ class _LocalStream:
         await self._send.send(message)
 
     async def send_bytes(self, data: bytes | bytearray | memoryview) -> None:
-        # Frames are fresh buffers that the sender never touches again.
+        # Frames are buffers that the sender does not change before the
+        # receiver is done with them (the vector's chunk until its result
+        # comes, a finished chunk of the accumulator).
         await self._send.send(data)
+
+    async def send_bytes_batch(self, frames: Sequence[bytes | bytearray | memoryview]) -> None:
+        for data in frames:
+            await self._send.send(data)
 
     async def receive(self) -> Any:
         return await self._receive.receive()
+
+    async def receive_into(self, buffer: bytearray | memoryview) -> int:
+        data = memoryview(await self._receive.receive()).cast("B")
+        view = memoryview(buffer).cast("B")
+        if data.nbytes > view.nbytes:
+            raise ProtocolError(f"a frame of {data.nbytes} bytes, more than {view.nbytes}")
+        view[: data.nbytes] = data
+        return data.nbytes
 
     async def aclose(self) -> None:
         await self._send.aclose()

@@ -219,15 +219,21 @@ def encode_split(
     return bytes(blob[: HEADER.size]), memoryview(blob)[HEADER.size :]
 
 
-def decode_split(
-    header: bytes | bytearray | memoryview,
-    payload: bytes | bytearray | memoryview,
-    *,
-    expected_length: int | None = None,
-) -> torch.Tensor:
-    """``decode`` of a blob that arrived as (header, payload); the same promises."""
+def payload_size(
+    header: bytes | bytearray | memoryview, *, expected_length: int | None = None
+) -> int:
+    """The payload bytes a blob header announces (to receive them into place).
+
+    Raises ``ProtocolError`` for every header ``decode_split`` refuses.
+    """
+    kind, n, block = _parse_header(header, expected_length)
+    return _payload_size(kind, n, block)
+
+
+def _parse_header(
+    header: bytes | bytearray | memoryview, expected_length: int | None
+) -> tuple[CodecKind, int, int]:
     head = memoryview(header).cast("B")
-    view = memoryview(payload).cast("B")
     if len(head) != HEADER.size:
         raise ProtocolError(f"tensor blob header is {len(head)} bytes, expected {HEADER.size}")
     kind_code, dtype_code, reserved, n, block = HEADER.unpack_from(head)
@@ -246,6 +252,18 @@ def decode_split(
         raise ProtocolError(f"block size {block} is outside [1, {MAX_BLOCK_SIZE}]")
     if not quantized and block != 0:
         raise ProtocolError(f"{kind.name} has no block size, got {block}")
+    return kind, n, block
+
+
+def decode_split(
+    header: bytes | bytearray | memoryview,
+    payload: bytes | bytearray | memoryview,
+    *,
+    expected_length: int | None = None,
+) -> torch.Tensor:
+    """``decode`` of a blob that arrived as (header, payload); the same promises."""
+    view = memoryview(payload).cast("B")
+    kind, n, block = _parse_header(header, expected_length)
     if len(view) != _payload_size(kind, n, block):
         raise ProtocolError(
             f"{kind.name} blob of {n} values needs {_payload_size(kind, n, block)} payload bytes,"
