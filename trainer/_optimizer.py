@@ -21,6 +21,7 @@ newcomer is always a whole step's state.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -45,7 +46,7 @@ from averaging import (
     serve_state,
 )
 from dht import owner_marker
-from swarm import ConfigError, Peer, SwarmError
+from swarm import ClosedError, ConfigError, Peer, PeerID, SwarmError
 
 from ._checkpoint import Checkpoint, CheckpointDir
 from ._progress import (
@@ -100,6 +101,18 @@ class CollaborativeConfig:
 
 
 @dataclass(frozen=True)
+class _Reading:
+    """One reading of the swarm's progress by the tracker."""
+
+    swarm: SwarmProgress
+    #: this peer's epoch and samples in the record published with this reading
+    epoch: int
+    samples: int
+    #: monotonic time of the reading
+    time: float
+
+
+@dataclass(frozen=True)
 class GlobalStep:
     """What the last global step did (for logs, tests and benchmarks)."""
 
@@ -151,6 +164,8 @@ class CollaborativeOptimizer:
         self.config = config or CollaborativeConfig()
         self.epoch = 0
         self.last_step: GlobalStep | None = None
+        #: the peer whose state this one last downloaded (None: never)
+        self.state_source: PeerID | None = None
         self.loss: float | None = None
         self.accuracy: float | None = None
         self._grads = [
@@ -158,10 +173,11 @@ class CollaborativeOptimizer:
         ]
         self._samples = 0
         self._rate = RateMeter()
-        self._swarm: SwarmProgress | None = None
-        self._swarm_time = -math.inf
-        self._samples_at_read = 0
-        self._last_publish = -math.inf
+        #: the tracker's latest reading (see ``_Reading``), replaced whole
+        self._reading: _Reading | None = None
+        self._wake: trio.Event | None = None
+        self._last_poke = -math.inf
+        self._next_catch_up = -math.inf
         self._checkpoints = CheckpointDir(Path(checkpoint_dir)) if checkpoint_dir else None
         self._grad_averager = Averager(
             peer,
@@ -175,9 +191,10 @@ class CollaborativeOptimizer:
         self._donor = peer.run(self._start_donor)
         if self._checkpoints is not None:
             self._resume_from_checkpoint()
-        if load_state:
+        peer.run(self._refresh)
+        if load_state and self._reading is not None and self._reading.swarm.num_peers > 1:
             self._catch_up(initial=True)
-        self._publish(force=True)
+        self._tracker = peer.run(self._start_tracker)
 
     # -- the user's API ---------------------------------------------------------
 
@@ -191,6 +208,7 @@ class CollaborativeOptimizer:
         Returns True if a global step (averaging and the inner optimizer step)
         happened. Blocks at most ``averaging_timeout`` for averaging, plus the
         time to download the state when this peer fell behind the swarm.
+        Raises ``ClosedError`` once the peer has stopped.
         """
         if self._closed:
             raise ConfigError("the optimizer is closed")
@@ -204,26 +222,47 @@ class CollaborativeOptimizer:
             self.loss = loss if self.loss is None else 0.9 * self.loss + 0.1 * loss
         now = time.monotonic()
         self._rate.update(now, size)
-        swarm = self._progress(now)
-        if swarm.epoch > self.epoch:
+        reading = self._reading
+        if reading is None or reading.epoch != self.epoch:
+            # the tracker has not read the swarm since this epoch began: read now,
+            # rather than compute blind past the target
+            if not self._refresh_now(now):
+                return False
+            reading = self._reading
+            if reading is None or reading.epoch != self.epoch:
+                return False
+        swarm = reading.swarm
+        if swarm.epoch > self.epoch and now >= self._next_catch_up:
             log.info(
                 "epoch %d is behind the swarm's %d: downloading its state", self.epoch, swarm.epoch
             )
-            self._catch_up(initial=False)
+            if not self._catch_up(initial=False, min_epoch=swarm.epoch):
+                # nobody could send that epoch: train on, try again later
+                self._next_catch_up = now + self.config.progress_ttl / 2
             return False
-        if not self._ready(swarm):
-            return False
-        self._global_step(alone=swarm.num_peers <= 1)
+        if not self._ready(reading):
+            if not self._near_target(reading, now) or not self._refresh_now(now):
+                return False
+            reading = self._reading
+            if reading is None or reading.epoch != self.epoch or not self._ready(reading):
+                return False
+            swarm = reading.swarm
+        # Expect every live peer: one whose record still shows the last epoch is
+        # about to join. A group closed too early would leave a peer alone.
+        self._global_step(alone=swarm.num_peers <= 1, expected=swarm.num_peers)
         return True
 
     def report_accuracy(self, accuracy: float) -> None:
         """Publish this peer's latest evaluation accuracy (shown by ``swarm status``)."""
         self.accuracy = accuracy
-        self._publish(force=True)
+        self._poke()
 
     def swarm_progress(self) -> SwarmProgress:
         """The swarm's progress as last read from the DHT."""
-        return self._progress(time.monotonic())
+        reading = self._reading
+        if reading is None:
+            return estimate([], now=0.0, target_batch_size=self.target_batch_size, stale_after=1.0)
+        return reading.swarm
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -250,6 +289,7 @@ class CollaborativeOptimizer:
             self._save_checkpoint()
         try:
             self.peer.run_sync(self._donor.cancel)
+            self.peer.run_sync(self._tracker.cancel)
             self.peer.run(self._withdraw)
         except SwarmError as e:
             log.debug("could not withdraw from the swarm cleanly: %s", e)
@@ -262,17 +302,45 @@ class CollaborativeOptimizer:
 
     # -- progress ---------------------------------------------------------------
 
-    def _ready(self, swarm: SwarmProgress) -> bool:
+    def _ready(self, reading: _Reading) -> bool:
         """Has the swarm reached the target batch? What the others reported at the
         last reading, plus everything this peer has now. Other peers' rates are
         not extrapolated: a peer busy averaging or loading state computes nothing,
         and counting samples nobody computed would shrink the global batch."""
-        return swarm.reported - self._samples_at_read + self._samples >= self.target_batch_size
+        others = reading.swarm.reported - reading.samples
+        return others + self._samples >= self.target_batch_size
 
-    def _near_target(self, swarm: SwarmProgress, age: float) -> bool:
+    def _near_target(self, reading: _Reading, now: float) -> bool:
         """Would the swarm have reached the target if everyone kept computing?"""
-        extrapolated = swarm.samples + swarm.samples_per_second * age
-        return extrapolated - self._samples_at_read + self._samples >= self.target_batch_size
+        swarm = reading.swarm
+        extrapolated = swarm.samples + swarm.samples_per_second * (now - reading.time)
+        return extrapolated - reading.samples + self._samples >= self.target_batch_size
+
+    def _refresh_now(self, now: float) -> bool:
+        """Near the target, publish and read right away instead of waiting for
+        the tracker: the sooner every peer sees the target reached, the less the
+        global batch overshoots it. Rate-limited; True if it refreshed."""
+        if now - self._last_poke < self.config.progress_interval / 10:
+            return False
+        self._last_poke = now
+        try:
+            self.peer.run(self._refresh)
+        except ClosedError:
+            raise  # our own peer is gone: training cannot go on
+        except SwarmError as e:
+            log.debug("progress refresh failed: %s", e)
+            return False
+        return True
+
+    def _poke(self) -> None:
+        """Ask the tracker to publish and read now rather than at its next interval."""
+
+        def wake() -> None:
+            if self._wake is not None:
+                self._wake.set()
+
+        with contextlib.suppress(SwarmError):
+            self.peer.run_sync(wake)
 
     def _record(self) -> PeerProgress:
         return PeerProgress(
@@ -286,59 +354,42 @@ class CollaborativeOptimizer:
             self.peer.async_peer.client_mode,
         )
 
-    def _publish(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last_publish < self.config.progress_interval:
-            return
-        self._last_publish = now
-        record = self._record()
-
-        async def publish() -> None:
-            dht = self.peer.async_peer.dht
+    async def _refresh(self) -> None:
+        """Publish this peer's record and read everyone's (on the trio thread)."""
+        dht = self.peer.async_peer.dht
+        mine = self._record()
+        try:
             await dht.store(
                 progress_key(self.run_id),
-                record.to_value(),
+                mine.to_value(),
                 dht.now() + self.config.progress_ttl,
                 subkey=owner_marker(self.peer.peer_id),
             )
-
-        try:
-            self.peer.run(publish)
+            records = parse_progress(await dht.get(progress_key(self.run_id)))
         except SwarmError as e:
-            log.warning("could not publish progress: %s", e)
-
-    def _progress(self, now: float) -> SwarmProgress:
-        age = now - self._swarm_time
-        # Near the target, read again sooner: the sooner every peer sees the
-        # target reached, the less the global batch overshoots it.
-        fresh = age < self.config.progress_interval
-        if self._swarm is not None and fresh and (
-            not self._near_target(self._swarm, age) or age < self.config.progress_interval / 10
-        ):
-            return self._swarm
-        self._publish(force=True)
-
-        async def read() -> list[PeerProgress]:
-            return parse_progress(await self.peer.async_peer.dht.get(progress_key(self.run_id)))
-
-        try:
-            records = self.peer.run(read)
-        except SwarmError as e:
-            log.warning("could not read the swarm's progress: %s", e)
+            log.warning("progress tracking failed: %s", e)
             records = []
-        mine = self._record()
         records = [r for r in records if r.peer_id != mine.peer_id] + [mine]
-        self._swarm = estimate(
+        swarm = estimate(
             records,
-            now=self.peer.async_peer.dht.now(),
+            now=dht.now(),
             target_batch_size=self.target_batch_size,
             stale_after=self.config.progress_ttl,
         )
-        self._swarm_time = now
-        self._samples_at_read = mine.samples
-        grid = self._grid(self._swarm.num_peers)
-        self._grad_averager.set_grid(grid)
-        return self._swarm
+        self._reading = _Reading(swarm, mine.epoch, mine.samples, time.monotonic())
+
+    async def _start_tracker(self) -> trio.CancelScope:
+        return await self.peer.async_peer.start_service(self._track)
+
+    async def _track(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Publish and read progress every ``progress_interval``, or when poked."""
+        self._wake = trio.Event()
+        task_status.started()
+        while True:
+            with trio.move_on_after(self.config.progress_interval):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            await self._refresh()
 
     def _grid(self, peers: int) -> MoshpitGrid:
         # Peers must agree on the grid to meet, but count the swarm a little
@@ -350,18 +401,20 @@ class CollaborativeOptimizer:
     async def _withdraw(self) -> None:
         dht = self.peer.async_peer.dht
         record = self._record()
-        value = record.to_value() | {"time": dht.now() - self.config.progress_ttl}
-        # a record that is already stale: readers treat this peer as gone
+        value = record.to_value() | {"time": dht.now() - 2 * self.config.progress_ttl}
+        # A record whose time is already stale: readers treat this peer as gone.
+        # It must expire after the last live record, or the merge (latest
+        # expiration wins) would keep that one.
         await dht.store(
             progress_key(self.run_id),
             value,
-            dht.now() + 1.0,
+            dht.now() + 2 * self.config.progress_ttl,
             subkey=owner_marker(self.peer.peer_id),
         )
 
     # -- the global step ----------------------------------------------------------
 
-    def _global_step(self, *, alone: bool = False) -> None:
+    def _global_step(self, *, alone: bool, expected: int) -> None:
         samples = self._samples
         started = time.monotonic()
         with torch.no_grad():
@@ -371,7 +424,7 @@ class CollaborativeOptimizer:
         if alone:
             log.info("epoch %d: no other peer is training; applying local gradients", self.epoch)
         else:
-            expected = self._swarm.num_peers_at_epoch if self._swarm is not None else None
+            self._grad_averager.set_grid(self._grid(expected))
             result = self._average_gradients(samples, expected)
         seconds = time.monotonic() - started
         self._rate.pause()
@@ -382,8 +435,7 @@ class CollaborativeOptimizer:
             self._average_state()
         if self._checkpoints is not None and self.epoch % self.config.checkpoint_every == 0:
             self._save_checkpoint()
-        self._swarm = None
-        self._publish(force=True)
+        self._poke()
 
     def _average_gradients(self, samples: int, expected: int | None) -> StepResult | None:
         result: StepResult | None = None
@@ -435,7 +487,7 @@ class CollaborativeOptimizer:
                 tensors,
                 prefix=f"{self.run_id}.state",
                 config=self.config.averaging,
-                grid=self._grid(self._swarm.num_peers if self._swarm else 1),
+                grid=self._grid(self.swarm_progress().num_peers),
             )
         else:
             self._state_averager.tensors = tensors
@@ -475,8 +527,8 @@ class CollaborativeOptimizer:
             )
         )
 
-    def _catch_up(self, *, initial: bool) -> None:
-        """Download the swarm's state from a peer that is at least as far as we are."""
+    def _catch_up(self, *, initial: bool, min_epoch: int | None = None) -> bool:
+        """Download the swarm's state (of at least ``min_epoch``); True if loaded."""
         template = {
             "params": [p.detach() for p in self.params],
             "optimizer": UNCHECKED,
@@ -490,7 +542,7 @@ class CollaborativeOptimizer:
                 self.run_id,
                 template=template,
                 timeout=timeout,
-                min_version=self.epoch if not initial else None,
+                min_version=min_epoch,
                 config=self.config.state_transfer,
             )
 
@@ -498,16 +550,16 @@ class CollaborativeOptimizer:
             loaded = self.peer.run(load)
         except SwarmError as e:
             log.warning("could not load the swarm's state: %s", e)
-            return
+            return False
         if loaded is None:
             if not initial:
                 log.warning(
                     "no peer could send the swarm's state; training on from epoch %d", self.epoch
                 )
-            return
+            return False
         epoch = int(loaded.metadata.get("epoch", 0))
         if initial and epoch < self.epoch:
-            return  # our checkpoint is newer than anything the swarm offers
+            return False  # our checkpoint is newer than anything the swarm offers
 
         def apply() -> None:
             with torch.no_grad():
@@ -520,10 +572,12 @@ class CollaborativeOptimizer:
                 acc.zero_()
             self._samples = 0
             self.epoch = epoch
+            self.state_source = loaded.donor
 
         self.peer.run_sync(apply)
-        self._swarm = None
+        self._poke()
         log.info("loaded the state of epoch %d from %s", epoch, loaded.donor.short())
+        return True
 
     # -- checkpoints ----------------------------------------------------------------
 

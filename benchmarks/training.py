@@ -1,0 +1,158 @@
+"""Training benchmark: the digits task with 1, 2 and 4 peers at one target batch size.
+
+Each peer is its own process on 127.0.0.1 (as on real machines; threads would
+share one interpreter lock). For each swarm size it reports the wall time per
+epoch (one global step), the share of wall time the peers spent averaging and
+waiting for the swarm, and the test accuracy after a fixed number of epochs.
+The single peer is the baseline measured in the same run: it never averages.
+
+    python benchmarks/training.py                      # 1, 2, 4 peers, 30 epochs
+    python benchmarks/training.py --peers 1 4 --epochs 20 --json
+
+Target: averaging and waiting below 15% of wall time with 4 peers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class Result:
+    peers: int
+    epoch_s: float
+    averaging_share: float
+    accuracy: float
+
+
+def _worker(args: argparse.Namespace) -> None:
+    """One peer: join (or start) the swarm, train, print a JSON report."""
+    import torch
+
+    from averaging import AllReduceConfig, AveragerConfig, MatchmakingConfig
+    from swarm import Identity, Peer, PeerConfig
+    from trainer import CollaborativeConfig, load_task
+    from trainer._loop import TrainingConfig, train
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    config = CollaborativeConfig(
+        averaging=AveragerConfig(
+            matchmaking=MatchmakingConfig(
+                target_group_size=16, matchmaking_time=2.0, request_timeout=1.0, poll_interval=0.1
+            ),
+            allreduce=AllReduceConfig(sender_timeout=2.0, reducer_timeout=4.0, round_timeout=10.0),
+        ),
+        averaging_timeout=15.0,
+        progress_interval=0.2,
+        progress_ttl=10.0,
+        state_averaging_interval=0,
+        load_state_timeout=10.0,
+    )
+    initial = (args.initial_peer,) if args.initial_peer else ()
+    peer_config = PeerConfig(initial_peers=initial)
+    with Peer(Identity.from_seed(bytes([args.index + 1]) * 32), peer_config) as peer:
+        print(json.dumps({"address": peer.address}), flush=True)
+        if args.index == 0 and args.peers > 1:
+            sys.stdin.readline()  # wait until every peer has joined: start together
+        task = load_task("digits")
+        report = train(
+            peer,
+            task,
+            TrainingConfig(
+                run_id="bench",
+                target_batch_size=args.target_batch_size,
+                batch_size=args.batch_size,
+                max_epochs=args.epochs,
+                eval_every=0,
+                data_seed=args.index,
+                optimizer=config,
+            ),
+        )
+    print(json.dumps({
+        "wall_s": report.wall_seconds,
+        "averaging_s": report.averaging_seconds,
+        "epochs": report.epochs,
+        "accuracy": report.metrics.get("accuracy", float("nan")),
+    }), flush=True)
+
+
+def _run_swarm(n: int, args: argparse.Namespace) -> Result:
+    base = [sys.executable, os.path.abspath(__file__), "--worker", "--peers", str(n),
+            "--epochs", str(args.epochs), "--target-batch-size", str(args.target_batch_size),
+            "--batch-size", str(args.batch_size)]
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        first = subprocess.Popen(base + ["--index", "0"], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+        procs.append(first)
+        assert first.stdout is not None and first.stdin is not None
+        address = json.loads(first.stdout.readline())["address"]
+        for i in range(1, n):
+            p = subprocess.Popen(base + ["--index", str(i), "--initial-peer", address],
+                                 stdout=subprocess.PIPE, text=True)
+            procs.append(p)
+            assert p.stdout is not None
+            json.loads(p.stdout.readline())
+        if n > 1:
+            first.stdin.write("go\n")
+            first.stdin.flush()
+        reports = []
+        for p in procs:
+            assert p.stdout is not None
+            reports.append(json.loads(p.stdout.readline()))
+            p.wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    wall = statistics.mean(r["wall_s"] for r in reports)
+    averaging = statistics.mean(r["averaging_s"] for r in reports)
+    epochs = min(r["epochs"] for r in reports)
+    return Result(n, wall / max(1, epochs), averaging / wall,
+                  statistics.mean(r["accuracy"] for r in reports))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--target-batch-size", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--initial-peer", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        if isinstance(args.peers, list):
+            args.peers = args.peers[0]
+        _worker(args)
+        return
+    started = time.monotonic()
+    results = [_run_swarm(n, args) for n in args.peers]
+    if args.json:
+        print(json.dumps([r.__dict__ for r in results]))
+        return
+    print(f"digits, target batch {args.target_batch_size}, local batch {args.batch_size}, "
+          f"{args.epochs} epochs, {os.cpu_count()} cores ({time.monotonic() - started:.0f}s)")
+    print(f"{'peers':>5}  {'s/epoch':>8}  {'averaging+waiting':>17}  {'accuracy':>8}")
+    for r in results:
+        print(f"{r.peers:>5}  {r.epoch_s:>8.3f}  {r.averaging_share:>17.1%}  {r.accuracy:>8.3f}")
+    largest = max(results, key=lambda r: r.peers)
+    verdict = "PASS" if largest.averaging_share < 0.15 else "MISS"
+    print(f"{verdict}  averaging+waiting with {largest.peers} peers < 15% "
+          f"({largest.averaging_share:.1%})")
+
+
+if __name__ == "__main__":
+    main()
