@@ -77,28 +77,47 @@ def _worker(args: argparse.Namespace) -> None:
                 optimizer=config,
             ),
         )
-    print(json.dumps({
-        "wall_s": report.wall_seconds,
-        "averaging_s": report.averaging_seconds,
-        "epochs": report.epochs,
-        "accuracy": report.metrics.get("accuracy", float("nan")),
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "wall_s": report.wall_seconds,
+                "averaging_s": report.averaging_seconds,
+                "epochs": report.epochs,
+                "accuracy": report.metrics.get("accuracy", float("nan")),
+            }
+        ),
+        flush=True,
+    )
 
 
 def _run_swarm(n: int, args: argparse.Namespace) -> Result:
-    base = [sys.executable, os.path.abspath(__file__), "--worker", "--peers", str(n),
-            "--epochs", str(args.epochs), "--target-batch-size", str(args.target_batch_size),
-            "--batch-size", str(args.batch_size)]
+    base = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        "--peers",
+        str(n),
+        "--epochs",
+        str(args.epochs),
+        "--target-batch-size",
+        str(args.target_batch_size),
+        "--batch-size",
+        str(args.batch_size),
+    ]
     procs: list[subprocess.Popen[str]] = []
     try:
-        first = subprocess.Popen(base + ["--index", "0"], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True)
+        first = subprocess.Popen(
+            [*base, "--index", "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         procs.append(first)
         assert first.stdout is not None and first.stdin is not None
         address = json.loads(first.stdout.readline())["address"]
         for i in range(1, n):
-            p = subprocess.Popen(base + ["--index", str(i), "--initial-peer", address],
-                                 stdout=subprocess.PIPE, text=True)
+            p = subprocess.Popen(
+                [*base, "--index", str(i), "--initial-peer", address],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             procs.append(p)
             assert p.stdout is not None
             json.loads(p.stdout.readline())
@@ -118,8 +137,9 @@ def _run_swarm(n: int, args: argparse.Namespace) -> Result:
     wall = statistics.mean(r["wall_s"] for r in reports)
     averaging = statistics.mean(r["averaging_s"] for r in reports)
     epochs = min(r["epochs"] for r in reports)
-    return Result(n, wall / max(1, epochs), averaging / wall,
-                  statistics.mean(r["accuracy"] for r in reports))
+    return Result(
+        n, wall / max(1, epochs), averaging / wall, statistics.mean(r["accuracy"] for r in reports)
+    )
 
 
 def main() -> None:
@@ -143,15 +163,19 @@ def main() -> None:
     if args.json:
         print(json.dumps([r.__dict__ for r in results]))
         return
-    print(f"digits, target batch {args.target_batch_size}, local batch {args.batch_size}, "
-          f"{args.epochs} epochs, {os.cpu_count()} cores ({time.monotonic() - started:.0f}s)")
+    print(
+        f"digits, target batch {args.target_batch_size}, local batch {args.batch_size}, "
+        f"{args.epochs} epochs, {os.cpu_count()} cores ({time.monotonic() - started:.0f}s)"
+    )
     print(f"{'peers':>5}  {'s/epoch':>8}  {'averaging+waiting':>17}  {'accuracy':>8}")
     for r in results:
         print(f"{r.peers:>5}  {r.epoch_s:>8.3f}  {r.averaging_share:>17.1%}  {r.accuracy:>8.3f}")
     largest = max(results, key=lambda r: r.peers)
     verdict = "PASS" if largest.averaging_share < 0.15 else "MISS"
-    print(f"{verdict}  averaging+waiting with {largest.peers} peers < 15% "
-          f"({largest.averaging_share:.1%})")
+    print(
+        f"{verdict}  averaging+waiting with {largest.peers} peers < 15% "
+        f"({largest.averaging_share:.1%})"
+    )
 
 
 if __name__ == "__main__":
