@@ -9,9 +9,10 @@ written into the averager's tensors in place.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,32 +194,47 @@ class Averager:
         another step of this averager is running. On cancellation the tensors
         hold whole chunks, each either averaged or local. ``expected_peers``
         (this one included) lets a group close as soon as they all joined.
+
+        ``step`` is ``find_group`` then ``average``; callers that can do useful
+        work meanwhile (a trainer finishing its batch) call the two apart.
         """
-        if self._busy:
-            raise StepInProgressError(f"averager {self.prefix!r} is already running a step")
-        if not (math.isfinite(weight) and weight >= 0):
-            raise ConfigError(f"weight must be a finite number >= 0, got {weight}")
-        self._busy = True
-        try:
+        bound = self.config.step_bound if timeout is None else timeout
+        group: Group | None = None
+        with trio.move_on_after(bound):
+            group = await self.find_group(round=round, expected_peers=expected_peers)
+            if group is None:
+                return self._missed(None, "no group formed in time")
+            return await self.average(group, weight)
+        reason = "timed out during the all-reduce" if group else "timed out in matchmaking"
+        return self._missed(group, reason)
+
+    async def find_group(
+        self, *, round: int | None = None, expected_peers: int | None = None
+    ) -> Group | None:
+        """Matchmaking only: the group of this round, or None if none formed.
+
+        Returns within ``config.matchmaking.bound``. Follow it with ``average``
+        (or ``skip``) for the same round.
+        """
+        with self._busy_guard():
             if round is not None:
                 self.state = MoshpitState(round, self.state.coordinates)
-            bound = self.config.step_bound if timeout is None else timeout
-            return await self._step(weight, bound, expected_peers)
-        finally:
-            self._busy = False
-
-    async def _step(self, weight: float, timeout: float, expected: int | None) -> StepResult:
-        state = self.state
-        key = state.key(self.grid, self.prefix)
-        group: Group | None = None
-        with trio.move_on_after(timeout):
-            if expected is not None and self.grid.dimensions > 1:
-                expected = None  # a key holds only part of the swarm: no estimate
+            key = self.state.key(self.grid, self.prefix)
+            expected = expected_peers if self.grid.dimensions == 1 else None
             group = await self._matchmaker.find_group(key, self._member(), expected=expected)
             if group is None:
-                self.state = state.after_missed_round()
-                log.info("round %d: no group under %s; keeping local values", state.round, key)
-                return StepResult(state.round, key, None, reason="no group formed in time")
+                log.info("round %d: no group under %s", self.state.round, key)
+            return group
+
+    async def average(self, group: Group, weight: float = 1.0) -> StepResult:
+        """All-reduce the tensors with ``group`` (from ``find_group``), in place,
+        and move to the next round's grid cell. Returns within the all-reduce's
+        round deadline."""
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ConfigError(f"weight must be a finite number >= 0, got {weight}")
+        with self._busy_guard():
+            state = self.state
+            key = state.key(self.grid, self.prefix)
             result = await all_reduce(
                 self.peer.connections,
                 group,
@@ -231,9 +247,26 @@ class Averager:
             members = [bytes(m.peer_id) for m in group.members]
             self.state = state.after_group(self.grid, group.group_id, members, group.local_index)
             return StepResult(state.round, key, group, result)
+
+    def skip(self, reason: str) -> StepResult:
+        """End this round without averaging (no group, or gave up): keep local values."""
+        return self._missed(None, reason)
+
+    def _missed(self, group: Group | None, reason: str) -> StepResult:
+        state = self.state
         self.state = state.after_missed_round()
-        reason = "timed out during the all-reduce" if group else "timed out in matchmaking"
-        return StepResult(state.round, key, group, reason=reason)
+        log.info("round %d: %s; keeping local values", state.round, reason)
+        return StepResult(state.round, state.key(self.grid, self.prefix), group, reason=reason)
+
+    @contextlib.contextmanager
+    def _busy_guard(self) -> Iterator[None]:
+        if self._busy:
+            raise StepInProgressError(f"averager {self.prefix!r} is already running a step")
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._busy = False
 
     def step_sync(
         self, weight: float = 1.0, *, timeout: float | None = None, round: int | None = None

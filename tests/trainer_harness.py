@@ -92,6 +92,8 @@ def training_config(i: int, **kwargs: Any) -> TrainingConfig:
         model_seed=0,
         data_seed=100 + i,
         optimizer=FAST,
+        min_peers=3,  # start together: a lone early peer would train on alone
+        min_peers_timeout=30.0,
     )
     defaults.update(kwargs)
     return TrainingConfig(**defaults)

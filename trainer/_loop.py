@@ -40,6 +40,10 @@ class TrainingConfig:
     model_seed: int = 0
     #: seed of this peer's data stream: peers should differ
     data_seed: int = 0
+    #: wait until this many peers are in the run before training (bounded by
+    #: ``min_peers_timeout``), so that a run starts together
+    min_peers: int = 1
+    min_peers_timeout: float = 60.0
     checkpoint_dir: Path | None = None
     optimizer: CollaborativeConfig = field(default_factory=CollaborativeConfig)
 
@@ -85,6 +89,14 @@ def train(
         config=config.optimizer,
         checkpoint_dir=config.checkpoint_dir,
     ) as opt:
+        if config.min_peers > 1 and not opt.wait_for_peers(
+            config.min_peers, config.min_peers_timeout
+        ):
+            log.warning(
+                "fewer than %d peers after %gs: training anyway",
+                config.min_peers,
+                config.min_peers_timeout,
+            )
         while not (stop is not None and stop.is_set()):
             if config.max_epochs is not None and opt.epoch >= config.max_epochs:
                 break

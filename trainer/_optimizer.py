@@ -38,6 +38,7 @@ from averaging import (
     UNCHECKED,
     Averager,
     AveragerConfig,
+    Group,
     LoadedState,
     MoshpitGrid,
     StateTransferConfig,
@@ -80,6 +81,9 @@ class CollaborativeConfig:
     checkpoint_every: int = 10
     #: how long a newcomer or a peer that fell behind tries to download the state
     load_state_timeout: float = 60.0
+    #: begin matchmaking when the swarm is estimated this many seconds from the
+    #: target, so the group is ready when the last batch is (DeDLOC, section 3.2)
+    matchmaking_lead: float = 1.0
     state_transfer: StateTransferConfig = field(default_factory=StateTransferConfig)
 
     def __post_init__(self) -> None:
@@ -98,6 +102,12 @@ class CollaborativeConfig:
             raise ConfigError("state_averaging_interval must be >= 0 and checkpoint_every >= 1")
         if self.load_state_timeout <= 0:
             raise ConfigError("load_state_timeout must be positive")
+        if not 0 <= self.matchmaking_lead < self.averaging.allreduce.sender_timeout:
+            raise ConfigError(
+                f"matchmaking_lead ({self.matchmaking_lead}s) must be >= 0 and below the "
+                f"all-reduce's sender_timeout ({self.averaging.allreduce.sender_timeout}s): "
+                "members of an early group must all be ready before they drop each other"
+            )
 
 
 @dataclass(frozen=True)
@@ -110,6 +120,16 @@ class _Reading:
     samples: int
     #: monotonic time of the reading
     time: float
+
+
+@dataclass(eq=False)
+class _Prematch:
+    """Matchmaking begun ahead of a global step (owned by the trio thread)."""
+
+    epoch: int
+    done: trio.Event = field(default_factory=trio.Event)
+    group: Group | None = None
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
 
 
 @dataclass(frozen=True)
@@ -178,6 +198,10 @@ class CollaborativeOptimizer:
         self._wake: trio.Event | None = None
         self._last_poke = -math.inf
         self._next_catch_up = -math.inf
+        #: matchmaking begun ahead of the global step (trio thread), and the
+        #: epoch it was begun for (training thread)
+        self._prematch: _Prematch | None = None
+        self._prematch_epoch = -1
         self._checkpoints = CheckpointDir(Path(checkpoint_dir)) if checkpoint_dir else None
         self._grad_averager = Averager(
             peer,
@@ -241,12 +265,18 @@ class CollaborativeOptimizer:
                 self._next_catch_up = now + self.config.progress_ttl / 2
             return False
         if not self._ready(reading):
+            self._maybe_begin_matchmaking(reading, now)
             if not self._near_target(reading, now) or not self._refresh_now(now):
                 return False
             reading = self._reading
             if reading is None or reading.epoch != self.epoch or not self._ready(reading):
                 return False
             swarm = reading.swarm
+        if swarm.num_peers <= 1 and self._refresh_now(now, force=True):
+            # about to train alone: make sure nobody joined since the last reading
+            reading = self._reading
+            if reading is not None and reading.epoch == self.epoch:
+                swarm = reading.swarm
         # Expect every live peer: one whose record still shows the last epoch is
         # about to join. A group closed too early would leave a peer alone.
         self._global_step(alone=swarm.num_peers <= 1, expected=swarm.num_peers)
@@ -256,6 +286,19 @@ class CollaborativeOptimizer:
         """Publish this peer's latest evaluation accuracy (shown by ``swarm status``)."""
         self.accuracy = accuracy
         self._poke()
+
+    def wait_for_peers(self, count: int, timeout: float) -> bool:
+        """Block until ``count`` peers (this one included) are in the run, or
+        ``timeout`` seconds pass; True if they are. For starting a run together."""
+        deadline = time.monotonic() + timeout
+        while True:
+            reading = self._reading
+            if reading is not None and reading.swarm.num_peers >= count:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            self._refresh_now(time.monotonic(), force=True)
+            time.sleep(self.config.progress_interval)
 
     def swarm_progress(self) -> SwarmProgress:
         """The swarm's progress as last read from the DHT."""
@@ -290,6 +333,7 @@ class CollaborativeOptimizer:
         try:
             self.peer.run_sync(self._donor.cancel)
             self.peer.run_sync(self._tracker.cancel)
+            self.peer.run_sync(self._cancel_matchmaking)
             self.peer.run(self._withdraw)
         except SwarmError as e:
             log.debug("could not withdraw from the swarm cleanly: %s", e)
@@ -316,11 +360,67 @@ class CollaborativeOptimizer:
         extrapolated = swarm.samples + swarm.samples_per_second * (now - reading.time)
         return extrapolated - reading.samples + self._samples >= self.target_batch_size
 
-    def _refresh_now(self, now: float) -> bool:
+    def _maybe_begin_matchmaking(self, reading: _Reading, now: float) -> None:
+        """Begin this epoch's matchmaking in the background once the swarm is
+        estimated within ``matchmaking_lead`` seconds of the target."""
+        swarm = reading.swarm
+        if self._prematch_epoch == self.epoch or swarm.num_peers <= 1:
+            return
+        rate = swarm.samples_per_second
+        extrapolated = swarm.samples + rate * (now - reading.time) - reading.samples + self._samples
+        missing = self.target_batch_size - extrapolated
+        if missing > 0 and (rate <= 0 or missing / rate > self.config.matchmaking_lead):
+            return
+        self._prematch_epoch = self.epoch
+        with contextlib.suppress(SwarmError):
+            self.peer.run(self._begin_matchmaking, self.epoch, swarm.num_peers)
+
+    async def _begin_matchmaking(self, epoch: int, expected: int) -> None:
+        """On the trio thread: find this epoch's group as a service of the peer."""
+        previous = self._prematch
+        if previous is not None:
+            if previous.epoch == epoch:
+                return
+            previous.scope.cancel()
+        self._grad_averager.set_grid(self._grid(expected))
+        prematch = _Prematch(epoch)
+        self._prematch = prematch
+
+        async def find(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            task_status.started()
+            try:
+                prematch.group = await self._grad_averager.find_group(
+                    round=epoch, expected_peers=expected
+                )
+            except SwarmError as e:
+                log.info("epoch %d: matchmaking failed: %s", epoch, e)
+            finally:
+                prematch.done.set()
+
+        prematch.scope = await self.peer.async_peer.start_service(find)
+
+    async def _finish_averaging(self, weight: float, expected: int) -> StepResult:
+        """On the trio thread: wait for this epoch's group, then all-reduce."""
+        await self._begin_matchmaking(self.epoch, expected)
+        prematch = self._prematch
+        assert prematch is not None
+        with trio.move_on_after(self.config.averaging.matchmaking.bound + 1.0):
+            await prematch.done.wait()
+        self._prematch = None
+        if prematch.group is None:
+            prematch.scope.cancel()
+            await prematch.done.wait()
+            return self._grad_averager.skip("no group formed in time")
+        with trio.move_on_after(self.config.averaging_timeout):
+            return await self._grad_averager.average(prematch.group, weight)
+        return self._grad_averager.skip("timed out during the all-reduce")
+
+    def _refresh_now(self, now: float, *, force: bool = False) -> bool:
         """Near the target, publish and read right away instead of waiting for
         the tracker: the sooner every peer sees the target reached, the less the
-        global batch overshoots it. Rate-limited; True if it refreshed."""
-        if now - self._last_poke < self.config.progress_interval / 10:
+        global batch overshoots it. Rate-limited unless ``force``; True if it
+        refreshed."""
+        if not force and now - self._last_poke < self.config.progress_interval / 10:
             return False
         self._last_poke = now
         try:
@@ -424,7 +524,6 @@ class CollaborativeOptimizer:
         if alone:
             log.info("epoch %d: no other peer is training; applying local gradients", self.epoch)
         else:
-            self._grad_averager.set_grid(self._grid(expected))
             result = self._average_gradients(samples, expected)
         seconds = time.monotonic() - started
         self._rate.pause()
@@ -440,15 +539,7 @@ class CollaborativeOptimizer:
     def _average_gradients(self, samples: int, expected: int | None) -> StepResult | None:
         result: StepResult | None = None
         try:
-            result = self.peer.run(
-                partial(
-                    self._grad_averager.step,
-                    float(samples),
-                    timeout=self.config.averaging_timeout,
-                    round=self.epoch,
-                    expected_peers=expected,
-                )
-            )
+            result = self.peer.run(self._finish_averaging, float(samples), expected or 1)
         except SwarmError as e:
             log.warning("epoch %d: averaging failed (%s); applying local gradients", self.epoch, e)
         if result is not None and result.group is None:
@@ -527,8 +618,15 @@ class CollaborativeOptimizer:
             )
         )
 
+    def _cancel_matchmaking(self) -> None:
+        if self._prematch is not None:
+            self._prematch.scope.cancel()
+            self._prematch = None
+
     def _catch_up(self, *, initial: bool, min_epoch: int | None = None) -> bool:
         """Download the swarm's state (of at least ``min_epoch``); True if loaded."""
+        with contextlib.suppress(SwarmError):
+            self.peer.run_sync(self._cancel_matchmaking)
         template = {
             "params": [p.detach() for p in self.params],
             "optimizer": UNCHECKED,
