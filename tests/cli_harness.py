@@ -12,6 +12,15 @@ from contextlib import asynccontextmanager
 import trio
 
 
+async def free_udp_port() -> int:
+    """A UDP port on 127.0.0.1 that nothing listens on (just freed)."""
+    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM)
+    await sock.bind(("127.0.0.1", 0))
+    port: int = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
 class CLIProcess:
     def __init__(self, process: trio.Process) -> None:
         self.process = process

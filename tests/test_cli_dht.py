@@ -2,16 +2,7 @@
 
 import signal
 
-import trio
-from cli_harness import run_cli, run_to_completion
-
-
-async def _free_udp_port() -> int:
-    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM)
-    await sock.bind(("127.0.0.1", 0))
-    port: int = sock.getsockname()[1]
-    sock.close()
-    return port
+from cli_harness import free_udp_port, run_cli, run_to_completion
 
 
 async def test_two_dht_peers_join_and_stop_cleanly() -> None:
@@ -26,7 +17,7 @@ async def test_two_dht_peers_join_and_stop_cleanly() -> None:
 
 
 async def test_unreachable_bootstrap_peer_exits_2_with_one_line() -> None:
-    port = await _free_udp_port()
+    port = await free_udp_port()
     result = await run_to_completion(
         "dht", "--host", "127.0.0.1", "--initial-peer", f"127.0.0.1:{port}"
     )

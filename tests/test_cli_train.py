@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from cli_harness import CLIProcess, run_cli, run_to_completion
+from cli_harness import CLIProcess, free_udp_port, run_cli, run_to_completion
 
 THROTTLED_TASK = """
 import dataclasses
@@ -134,16 +134,8 @@ async def test_sigterm_mid_run_leaves_cleanly(tmp_path: Path) -> None:
         assert "accuracy" in line
 
 
-async def _free_udp_port() -> int:
-    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM)
-    await sock.bind(("127.0.0.1", 0))
-    port: int = sock.getsockname()[1]
-    sock.close()
-    return port
-
-
 async def test_bad_configuration_exits_2_with_one_line(tmp_path: Path) -> None:
-    nobody = f"127.0.0.1:{await _free_udp_port()}"
+    nobody = f"127.0.0.1:{await free_udp_port()}"
     cases = {
         ("train", "--task", "no-such-task"): "unknown task",
         ("train", "--target-batch-size", "0"): "--target-batch-size",
