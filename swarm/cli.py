@@ -113,6 +113,13 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         help="longest wait for one averaging round (default: max(60, 2 x matchmaking bound))",
     )
     peer.add_argument(
+        "--min-peers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="wait (up to a minute) until N peers are in the run before training (default 1)",
+    )
+    peer.add_argument(
         "--eval-every",
         type=int,
         default=5,
@@ -427,6 +434,7 @@ def _run_train(args: argparse.Namespace) -> int:
             max_epochs=args.max_epochs,
             eval_every=args.eval_every,
             data_seed=seed,
+            min_peers=args.min_peers,
             checkpoint_dir=None if args.checkpoint_dir is None else Path(args.checkpoint_dir),
             optimizer=optimizer_config,
         )
