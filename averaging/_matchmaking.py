@@ -30,7 +30,9 @@ non-client candidate, seniors first).
 
 Wire messages on the stream ``mm.<prefix>`` (msgpack), follower -> leader:
 ``["join", key, member]``; leader -> follower: ``["accepted"]``,
-``["refused", reason]`` or ``["redirect", candidate]``; after ``accepted``,
+``["refused", reason]`` (final for this round), ``["busy", reason]`` (ask again
+soon: the leader has not begun this round yet) or ``["redirect", candidate]``;
+after ``accepted``,
 one of ``["group", group_id, [member, ...]]``, ``["disband", reason]`` or
 ``["redirect", candidate]``. The follower's peer id is the one its connection
 proved, never a field of the message.
@@ -59,6 +61,8 @@ log = logging.getLogger(__name__)
 _GROUP_ID_DOMAIN = b"swarm.moshpit.group.v1\x00"
 #: A redirect may point to a leader that redirects again; follow a few hops only.
 MAX_REDIRECTS = 4
+#: ``_join``'s answer for "ask this leader again a little later".
+_RETRY = object()
 
 
 @dataclass(frozen=True)
@@ -376,7 +380,8 @@ class Matchmaker:
             return
         lobby = self._lobby
         if lobby is None or lobby.key != key:
-            await stream.send(["refused", "not looking for a group under this key"])
+            # it may simply not have begun this round yet: the follower retries
+            await stream.send(["busy", "not looking for a group under this key"])
             return
         reply, slot = lobby.admit(member)
         await stream.send(reply)
@@ -480,36 +485,48 @@ class Matchmaker:
             return
 
     async def _seek(self, lobby: Lobby, me: Candidate, finish: Any) -> None:
-        """Ask seniors to lead this peer until one forms a group with it."""
-        tried: set[PeerID] = set()
+        """Ask seniors to lead this peer until one forms a group with it.
+
+        A leader that refused, disbanded or died is not asked again this round;
+        one that was busy or unreachable for a moment is asked again after
+        ``poll_interval`` (peers begin a round a little apart, and under load a
+        request can time out).
+        """
+        final: set[PeerID] = set()
+        retry_at: dict[PeerID, float] = {}
         while True:
             try:
                 found = await self.peer.dht.get(lobby.key)
             except SwarmError as e:
                 log.debug("reading %s failed: %s", lobby.key, e)
                 found = None
+            now = trio.current_time()
             queue = [
                 c
                 for c in leaders_to_try(parse_candidates(found, self.peer.peer_id), me)
-                if c.peer_id not in tried
+                if c.peer_id not in final and retry_at.get(c.peer_id, -math.inf) <= now
             ]
             hops = 0
             while queue:
                 leader = queue.pop(0)
-                tried.add(leader.peer_id)
                 result = await self._join(lobby, leader)
                 if isinstance(result, Group):
                     finish(result)
                     return
+                if result is _RETRY:
+                    retry_at[leader.peer_id] = trio.current_time() + self.config.poll_interval
+                    continue
+                final.add(leader.peer_id)
                 if isinstance(result, Candidate) and hops < MAX_REDIRECTS:
                     hops += 1
                     if result.peer_id != self.peer.peer_id:
-                        tried.discard(result.peer_id)
+                        final.discard(result.peer_id)
                         queue.insert(0, result)
             await trio.sleep(self.config.poll_interval)
 
-    async def _join(self, lobby: Lobby, leader: Candidate) -> Group | Candidate | None:
-        """Ask ``leader`` to take us: the group it formed, a redirect, or None."""
+    async def _join(self, lobby: Lobby, leader: Candidate) -> Group | Candidate | object | None:
+        """Ask ``leader`` to take us: the group it formed, a redirect, ``_RETRY``
+        (busy or unreachable before it accepted us: ask again later) or None."""
         accepted = False
         try:
             with trio.fail_after(self.config.bound):
@@ -522,6 +539,8 @@ class Matchmaker:
                         reply = expect_message(await stream.receive(), "join reply")
                     if reply[0] == "redirect":
                         return Candidate.from_wire(reply[1])
+                    if reply[0] == "busy":
+                        return _RETRY
                     if reply[0] != "accepted" or lobby.closed:
                         log.debug("%s refused: %s", leader.peer_id.short(), reply[1:])
                         return None
@@ -549,7 +568,7 @@ class Matchmaker:
         except (SwarmError, trio.TooSlowError, IndexError) as e:
             # per-peer boundary: this leader failed us; the caller tries another
             log.debug("joining %s failed: %s", leader.peer_id.short(), e)
-            return None
+            return None if accepted else _RETRY
         finally:
             if accepted and lobby.following is leader:
                 lobby.unfollow()

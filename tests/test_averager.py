@@ -24,7 +24,7 @@ CONFIG = AveragerConfig(
     matchmaking=MatchmakingConfig(
         target_group_size=4,
         min_group_size=2,
-        matchmaking_time=1.5,
+        matchmaking_time=2.0,
         request_timeout=1.0,
         poll_interval=0.2,
     ),
@@ -78,7 +78,8 @@ async def test_16_peers_on_a_4x4_grid_hold_the_global_mean_after_2_rounds() -> N
         ]
         for r in range(2):
             results = await _step_all(averagers, r)
-            assert all(res is not None and len(res.members) == 4 for res in results)
+            outcome = [(len(res.members), res.reason) if res else None for res in results]
+            assert all(res is not None and len(res.members) == 4 for res in results), outcome
             assert len({res.group_id for res in results if res}) == 4
         for v in values:
             torch.testing.assert_close(v, mean, atol=1e-5, rtol=0)
