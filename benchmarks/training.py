@@ -6,7 +6,7 @@ epoch (one global step), the share of wall time the peers spent averaging and
 waiting for the swarm, and the test accuracy after a fixed number of epochs.
 The single peer is the baseline measured in the same run: it never averages.
 
-    python benchmarks/training.py                      # 1, 2, 4 peers, 30 epochs
+    python benchmarks/training.py                      # 1, 2, 4 peers, 20 epochs
     python benchmarks/training.py --peers 1 4 --epochs 20 --json
 
 Target: averaging and waiting below 15% of wall time with 4 peers.
@@ -145,8 +145,8 @@ def _run_swarm(n: int, args: argparse.Namespace) -> Result:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--target-batch-size", type=int, default=512)
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--target-batch-size", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

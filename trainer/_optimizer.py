@@ -197,6 +197,7 @@ class CollaborativeOptimizer:
         self._reading: _Reading | None = None
         self._wake: trio.Event | None = None
         self._last_poke = -math.inf
+        self._refresh_seconds = 0.0
         self._next_catch_up = -math.inf
         #: matchmaking begun ahead of the global step (trio thread), and the
         #: epoch it was begun for (training thread)
@@ -420,7 +421,11 @@ class CollaborativeOptimizer:
         the tracker: the sooner every peer sees the target reached, the less the
         global batch overshoots it. Rate-limited unless ``force``; True if it
         refreshed."""
-        if not force and now - self._last_poke < self.config.progress_interval / 10:
+        # At most every progress_interval / 10, and never more than a fifth of
+        # the time: a refresh is a signed DHT store and a read, and peers that
+        # refresh back to back starve each other's training and averaging.
+        pause = max(self.config.progress_interval / 10, 4 * self._refresh_seconds)
+        if not force and now - self._last_poke < pause:
             return False
         self._last_poke = now
         try:
@@ -430,6 +435,8 @@ class CollaborativeOptimizer:
         except SwarmError as e:
             log.debug("progress refresh failed: %s", e)
             return False
+        finally:
+            self._refresh_seconds = time.monotonic() - now
         return True
 
     def _poke(self) -> None:
