@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from trainer_harness import FAST, TrainingPeer, training_config, training_peers
+from trainer_harness import FAST, TEST_DHT, TrainingPeer, training_config, training_peers
 
 from swarm import SwarmError
 from trainer import CollaborativeOptimizer
@@ -175,3 +175,70 @@ def test_the_others_train_on_when_a_peer_is_killed() -> None:
         assert report.epochs == 10
         gaps = [b - a for a, b in itertools.pairwise(epoch_times[i])]
         assert max(gaps) < bound, gaps
+
+
+def test_a_restarted_peer_resumes_from_its_checkpoint(tmp_path: object) -> None:
+    torch.set_num_threads(1)
+    directory = f"{tmp_path}/checkpoints"
+    with training_peers(1) as (_, peers):
+        config = training_config(0, max_epochs=3, min_peers=1, checkpoint_dir=directory)
+        first = TrainingPeer(peers[0], config)
+        saved: list[list[torch.Tensor]] = []
+        first.start(on_epoch=lambda opt, report: saved.append(_fingerprint(opt)))
+        assert first.join().epochs == 3
+    with training_peers(1) as (_, peers):
+        from trainer import load_task
+
+        model, inner, _ = load_task("digits").build(seed=99)  # other weights on purpose
+        resumed = CollaborativeOptimizer(
+            peers[0],
+            run_id="digits-test",
+            params=model.parameters(),
+            optimizer=inner,
+            target_batch_size=192,
+            batch_size_per_step=32,
+            config=FAST,
+            checkpoint_dir=directory,
+        )
+        try:
+            assert resumed.epoch == 3
+            assert all(
+                torch.equal(a, b) for a, b in zip(_fingerprint(resumed), saved[-1], strict=True)
+            )
+        finally:
+            resumed.close()
+
+
+def test_a_client_mode_peer_contributes_without_accepting_connections() -> None:
+    torch.set_num_threads(1)
+    members: list[int] = []
+    with training_peers(2) as (stack, peers):
+        from swarm import Identity, Peer, PeerConfig
+
+        client = stack.enter_context(
+            Peer(
+                Identity.from_seed(b"c" * 32),
+                PeerConfig(
+                    initial_peers=(peers[0].address,),
+                    client_mode=True,
+                    dht=TEST_DHT,
+                ),
+            )
+        )
+        trainers = [
+            TrainingPeer(p, training_config(i, max_epochs=6))
+            for i, p in enumerate([*peers, client])
+        ]
+        for t in trainers[:2]:
+            t.start()
+
+        def record(opt: CollaborativeOptimizer, report: object) -> None:
+            step = opt.last_step
+            if step is not None and step.averaging is not None:
+                members.append(len(step.averaging.members))
+
+        trainers[2].start(on_epoch=record)
+        reports = [t.join() for t in trainers]
+    assert all(r.epochs == 6 for r in reports)
+    # the client averaged in groups with the others: its gradients counted
+    assert members and max(members) == 3
