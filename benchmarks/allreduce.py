@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import resource
@@ -163,6 +164,9 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
 
 
 def worker(args: argparse.Namespace) -> None:
+    # The all-reduce logs only when it excludes a member: say why on stderr.
+    logging.basicConfig(level=logging.WARNING, format=f"[{args.impl} {args.rank}] %(message)s")
+    logging.getLogger("averaging").setLevel(logging.INFO)
     torch.set_num_threads(args.threads)
     directory = Path(args.dir)
     if args.profile:
