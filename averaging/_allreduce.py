@@ -429,6 +429,8 @@ class _Round:
                     self._completed(reducer.fail(sender))
                     break
                 values = decode_split(blob_header, payload, expected_length=sizes[chunk])
+                if not all_finite(values):  # the reducer excludes it; we also ban it
+                    self._blame(sender, ProtocolError(f"sent NaN or Inf in chunk {chunk}"))
                 self._completed(reducer.add(sender, chunk, values))
             # Excluded or finished: drain whatever it still sends, so a slow
             # sender is never blocked writing to us while it waits for results.

@@ -680,18 +680,18 @@ class Connections:
         return self._config
 
     def report_offence(self, peer_id: PeerID, reason: str) -> None:
-        """``peer_id`` broke a protocol above the connection layer: ban it
-        locally (``_bans``) and drop our idle connections to it. Open streams
-        are left to their owners, which are failing them anyway."""
+        """``peer_id`` broke a protocol: ban it locally (``_bans``) and close
+        every connection with it, in either role (streams on them fail as
+        with a lost connection)."""
         if peer_id == self.peer_id:
             return
         period = self.bans.offend(peer_id, reason)
         if period > 0:
             logger.info("banned %s for %.0f s: %s", peer_id.short(), period, reason)
-            for entry in list(self._pool.get(peer_id, [])):
-                self._unpool(entry)
-                entry.scope.cancel()
-                self._drop(entry.connection)
+            for connection in list(self._connections):
+                if connection.remote == peer_id:
+                    connection.blamed = True  # one offence, however many connections
+                    self._drop(connection)
 
     def _check_not_banned(self, peer_id: PeerID) -> None:
         if self.bans.is_banned(peer_id):

@@ -123,10 +123,9 @@ async def test_flipped_bit_between_members_is_never_averaged_in(
         results.sort(key=lambda r: r.local_index)
         cut_off = _check_only_original_data_landed(inputs, tensors, results)
         assert cut_off, "the tampering went unnoticed"
-        # Part 0 (reduced by member 0, reached directly) is averaged whole.
-        for result in results:
-            assert all(who == {0, 1} for who in result.contributors[0])
-        # The receiver of the tampered frame blames the peer it came from.
+        # The receiver of the tampered frame bans the peer it came from (and
+        # closes every connection with it, so how much of part 0 was averaged
+        # depends on timing; what was averaged is exact, as checked above).
         victim, culprit = (1, 0) if direction == "to_reducer" else (0, 1)
         assert nets[victim].bans.is_banned(IDS[culprit].peer_id)
         assert not nets[culprit].bans.is_banned(IDS[victim].peer_id)
