@@ -659,6 +659,8 @@ class Connections:
         self._config = config
         self.bans = bans
         self._inbound_by_host: dict[str, int] = {}
+        #: inbound connections closed at once for a limit (total or per address)
+        self.refused_inbound = 0
         self._background = trio.CancelScope()
         self._nursery: trio.Nursery | None = None
         self._handlers: dict[str, Handler] = {}
@@ -1008,6 +1010,7 @@ class Connections:
             or self._inbound >= self._config.max_connections
             or from_host >= self._config.max_connections_per_address
         ):
+            self.refused_inbound += 1
             socket_stream.socket.close()
             return
         self._inbound += 1
