@@ -62,7 +62,7 @@ import socket
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import trio
@@ -154,7 +154,7 @@ class ConnectionConfig:
     connect_timeout: float = 5.0
     handshake_timeout: float = 5.0
     idle_timeout: float = 60.0
-    swarm_key: bytes | None = None
+    swarm_key: bytes | None = field(default=None, repr=False)  # a secret: never logged
 
     def __post_init__(self) -> None:
         if not _MIN_FRAME_SIZE <= self.max_frame_size <= MAX_FRAME_SIZE_LIMIT:

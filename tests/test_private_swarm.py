@@ -109,6 +109,7 @@ async def test_outsiders_can_neither_read_store_bootstrap_nor_connect(
 def test_peer_config_copies_the_key_into_both_layers() -> None:
     c = config(KEY)
     assert c.connections.swarm_key == KEY and c.dht.swarm_key == KEY
+    assert KEY.decode() not in repr(c)  # a secret never reaches a log line
     with pytest.raises(ConfigError, match="set the key in one place"):
         PeerConfig(dht=DHTConfig(swarm_key=OTHER_KEY), swarm_key=KEY)
     with pytest.raises(ConfigError, match="16 bytes"):
