@@ -163,3 +163,14 @@ async def test_cli_private_swarm_and_world_readable_key(tmp_path: Path) -> None:
             lines = refused.stderr.decode().strip().splitlines()
             assert len(lines) == 1 and "chmod 600" in lines[0], lines
         assert await bootstrap.stop() == 0
+
+
+def test_train_passes_the_key_to_its_peer_and_join_command(tmp_path: Path) -> None:
+    from swarm.cli import _join_command, _peer_config, build_parser
+
+    path = str(tmp_path / "swarm.key")
+    key = create_swarm_key(path)
+    args = build_parser().parse_args(["train", "--host", HOST, "--swarm-key", path])
+    peer_config = _peer_config(args)
+    assert peer_config.connections.swarm_key == key and peer_config.dht.swarm_key == key
+    assert f"--swarm-key {path}" in _join_command(args, "127.0.0.1:1234", "digits")
