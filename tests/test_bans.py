@@ -18,6 +18,7 @@ from swarm import ConfigError, Identity, ManualClock, PeerUnreachableError, Stre
 from swarm._bans import BanConfig, BanList
 from swarm._connections import open_connections
 from swarm._handshake import Handshake
+from swarm._peer import PeerConfig, open_peer
 
 
 def test_first_offence_bans_for_the_base_period_then_expires() -> None:
@@ -231,3 +232,14 @@ async def test_dht_drops_datagrams_of_a_node_that_sent_a_forged_record() -> None
         assert honest.dropped_datagrams == dropped + 1
         clock.advance(30.0)
         assert await forger._loop.call(ping)
+        # A banned address is dropped too, whatever id its datagrams prove.
+        bans.offend((HOST, forger.port), "banned by address")
+        assert not await forger._loop.call(ping)
+
+
+async def test_a_peer_shares_one_ban_list_between_connections_and_dht() -> None:
+    async with open_peer(A, PeerConfig(bans=BanConfig(base=5.0))) as peer:
+        assert peer.dht.bans is peer.connections.bans
+        assert peer.connections.bans.config.base == 5.0
+        peer.connections.report_offence(B.peer_id, "test")
+        assert peer.dht.bans.is_banned(B.peer_id)
