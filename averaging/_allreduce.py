@@ -188,6 +188,8 @@ class Network(Protocol):
         self, peer_id: PeerID, address: tuple[str, int], name: str
     ) -> AbstractAsyncContextManager[Any]: ...
 
+    def report_offence(self, peer_id: PeerID, reason: str) -> None: ...
+
 
 async def all_reduce(
     net: Network,
@@ -427,17 +429,28 @@ class _Round:
                     self._completed(reducer.fail(sender))
                     break
                 values = decode_split(blob_header, payload, expected_length=sizes[chunk])
+                if not all_finite(values):  # the reducer excludes it; we also ban it
+                    self._blame(sender, ProtocolError(f"sent NaN or Inf in chunk {chunk}"))
                 self._completed(reducer.add(sender, chunk, values))
             # Excluded or finished: drain whatever it still sends, so a slow
             # sender is never blocked writing to us while it waits for results.
             while True:
                 await stream.receive()
         except Exception as e:  # per-peer boundary
+            self._blame(sender, e)
             if reducer.expects(sender):
                 logger.info("all-reduce: member %d failed as a sender: %r", sender, e)
                 self._completed(reducer.fail(sender))
                 await stream.aclose()  # not a clean end: the sender sees it fail
             serving.cancel()
+
+    def _blame(self, member: int, error: Exception) -> None:
+        """A member that broke the all-reduce protocol (a malformed or NaN part,
+        a forged result) is banned by the connection layer; other failures
+        (timeouts, lost connections) are not offences."""
+        if isinstance(error, ProtocolError) and member != self.group.local_index:
+            peer = self.group.members[member].peer_id
+            self.net.report_offence(peer, f"all-reduce: {error}")
 
     async def _reply(self, stream: StreamLike, sender: int) -> None:
         for chunk, done in enumerate(self._chunk_done):
@@ -506,7 +519,11 @@ class _Round:
                 async with self.net.open_stream(
                     member.peer_id, member.address, ALLREDUCE_STREAM
                 ) as stream:
-                    await self._exchange(stream, part)
+                    try:
+                        await self._exchange(stream, part)
+                    except ProtocolError as e:
+                        self._blame(part, e)
+                        raise
         except Exception as e:  # per-peer boundary
             logger.info("all-reduce: reducer of part %d failed: %r", part, e)
         self.received.reducer_failed(part)

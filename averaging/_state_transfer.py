@@ -116,7 +116,9 @@ UNCHECKED: Final = _Unchecked()
 class StateTransferConfig:
     """Limits and deadlines of state transfer (bytes, seconds); validated on construction.
 
-    Donor side: ``max_uploads`` concurrent uploads, ``chunk_size`` bytes per
+    Donor side: ``max_uploads`` concurrent uploads, of which at most
+    ``max_uploads_per_peer`` to one newcomer (a newcomer needs one at a time,
+    so one peer cannot take every slot), ``chunk_size`` bytes per
     frame (at most the connections' ``max_frame_size``), an announcement
     every ``announce_interval`` that lives ``announce_ttl``, and
     ``request_timeout`` for a newcomer to send its request. Newcomer side:
@@ -126,6 +128,7 @@ class StateTransferConfig:
     """
 
     max_uploads: int = 2
+    max_uploads_per_peer: int = 1
     chunk_size: int = 2**20
     announce_interval: float = 10.0
     announce_ttl: float = 30.0
@@ -138,6 +141,11 @@ class StateTransferConfig:
     def __post_init__(self) -> None:
         if self.max_uploads < 1:
             raise ConfigError(f"max_uploads={self.max_uploads} must be at least 1")
+        if not 1 <= self.max_uploads_per_peer <= self.max_uploads:
+            raise ConfigError(
+                f"max_uploads_per_peer={self.max_uploads_per_peer} must be in "
+                f"[1, max_uploads={self.max_uploads}]"
+            )
         if not 1024 <= self.chunk_size <= 8 * 2**20:
             raise ConfigError(
                 f"chunk_size={self.chunk_size} must be in [1024, 8 MiB] (one connection frame)"
@@ -455,8 +463,10 @@ class _Uploads:
     """The donor's running uploads: counted against ``max_uploads``, and
     cancelled when ``serve_state`` ends (they run in the connections' nursery)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, peer_limit: int) -> None:
         self.limit = limit
+        self.peer_limit = peer_limit
+        self.by_peer: dict[PeerID, int] = {}
         self.active = 0
         self.started = 0
         self.scopes: set[trio.CancelScope] = set()
@@ -505,7 +515,7 @@ async def serve_state(
         epoch = metadata.get("epoch", 0) if isinstance(metadata, dict) else 0
         return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else 0
 
-    uploads = _Uploads(config.max_uploads)
+    uploads = _Uploads(config.max_uploads, config.max_uploads_per_peer)
     name = state_stream(prefix)
 
     async def handle(stream: Stream) -> None:
@@ -575,9 +585,15 @@ async def _serve_upload(
         reason = f"{uploads.active} uploads in progress, the limit is {uploads.limit}"
         await stream.send_bytes(encode_refusal(_BUSY, reason))
         return
+    remote = stream.remote
+    if uploads.by_peer.get(remote, 0) >= uploads.peer_limit:
+        reason = f"{uploads.peer_limit} uploads to this peer in progress already"
+        await stream.send_bytes(encode_refusal(_BUSY, reason))
+        return
     upload = uploads.started
     uploads.started += 1
     uploads.active += 1
+    uploads.by_peer[remote] = uploads.by_peer.get(remote, 0) + 1
     scope = trio.CancelScope()
     uploads.scopes.add(scope)
     try:
@@ -599,6 +615,11 @@ async def _serve_upload(
     finally:
         uploads.active -= 1
         uploads.scopes.discard(scope)
+        left = uploads.by_peer[remote] - 1
+        if left:
+            uploads.by_peer[remote] = left
+        else:
+            del uploads.by_peer[remote]
     if scope.cancelled_caught:
         raise ClosedError("this peer stopped serving its state during the upload")
 

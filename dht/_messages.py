@@ -2,7 +2,7 @@
 
 Every datagram is one msgpack list::
 
-    [version, kind, msg_id, sender_public_key, body, signature]
+    [version, kind, msg_id, sender_public_key, body, signature, swarm_proof]
 
 ``body`` is the msgpack encoding of ``[method, args]`` for a request and of the
 result for a response. The signature covers a domain string, the kind, the
@@ -12,11 +12,19 @@ message id and the body bytes, so:
   datagram: a node cannot claim another node's id or position in the key space;
 - a response signs the requester's fresh random ``msg_id``, so an old response
   cannot be replayed as the answer to a new request.
+
+In a private swarm, ``swarm_proof`` is ``HMAC-SHA256(dht_key, signed part ||
+sender_public_key || signature)`` with ``dht_key`` derived from the swarm key
+(``derive_proof_key``); in a public swarm it is empty. A node checks the proof
+(cheap) before the signature: a datagram from outside its swarm, or from a
+private swarm when it is public, is dropped without a reply.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +38,8 @@ MSG_ID_SIZE = 20
 #: Largest datagram we send or accept: under the 65,507-byte UDP payload limit.
 MAX_DATAGRAM_SIZE = 65_000
 _DOMAIN = b"swarm.dht.datagram.v1\x00"
+_PROOF_KEY_LABEL = b"swarm.dht.swarm-key-proof.v1"
+_PROOF_SIZE = 32
 
 
 class Kind(enum.IntEnum):
@@ -53,24 +63,40 @@ def _signed_part(kind: Kind, msg_id: bytes, body: bytes) -> bytes:
     return _DOMAIN + bytes([kind]) + msg_id + body
 
 
-def encode(identity: Identity, kind: Kind, msg_id: bytes, body: Any) -> bytes:
-    """Sign and encode one datagram. Raises ``ValueError`` if it would be too large."""
+def derive_proof_key(swarm_key: bytes) -> bytes:
+    """The DHT's own key, derived from the swarm key (never used raw, so the
+    DHT and the connection handshake never share a MAC key)."""
+    return hmac.new(swarm_key, _PROOF_KEY_LABEL, hashlib.sha256).digest()
+
+
+def _proof(proof_key: bytes, signed: bytes, public_key: bytes, signature: bytes) -> bytes:
+    return hmac.new(proof_key, signed + public_key + signature, hashlib.sha256).digest()
+
+
+def encode(
+    identity: Identity, kind: Kind, msg_id: bytes, body: Any, *, proof_key: bytes | None = None
+) -> bytes:
+    """Sign and encode one datagram; with ``proof_key`` (a private swarm), prove
+    the swarm key too. Raises ``ValueError`` if it would be too large."""
     body_bytes = pack(body, max_size=MAX_DATAGRAM_SIZE)
-    signature = identity.sign(_signed_part(kind, msg_id, body_bytes))
+    signed = _signed_part(kind, msg_id, body_bytes)
+    signature = identity.sign(signed)
+    proof = b"" if proof_key is None else _proof(proof_key, signed, identity.public_key, signature)
     return pack(
-        [VERSION, int(kind), msg_id, identity.public_key, body_bytes, signature],
+        [VERSION, int(kind), msg_id, identity.public_key, body_bytes, signature, proof],
         max_size=MAX_DATAGRAM_SIZE,
     )
 
 
-def decode(data: bytes) -> Datagram:
+def decode(data: bytes, *, proof_key: bytes | None = None) -> Datagram:
     """Decode and verify one datagram from the network.
 
     Raises ``ProtocolError`` if it is malformed, oversized, of another version,
+    does not prove ``proof_key`` (or proves a key when ``proof_key`` is None),
     or its signature does not verify.
     """
-    outer = expect_list(unpack(data, max_size=MAX_DATAGRAM_SIZE), 6, "datagram")
-    version, kind, msg_id, public_key, body_bytes, signature = outer
+    outer = expect_list(unpack(data, max_size=MAX_DATAGRAM_SIZE), 7, "datagram")
+    version, kind, msg_id, public_key, body_bytes, signature, proof = outer
     if expect_int(version, "datagram version") != VERSION:
         raise ProtocolError(f"datagram version {version} is not {VERSION}")
     kind = Kind(expect_int(kind, "datagram kind", lo=0, hi=1))
@@ -78,7 +104,14 @@ def decode(data: bytes) -> Datagram:
     public_key = expect_bytes(public_key, "sender public key", size=PUBLIC_KEY_SIZE)
     body_bytes = expect_bytes(body_bytes, "datagram body")
     signature = expect_bytes(signature, "datagram signature", size=SIGNATURE_SIZE)
-    if not verify_signature(public_key, signature, _signed_part(kind, msg_id, body_bytes)):
+    proof = expect_bytes(proof, "swarm key proof", max_size=_PROOF_SIZE)
+    signed = _signed_part(kind, msg_id, body_bytes)
+    if proof_key is None:
+        if proof:
+            raise ProtocolError("datagram from a private swarm (it proves a swarm key)")
+    elif not hmac.compare_digest(proof, _proof(proof_key, signed, public_key, signature)):
+        raise ProtocolError("datagram does not prove this swarm's key")
+    if not verify_signature(public_key, signature, signed):
         raise ProtocolError("datagram signature does not verify")
     body = unpack(body_bytes, max_size=MAX_DATAGRAM_SIZE)
     return Datagram(kind, msg_id, PeerID.from_public_key(public_key), body)

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import trio
 
 from swarm._address import Address, format_address, parse_address
+from swarm._bans import BanList
 from swarm._clock import WallClock, system_clock
 from swarm._errors import (
     BootstrapError,
@@ -29,6 +30,7 @@ from swarm._identity import Identity, PeerID
 
 from ._aio import AsyncioLoop, open_asyncio_loop
 from ._crawl import RecordCrawl
+from ._messages import derive_proof_key
 from ._records import (
     Record,
     RecordLimits,
@@ -64,6 +66,9 @@ class DHTConfig:
     limits: RecordLimits = field(default_factory=RecordLimits)
     #: most records one node stores, across all keys
     max_records: int = 100_000
+    #: the pre-shared key of a private swarm (``swarm._swarm_key``): every
+    #: datagram proves it, and datagrams that do not are dropped unanswered
+    swarm_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.ksize < 1 or self.alpha < 1:
@@ -77,6 +82,10 @@ class DHTConfig:
             )
         if self.refresh_interval <= 0 or self.expiry_sweep_interval <= 0:
             raise ConfigError("DHTConfig: refresh_interval and expiry_sweep_interval must be > 0")
+        if self.swarm_key is not None and len(self.swarm_key) < 16:
+            raise ConfigError(
+                "DHTConfig: swarm_key must be at least 16 bytes (use 32 random bytes)"
+            )
 
 
 class DHTValue(NamedTuple):
@@ -238,6 +247,13 @@ class DHTNode:
     def dropped_datagrams(self) -> int:
         return self._server.proto.dropped_datagrams
 
+    @property
+    def bans(self) -> BanList:
+        """Node ids and addresses whose datagrams this node drops (local bans)."""
+        bans = self._server.proto.bans
+        assert bans is not None  # open_dht_node always passes one
+        return bans
+
     # -- maintenance ----------------------------------------------------------
 
     async def _maintain(self) -> None:
@@ -275,13 +291,16 @@ async def open_dht_node(
     initial_peers: Sequence[str | Address] = (),
     config: DHTConfig | None = None,
     clock: WallClock = system_clock,
+    bans: BanList | None = None,
 ) -> AsyncIterator[DHTNode]:
     """Run a DHT node listening on UDP ``host:port`` for the duration of the block.
 
     ``port=0`` picks a free port (see ``node.port``). With ``initial_peers`` the
     node bootstraps before the block starts and raises ``BootstrapError`` if none
-    answers. ``clock`` is the wall clock used for expiration times. On exit (or
-    cancellation) maintenance stops and the socket is closed.
+    answers. ``clock`` is the wall clock used for expiration times. ``bans``
+    (the peer facade shares one with its connections, see ``swarm._bans``) is
+    consulted for every datagram and records offences; without it nobody is
+    banned. On exit (or cancellation) maintenance stops and the socket is closed.
     """
     identity = identity or Identity.generate()
     config = config or DHTConfig()
@@ -295,6 +314,10 @@ async def open_dht_node(
                 limits=config.limits,
                 max_records=config.max_records,
                 clock=clock,
+                proof_key=(
+                    None if config.swarm_key is None else derive_proof_key(config.swarm_key)
+                ),
+                bans=bans if bans is not None else BanList.disabled(),
             )
             try:
                 bound = await loop.call(server.listen, port, host)

@@ -12,7 +12,12 @@ table and crawlers work unchanged, and replaces what kademlia gets wrong for us:
   of several nodes), bounded to one datagram;
 - a node that sends us a request is not trusted into the routing table on its
   word: it is pinged back, and added when its signed answer arrives;
-- ``welcome_if_new`` pushes stored records, which passed validation, as records.
+- ``welcome_if_new`` pushes stored records, which passed validation, as records;
+- in a private swarm every datagram proves the swarm key (``_messages``), and
+  datagrams that do not are dropped without a reply;
+- datagrams from banned node ids or addresses (``swarm._bans``) are dropped; a
+  node that proved its id and then sent a malformed request or a forged record
+  is banned.
 
 All methods run on the asyncio loop that ``trio_asyncio`` provides (see ``_aio``).
 """
@@ -28,6 +33,7 @@ from typing import Any
 from kademlia.node import Node
 from kademlia.protocol import KademliaProtocol
 
+from swarm._bans import BanList
 from swarm._clock import WallClock
 from swarm._errors import ProtocolError, RecordRejectedError, RejectReason
 from swarm._identity import PEER_ID_SIZE, Identity, PeerID
@@ -91,8 +97,12 @@ class SwarmProtocol(KademliaProtocol):
         limits: RecordLimits,
         rpc_timeout: float,
         clock: WallClock,
+        proof_key: bytes | None = None,
+        bans: BanList | None = None,
     ) -> None:
         super().__init__(source_node, storage, ksize)
+        self._proof_key = proof_key
+        self.bans = bans
         self.storage: RecordStorage = storage
         self._identity = identity
         self._limits = limits
@@ -137,11 +147,20 @@ class SwarmProtocol(KademliaProtocol):
     # -- receiving -------------------------------------------------------------
 
     def datagram_received(self, data: bytes, addr: Address) -> None:
+        bans = self.bans
+        if bans is not None and bans.is_banned((addr[0], addr[1])):
+            self.dropped_datagrams += 1
+            return
         try:
-            datagram = messages.decode(data)
+            datagram = messages.decode(data, proof_key=self._proof_key)
         except ProtocolError as e:
+            # No ban: the source address of an unverified datagram is unproven,
+            # and banning it would let anyone get an honest node ignored.
             self.dropped_datagrams += 1
             log.debug("dropped datagram from %s: %s", addr, e)
+            return
+        if bans is not None and bans.is_banned(datagram.sender):
+            self.dropped_datagrams += 1
             return
         if datagram.kind is messages.Kind.REQUEST:
             self._answer(datagram, (addr[0], addr[1]))
@@ -159,6 +178,7 @@ class SwarmProtocol(KademliaProtocol):
         except ProtocolError as e:
             self.dropped_datagrams += 1
             log.debug("malformed request from %s: %s", addr, e)
+            self._offence(datagram.sender, f"malformed DHT request: {e}")
             return
         self._send(messages.Kind.RESPONSE, datagram.msg_id, response, addr)
         if sender.id != self.source_node.id:
@@ -179,10 +199,17 @@ class SwarmProtocol(KademliaProtocol):
 
     # -- sending ---------------------------------------------------------------
 
+    def _offence(self, sender: PeerID, reason: str) -> None:
+        """``sender`` proved its id and broke the protocol: ban it locally."""
+        if self.bans is not None and sender != self.source_node.id:
+            period = self.bans.offend(sender, reason)
+            log.info("banned DHT node %s for %.0f s: %s", sender.short(), period, reason)
+
     def _send(self, kind: messages.Kind, msg_id: bytes, body: Any, addr: Address) -> None:
         if self.transport is None or self._closed:
             return
-        self.transport.sendto(messages.encode(self._identity, kind, msg_id, body), addr)
+        datagram = messages.encode(self._identity, kind, msg_id, body, proof_key=self._proof_key)
+        self.transport.sendto(datagram, addr)
 
     def call(
         self, addr: Address, method: str, args: list[Any], expected: bytes | None = None
@@ -246,6 +273,8 @@ class SwarmProtocol(KademliaProtocol):
             kept = self.storage.store(record)
         except RecordRejectedError as e:
             log.debug("refused record from %s: %s", sender, e)
+            if e.reason is RejectReason.FORGED:
+                self._offence(PeerID(sender.id), f"forged DHT record: {e}")
             return [False, e.reason.name]
         return [kept, None]
 

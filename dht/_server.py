@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 from kademlia.network import Server
 from kademlia.node import Node
 
+from swarm._bans import BanList
 from swarm._clock import WallClock
 from swarm._errors import RecordRejectedError
 from swarm._identity import Identity, PeerID
@@ -46,6 +47,8 @@ class RecordServer(Server):
         limits: RecordLimits,
         max_records: int,
         clock: WallClock,
+        proof_key: bytes | None = None,
+        bans: BanList | None = None,
     ) -> None:
         storage = RecordStorage(clock, limits, max_records)
         super().__init__(ksize=ksize, alpha=alpha, node_id=identity.peer_id, storage=storage)
@@ -55,6 +58,8 @@ class RecordServer(Server):
         self._limits = limits
         self._rpc_timeout = rpc_timeout
         self._clock = clock
+        self._proof_key = proof_key
+        self._bans = bans
 
     def _create_protocol(self) -> SwarmProtocol:
         return SwarmProtocol(
@@ -65,6 +70,8 @@ class RecordServer(Server):
             limits=self._limits,
             rpc_timeout=self._rpc_timeout,
             clock=self._clock,
+            proof_key=self._proof_key,
+            bans=self._bans,
         )
 
     @property

@@ -9,6 +9,9 @@ application on top of them:
   msgpack skeleton + raw little-endian tensors, for checkpoints and state transfer
 - errors: one class per meaning, rooted at ``SwarmError``
 - clocks: injected wall clocks for expiration times
+- secret files (``_secret_file``): created 0600, refused if others can read them
+- private swarms (``create_swarm_key``/``load_swarm_key``): the pre-shared key file
+- bans (``BanList``, ``BanConfig``): local bans of misbehaving peers, growing backoff
 - connections (``open_connections``): authenticated, encrypted peer streams over TCP
 - the peer facade (``open_peer``, ``Peer``, ``PeerConfig``): identity, DHT node
   and connections on one port; ``Peer`` runs trio in a background thread for
@@ -21,6 +24,7 @@ only re-exports the public names.
 
 from typing import TYPE_CHECKING
 
+from ._bans import BanConfig, BanList
 from ._clock import ManualClock, WallClock, system_clock
 from ._connections import ConnectionConfig, Connections, Handler, Stream, open_connections
 from ._errors import (
@@ -37,6 +41,7 @@ from ._errors import (
     SwarmError,
 )
 from ._identity import Identity, PeerID, verify_signature
+from ._swarm_key import create_swarm_key, load_swarm_key
 from ._wire import pack, unpack
 
 # The peer facade composes the layers above the core (dht/), which themselves
@@ -58,6 +63,8 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [  # noqa: RUF022 - grouped: core names, then the peer facade
+    "BanConfig",
+    "BanList",
     "BootstrapError",
     "ClosedError",
     "ConfigError",
@@ -77,6 +84,8 @@ __all__ = [  # noqa: RUF022 - grouped: core names, then the peer facade
     "StreamResetError",
     "SwarmError",
     "WallClock",
+    "create_swarm_key",
+    "load_swarm_key",
     "open_connections",
     "pack",
     "system_clock",

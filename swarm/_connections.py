@@ -29,6 +29,18 @@ Limits:
   with a reset, which the dialer sees as ``StreamResetError``.
 - ``max_connections``: inbound connections beyond it are closed at once,
   which the dialer sees as ``PeerUnreachableError``.
+- ``max_connections_per_address``: so are inbound connections beyond it from
+  one remote IP address, so that one host opening hundreds of connections
+  cannot take every slot (it is refused before any handshake work is done).
+
+Bans (``_bans``): a remote that proved its peer id and then broke the
+protocol (a frame that does not authenticate or decode, a frame outside a
+stream, a failed swarm-key proof after a valid signature) is banned locally;
+so is a peer that a layer above reports with ``report_offence`` (a NaN or
+malformed all-reduce part). Connections to and from a banned peer are refused:
+dialing raises ``PeerUnreachableError``; an inbound connection is closed right
+after its handshake proves who it is. A failure before the remote proved its
+id (garbage, a bad signature) bans nobody: anyone could have sent it.
 - ``idle_timeout``: the dialer closes a pooled connection idle this long; the
   listener drops a connection that has no stream for twice as long, so the
   dialer closes first and does not reuse a connection the listener is dropping.
@@ -50,11 +62,12 @@ import socket
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import trio
 
+from ._bans import BanList
 from ._errors import (
     ClosedError,
     ConfigError,
@@ -127,16 +140,21 @@ class ConnectionConfig:
     A session is encrypted if either side asks (both flags are signed, so it
     cannot be downgraded). ``swarm_key`` makes this a private swarm: every
     handshake must prove it.
+
+    Limits (defaults): ``max_connections`` (256) inbound connections in all,
+    ``max_connections_per_address`` (64) inbound from one IP address,
+    ``max_streams_per_peer`` (16) concurrent streams with one peer.
     """
 
     encrypt: bool = True
     max_frame_size: int = 8 * 2**20
     max_connections: int = 256
+    max_connections_per_address: int = 64
     max_streams_per_peer: int = 16
     connect_timeout: float = 5.0
     handshake_timeout: float = 5.0
     idle_timeout: float = 60.0
-    swarm_key: bytes | None = None
+    swarm_key: bytes | None = field(default=None, repr=False)  # a secret: never logged
 
     def __post_init__(self) -> None:
         if not _MIN_FRAME_SIZE <= self.max_frame_size <= MAX_FRAME_SIZE_LIMIT:
@@ -146,6 +164,11 @@ class ConnectionConfig:
             )
         if self.max_connections < 1:
             raise ConfigError(f"max_connections={self.max_connections} must be at least 1")
+        if self.max_connections_per_address < 1:
+            raise ConfigError(
+                "max_connections_per_address="
+                f"{self.max_connections_per_address} must be at least 1"
+            )
         if self.max_streams_per_peer < 1:
             raise ConfigError(
                 f"max_streams_per_peer={self.max_streams_per_peer} must be at least 1"
@@ -202,6 +225,7 @@ class _Connection:
         self.broken = False  # never reuse for another stream
         self.send_broken = False  # a partial frame went out: send nothing more
         self.receive_error: ProtocolError | None = None
+        self.blamed = False  # the remote was already reported for this connection
         self.closed = False
         self._send_lock = trio.StrictFIFOLock()
         self._receiving = False
@@ -630,9 +654,13 @@ class Connections:
     Made by ``open_connections``, which owns its tasks; do not construct it.
     """
 
-    def __init__(self, identity: Identity, config: ConnectionConfig) -> None:
+    def __init__(self, identity: Identity, config: ConnectionConfig, bans: BanList) -> None:
         self._identity = identity
         self._config = config
+        self.bans = bans
+        self._inbound_by_host: dict[str, int] = {}
+        #: inbound connections closed at once for a limit (total or per address)
+        self.refused_inbound = 0
         self._background = trio.CancelScope()
         self._nursery: trio.Nursery | None = None
         self._handlers: dict[str, Handler] = {}
@@ -653,6 +681,27 @@ class Connections:
     def config(self) -> ConnectionConfig:
         return self._config
 
+    def report_offence(self, peer_id: PeerID, reason: str) -> None:
+        """``peer_id`` broke a protocol: ban it locally (``_bans``) and close
+        every connection with it, in either role (streams on them fail as
+        with a lost connection)."""
+        if peer_id == self.peer_id:
+            return
+        period = self.bans.offend(peer_id, reason)
+        if period > 0:
+            logger.info("banned %s for %.0f s: %s", peer_id.short(), period, reason)
+            for connection in list(self._connections):
+                if connection.remote == peer_id:
+                    connection.blamed = True  # one offence, however many connections
+                    self._drop(connection)
+
+    def _check_not_banned(self, peer_id: PeerID) -> None:
+        if self.bans.is_banned(peer_id):
+            raise PeerUnreachableError(
+                f"{peer_id.short()} is banned for another {self.bans.remaining(peer_id):.0f} s: "
+                f"{self.bans.reason(peer_id)}"
+            )
+
     def set_handler(self, name: str, handler: Handler) -> None:
         """Serve streams that remote peers open under ``name`` with ``handler``.
 
@@ -669,7 +718,7 @@ class Connections:
 
         Waits while ``max_streams_per_peer`` streams to that peer are open.
         Raises ``PeerUnreachableError`` (refused, no answer in
-        ``connect_timeout``), ``ProtocolError`` (bad handshake, or the remote
+        ``connect_timeout``, or banned locally), ``ProtocolError`` (bad handshake, or the remote
         proved another peer id), ``DeadlineError`` (no handshake within
         ``handshake_timeout``), ``ClosedError`` (the manager is or gets closed).
 
@@ -688,6 +737,7 @@ class Connections:
         # OPEN, request and EOF in one system call). Not for open_stream: its
         # caller may expect the remote handler to start before it sends.
         _check_name(name)
+        self._check_not_banned(peer_id)
         slots = self._slots.get(peer_id)
         if slots is None:
             slots = self._slots[peer_id] = trio.Semaphore(self._config.max_streams_per_peer)
@@ -793,6 +843,14 @@ class Connections:
     def _drop(self, connection: _Connection) -> None:
         connection.close()
         self._connections.discard(connection)
+        if connection.receive_error is not None:
+            self._blame(connection, connection.receive_error)
+
+    def _blame(self, connection: _Connection, error: ProtocolError) -> None:
+        """The remote of ``connection`` (proven by its handshake) broke the protocol."""
+        if not connection.blamed:
+            connection.blamed = True
+            self.report_offence(connection.remote, f"{type(error).__name__}: {error}")
 
     async def _pooled(self, peer_id: PeerID) -> _Connection | None:
         """Take the most recently used ready connection to ``peer_id``, if any."""
@@ -901,6 +959,10 @@ class Connections:
                         "the remote closed the connection during the handshake"
                     )
                 out = handshake.receive_data(data)
+        except ProtocolError as e:
+            if handshake.proven_peer is not None:
+                self.report_offence(handshake.proven_peer, f"failed handshake: {e}")
+            raise
         except trio.BrokenResourceError as e:
             raise PeerUnreachableError(
                 f"connection lost during the handshake: {e.__cause__}"
@@ -916,6 +978,9 @@ class Connections:
             connection.close()
             raise ClosedError("the connections were closed")
         self._connections.add(connection)
+        if expected_peer is None and self.bans.is_banned(connection.remote):
+            self._drop(connection)
+            raise PeerUnreachableError(f"refused banned peer {connection.remote.short()}")
         return connection
 
     async def _run(self, host: str, port: int, *, task_status: trio.TaskStatus[int]) -> None:
@@ -938,10 +1003,18 @@ class Connections:
 
     async def _handle_inbound(self, socket_stream: trio.SocketStream) -> None:
         """Serve one inbound connection; the boundary where its failures stop."""
-        if self._closed or self._inbound >= self._config.max_connections:
+        host = _remote_host(socket_stream)
+        from_host = self._inbound_by_host.get(host, 0)
+        if (
+            self._closed
+            or self._inbound >= self._config.max_connections
+            or from_host >= self._config.max_connections_per_address
+        ):
+            self.refused_inbound += 1
             socket_stream.socket.close()
             return
         self._inbound += 1
+        self._inbound_by_host[host] = from_host + 1
         connection: _Connection | None = None
         try:
             with trio.move_on_after(self._config.handshake_timeout):
@@ -950,12 +1023,23 @@ class Connections:
                 await self._serve_streams(connection)
         except Exception as e:  # per-connection boundary: a bad peer must not stop the others
             logger.debug("inbound connection failed: %s: %s", type(e).__name__, e)
+            if connection is not None and isinstance(e, ProtocolError):
+                self._blame(connection, e)
         finally:
             self._inbound -= 1
+            remaining = self._inbound_by_host[host] - 1
+            if remaining:
+                self._inbound_by_host[host] = remaining
+            else:
+                del self._inbound_by_host[host]
             if connection is not None:
                 self._drop(connection)
             else:
                 socket_stream.socket.close()
+
+    def inbound_count(self, host: str | None = None) -> int:
+        """Inbound connections being served (from ``host`` only, if given)."""
+        return self._inbound if host is None else self._inbound_by_host.get(host, 0)
 
     async def _serve_streams(self, connection: _Connection) -> None:
         """Serve the streams a dialer opens on ``connection``, one at a time."""
@@ -1053,6 +1137,13 @@ def _discard_until_eof(stream: Stream, frame: Frame) -> bool:
     return frame.kind in (FrameKind.EOF, FrameKind.MESSAGE, FrameKind.BYTES)
 
 
+def _remote_host(socket_stream: trio.SocketStream) -> str:
+    try:
+        return str(socket_stream.socket.getpeername()[0])
+    except OSError:  # already disconnected
+        return ""
+
+
 def _check_name(name: str) -> None:
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LENGTH:
         raise ValueError(f"a stream name is a string of 1 to {MAX_NAME_LENGTH} characters")
@@ -1064,9 +1155,14 @@ async def open_connections(
     host: str = "127.0.0.1",
     port: int = 0,
     config: ConnectionConfig | None = None,
+    *,
+    bans: BanList | None = None,
 ) -> AsyncIterator[Connections]:
     """Listen for peer connections on ``host:port`` (0: an ephemeral port, see
     ``.port``) and dial others on demand, until the block ends.
+
+    ``bans`` (the peer facade shares one with its DHT node) says whom to
+    refuse and records offences; without it nobody is banned.
 
     Every task (listener, inbound connections, handlers, pool watchers) lives in
     a nursery owned by this context manager. Leaving the block closes all
@@ -1076,7 +1172,9 @@ async def open_connections(
     config = config if config is not None else ConnectionConfig()
     try:
         async with trio.open_nursery() as nursery:
-            net = Connections(identity, config)
+            net = Connections(
+                identity, config, bans if bans is not None else BanList.disabled()
+            )
             net.port = await nursery.start(net._run, host, port)
             try:
                 yield net

@@ -133,6 +133,11 @@ class Handshake:
     ``expected_peer`` (dialer only) is the peer id the caller meant to reach; a
     remote that proves any other identity is refused with ``ProtocolError``.
     ``random_bytes`` supplies the ephemeral key and nonce (tests inject it).
+
+    ``proven_peer`` is set as soon as the remote's signature over this
+    handshake verifies, so a caller can blame a remote that proved who it is
+    and then failed (e.g. without the swarm key); before that, nothing the
+    remote claimed is proven and nobody can be blamed.
     """
 
     def __init__(
@@ -163,6 +168,7 @@ class Handshake:
         self._remote_encrypt = False
         self._result: HandshakeResult | None = None
         self.unused_data = b""
+        self.proven_peer: PeerID | None = None
 
     @property
     def complete(self) -> bool:
@@ -271,6 +277,7 @@ class Handshake:
         th3 = _transcript3(self._th2, core3)
         if not verify_signature(public_key, signature, DIALER_LABEL + th3):
             raise ProtocolError("the dialer's handshake signature does not verify")
+        self.proven_peer = PeerID.from_public_key(public_key)
         self._check_mac(mac, _DIALER_MAC_LABEL, th3)
         self._finish(public_key, th3, send_first=False)
 
@@ -294,6 +301,7 @@ class Handshake:
         th2 = _transcript2(self._m1, core2)
         if not verify_signature(public_key, signature, LISTENER_LABEL + th2):
             raise ProtocolError("the listener's handshake signature does not verify")
+        self.proven_peer = remote
         self._check_mac(mac, _LISTENER_MAC_LABEL, th2)
         core3 = pack([self._identity.public_key])
         th3 = _transcript3(th2, core3)

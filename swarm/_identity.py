@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
@@ -20,6 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 
 from ._errors import ConfigError, ProtocolError
+from ._secret_file import create_secret_file, read_secret_file
 
 PEER_ID_SIZE = 20
 PUBLIC_KEY_SIZE = 32
@@ -115,15 +115,7 @@ class Identity:
 
     @classmethod
     def _load(cls, path: Path) -> Identity:
-        fd = os.open(path, os.O_RDONLY)
-        with os.fdopen(fd, "rb") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            if mode & (stat.S_IRWXG | stat.S_IRWXO):
-                raise ConfigError(
-                    f"identity file {path} is accessible by other users "
-                    f"(mode {stat.S_IMODE(mode):o}); run: chmod 600 {path}"
-                )
-            data = f.read(4096)
+        data = read_secret_file(path, "identity file")
         try:
             key = serialization.load_pem_private_key(data, password=None)
         except ValueError as e:
@@ -138,27 +130,15 @@ class Identity:
             serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption(),
         )
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(pem)
-                f.flush()
-                os.fsync(f.fileno())
-            # link() fails if another process created the file meanwhile: then
-            # both processes must end up with the same identity, the first one.
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                loaded = Identity._load(path)
-                self._private, self.public_key, self.peer_id = (
-                    loaded._private,
-                    loaded.public_key,
-                    loaded.peer_id,
-                )
-        finally:
-            os.unlink(tmp)
+        # If another process created the file meanwhile, both processes must
+        # end up with the same identity: the first one.
+        if not create_secret_file(path, pem):
+            loaded = Identity._load(path)
+            self._private, self.public_key, self.peer_id = (
+                loaded._private,
+                loaded.public_key,
+                loaded.peer_id,
+            )
 
     def sign(self, message: bytes) -> bytes:
         return self._private.sign(message)

@@ -11,7 +11,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import trio
@@ -19,6 +19,7 @@ import trio
 from dht import DHTConfig, DHTNode, DHTValue, open_dht_node
 
 from ._address import Address, format_address, parse_address
+from ._bans import BanConfig, BanList
 from ._clock import WallClock, system_clock
 from ._connections import ConnectionConfig, Connections, open_connections
 from ._errors import ClosedError, ConfigError, collapse_exception_groups, unwrap_single
@@ -39,6 +40,12 @@ class PeerConfig:
     address others are told to dial, when it differs (NAT, 0.0.0.0).
     ``client_mode`` peers accept no incoming connections for averaging: they
     connect out only (peers behind NAT).
+
+    ``swarm_key`` (``swarm._swarm_key``) makes the peer a member of a private
+    swarm: it is copied into ``connections`` and ``dht``, so every handshake
+    and every DHT datagram proves it. ``bans`` sets how long misbehaving peers
+    are ignored (``swarm._bans``); the connections and the DHT node of one peer
+    share one ban list.
     """
 
     host: str = "127.0.0.1"
@@ -48,8 +55,22 @@ class PeerConfig:
     client_mode: bool = False
     dht: DHTConfig = field(default_factory=DHTConfig)
     connections: ConnectionConfig = field(default_factory=ConnectionConfig)
+    swarm_key: bytes | None = field(default=None, repr=False)
+    bans: BanConfig = field(default_factory=BanConfig)
 
     def __post_init__(self) -> None:
+        if self.swarm_key is not None:
+            for part in ("connections", "dht"):
+                current = getattr(self, part).swarm_key
+                if current is not None and current != self.swarm_key:
+                    raise ConfigError(
+                        f"PeerConfig.{part}.swarm_key differs from PeerConfig.swarm_key: "
+                        "set the key in one place"
+                    )
+            object.__setattr__(
+                self, "connections", replace(self.connections, swarm_key=self.swarm_key)
+            )
+            object.__setattr__(self, "dht", replace(self.dht, swarm_key=self.swarm_key))
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port {self.port} is outside 0-65535")
         if isinstance(self.initial_peers, str):
@@ -140,13 +161,16 @@ async def open_peer(
     """
     identity = identity or Identity.generate()
     config = config or PeerConfig()
+    bans = BanList(config.bans, clock=trio.current_time)
     attempts = _PORT_ATTEMPTS if config.port == 0 else 1
     with collapse_exception_groups():
         for attempt in range(attempts):
             stack = AsyncExitStack()
             try:
                 connections = await stack.enter_async_context(
-                    open_connections(identity, config.host, config.port, config.connections)
+                    open_connections(
+                        identity, config.host, config.port, config.connections, bans=bans
+                    )
                 )
                 dht = await stack.enter_async_context(
                     open_dht_node(
@@ -156,6 +180,7 @@ async def open_peer(
                         initial_peers=config.initial_peers,
                         config=config.dht,
                         clock=clock,
+                        bans=bans,
                     )
                 )
             except BaseException as raised:

@@ -1,4 +1,5 @@
-"""The ``swarm`` command: ``swarm dht``, ``swarm train`` and ``swarm status``.
+"""The ``swarm`` command: ``swarm dht``, ``swarm train``, ``swarm status`` and
+``swarm keygen``.
 
 Configuration is read once, here, into the frozen config dataclasses of the
 layers below; nothing underneath reads the environment or the command line.
@@ -62,10 +63,34 @@ def _add_peer_options(parser: argparse.ArgumentParser) -> None:
         help="a peer already in the swarm (repeat for several)",
     )
     parser.add_argument("--identity", metavar="PATH", help="key file, created 0600 if missing")
+    _add_swarm_key_option(parser)
     parser.add_argument(
         "--announce", metavar="HOST:PORT", help="address others should dial, if not --host:--port"
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _add_swarm_key_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--swarm-key",
+        metavar="FILE",
+        help="join a private swarm: its pre-shared key file, made by swarm keygen (mode 0600)",
+    )
+
+
+def _swarm_key(args: argparse.Namespace) -> bytes | None:
+    """The key of ``--swarm-key``, if given; ``ConfigError`` if the file is
+    missing, readable by others or not a key."""
+    if args.swarm_key is None:
+        return None
+    from ._swarm_key import load_swarm_key
+
+    return load_swarm_key(args.swarm_key)
+
+
+def _swarm_key_option(args: argparse.Namespace) -> str:
+    """`` --swarm-key FILE`` for a join command, when this peer has one."""
+    return "" if args.swarm_key is None else f" --swarm-key {args.swarm_key}"
 
 
 def _add_train_options(parser: argparse.ArgumentParser) -> None:
@@ -188,7 +213,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help=f"peers silent this long count as gone (default {DEFAULT_STALE_AFTER:g})",
     )
+    _add_swarm_key_option(status)
     status.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    keygen = commands.add_parser(
+        "keygen",
+        help="create the key file of a new private swarm",
+        description="Create a new random swarm key in FILE (mode 0600; an existing file is "
+        "never overwritten). Copy it to every machine of the swarm over a channel you trust "
+        "and pass --swarm-key FILE to swarm dht, train and status.",
+    )
+    keygen.add_argument("--swarm-key", required=True, metavar="FILE", help="file to create")
+    keygen.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
 
 
@@ -236,20 +271,31 @@ def _first_initial_host(initial_peers: Sequence[str]) -> str | None:
 
 
 async def _run_dht(args: argparse.Namespace) -> int:
-    from dht import open_dht_node
+    from dht import DHTConfig, open_dht_node
+
+    from ._bans import BanList
 
     identity = Identity.load_or_create(args.identity) if args.identity else Identity.generate()
     initial = [parse_address(a) for a in args.initial_peer]
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port} is outside 0-65535")
+    config = DHTConfig(swarm_key=_swarm_key(args))
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_dht_node(
-            identity, host=args.host, port=args.port, initial_peers=initial
+            identity,
+            host=args.host,
+            port=args.port,
+            initial_peers=initial,
+            config=config,
+            bans=BanList(clock=trio.current_time),
         ) as node:
             toward = _first_initial_host(args.initial_peer)
             announce = args.announce or f"{_announce_host(args.host, toward)}:{node.port}"
             print(f"peer {node.peer_id} listening on {args.host}:{node.port}", flush=True)
-            print(f"join with: swarm dht --initial-peer {announce}", flush=True)
+            print(
+                f"join with: swarm dht --initial-peer {announce}{_swarm_key_option(args)}",
+                flush=True,
+            )
             async with trio.open_nursery() as nursery:
 
                 async def report() -> None:
@@ -345,12 +391,15 @@ def _peer_config(args: argparse.Namespace) -> PeerConfig:
         initial_peers=tuple(args.initial_peer),
         announce=announce,
         client_mode=args.client_mode,
+        swarm_key=_swarm_key(args),
     )
 
 
 def _join_command(args: argparse.Namespace, address: str, run_id: str) -> str:
     """The command another machine runs to join this run."""
     parts = ["swarm", "train", "--initial-peer", address, "--run-id", run_id]
+    if args.swarm_key is not None:
+        parts += ["--swarm-key", args.swarm_key]
     if args.task != DEFAULT_TASK:
         parts += ["--task", args.task]
     defaults = build_parser().parse_args(["train"])
@@ -502,13 +551,16 @@ async def _run_status(args: argparse.Namespace) -> int:
     initial = [parse_address(a) for a in args.initial_peer]
     if not (math.isfinite(args.stale_after) and args.stale_after > 0):
         raise ConfigError(f"--stale-after {args.stale_after} must be positive")
-    from dht import open_dht_node
+    from dht import DHTConfig, open_dht_node
     from trainer import estimate, parse_progress, progress_key
 
+    config = DHTConfig(swarm_key=_swarm_key(args))
     host = args.host
     if host is None:
         host = "127.0.0.1" if all(h.startswith("127.") for h, _ in initial) else "0.0.0.0"
-    async with open_dht_node(Identity.generate(), host=host, initial_peers=initial) as node:
+    async with open_dht_node(
+        Identity.generate(), host=host, initial_peers=initial, config=config
+    ) as node:
         records = parse_progress(await node.get(progress_key(args.run_id), latest=True))
         now = node.now()
     live = sorted(
@@ -517,6 +569,21 @@ async def _run_status(args: argparse.Namespace) -> int:
     swarm = estimate(live, now=now, target_batch_size=1, stale_after=args.stale_after)
     status = _status_object(args.run_id, swarm, live, now)
     print(json.dumps(status) if args.json else _status_table(status), flush=True)
+    return EXIT_OK
+
+
+# -- swarm keygen ---------------------------------------------------------------------
+
+
+def _run_keygen(args: argparse.Namespace) -> int:
+    from ._swarm_key import create_swarm_key
+
+    create_swarm_key(args.swarm_key)
+    print(
+        f"created swarm key {args.swarm_key} (mode 0600); copy it to every peer of the swarm "
+        f"and pass --swarm-key {args.swarm_key}",
+        flush=True,
+    )
     return EXIT_OK
 
 
@@ -530,6 +597,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "dht": lambda a: trio.run(_run_dht, a),
         "train": _run_train,
         "status": lambda a: trio.run(_run_status, a),
+        "keygen": _run_keygen,
     }
     try:
         with collapse_exception_groups():

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from mitm_harness import serve_proxy
 
 from swarm import (
     ClosedError,
@@ -408,42 +409,7 @@ async def test_idle_pooled_connection_is_closed(mock_clock: trio.testing.MockClo
         assert await a.call(B.peer_id, address(b), "echo", 2, timeout=5) == 2
 
 
-# A man in the middle: forwards TCP both ways, flipping one bit at an offset.
-
-
-async def _pump(source: trio.SocketStream, sink: trio.SocketStream, flip_at: int | None) -> None:
-    offset = 0
-    try:
-        while data := await source.receive_some(65536):
-            if flip_at is not None and offset <= flip_at < offset + len(data):
-                tampered = bytearray(data)
-                tampered[flip_at - offset] ^= 0x01
-                data = bytes(tampered)
-            offset += len(data)
-            await sink.send_all(data)
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass
-    finally:
-        sink.socket.close()
-        source.socket.close()
-
-
-async def _serve_proxy(
-    target_port: int,
-    flip_to_server: int | None,
-    flip_to_client: int | None,
-    *,
-    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    async def forward(client: trio.SocketStream) -> None:
-        server = await trio.open_tcp_stream(HOST, target_port)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_pump, client, server, flip_to_server)
-            nursery.start_soon(_pump, server, client, flip_to_client)
-
-    listeners = await trio.open_tcp_listeners(0, host=HOST)
-    task_status.started(listeners[0].socket.getsockname()[1])
-    await trio.serve_listeners(forward, listeners)
+# A man in the middle (mitm_harness) flips one bit at an offset.
 
 
 def _handshake_sizes() -> tuple[int, int]:
@@ -476,7 +442,7 @@ async def test_mitm_flipping_a_request_byte(config: ConnectionConfig) -> None:
                 done.set()
 
         b.set_handler("sink", sink)
-        proxy_port = await nursery.start(_serve_proxy, b.port, flip_at, None)
+        proxy_port = await nursery.start(serve_proxy, b.port, flip_at, None)
         async with a.open_stream(B.peer_id, (HOST, proxy_port), "sink") as stream:
             await stream.send_bytes(b"transfer 100 coins to mallory")
             await done.wait()
@@ -492,7 +458,7 @@ async def test_mitm_flipping_a_reply_byte(config: ConnectionConfig) -> None:
     _, listener_bytes = _handshake_sizes()
     async with two_peers(config, config) as (a, b), trio.open_nursery() as nursery:
         b.set_handler("echo", echo)
-        proxy_port = await nursery.start(_serve_proxy, b.port, None, listener_bytes + 30)
+        proxy_port = await nursery.start(serve_proxy, b.port, None, listener_bytes + 30)
         with pytest.raises(ProtocolError, match="authentication"):
             await a.call(B.peer_id, (HOST, proxy_port), "echo", "x" * 100, timeout=5)
         assert not a._connections
@@ -503,7 +469,7 @@ async def test_mitm_flipping_a_reply_byte(config: ConnectionConfig) -> None:
 async def test_mitm_flipping_a_handshake_byte(offset: int) -> None:
     async with two_peers() as (a, b), trio.open_nursery() as nursery:
         b.set_handler("echo", echo)
-        proxy_port = await nursery.start(_serve_proxy, b.port, None, offset)
+        proxy_port = await nursery.start(serve_proxy, b.port, None, offset)
         with pytest.raises(ProtocolError):
             await a.call(B.peer_id, (HOST, proxy_port), "echo", 1, timeout=5)
         nursery.cancel_scope.cancel()
