@@ -100,6 +100,26 @@ def check_parameters(rho: float, rank: int) -> None:
         raise ConfigError(f"rank={rank!r} must be an integer >= 1 (columns of the projection)")
 
 
+def payload_elements(shapes: Sequence[Sequence[int]], rho: float, rank: int) -> tuple[int, int]:
+    """``(sketch, values)``: the elements each member contributes to the sketch
+    all-reduce and to the value all-reduce for tensors of ``shapes``.
+
+    A matrix ``n x m`` costs ``n * rank`` sketch and ``kept_rows(rho, n) * m``
+    value elements, a dense tensor all its elements; the dense all-reduce
+    would carry ``sum(n * m)``. Exact, from the shapes alone.
+    """
+    check_parameters(rho, rank)
+    sketched = values = 0
+    for shape in shapes:
+        view = matrix_shape(shape)
+        if view is None:
+            values += math.prod(int(s) for s in shape)
+        else:
+            sketched += view[0] * rank
+            values += kept_rows(rho, view[0]) * view[1]
+    return sketched, values
+
+
 def projection_seed(group_id: bytes, step: int) -> int:
     """The seed of the projection every member of ``group_id`` draws at ``step``."""
     digest = hashlib.blake2b(

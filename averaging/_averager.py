@@ -283,7 +283,8 @@ class Averager:
                 self.state = state.after_group(
                     self.grid, group.group_id, members, group.local_index
                 )
-            return StepResult(state.round, key, round_group, result)
+            # the formed group; the sub-round's own id is in result.group_id
+            return StepResult(state.round, key, group, result)
 
     def skip(self, reason: str) -> StepResult:
         """End this round without averaging (no group, or gave up): keep local values."""

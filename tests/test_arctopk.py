@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import trio
@@ -18,7 +20,7 @@ from averaging import (
     select_rows,
 )
 from averaging._allreduce import AllReduceConfig
-from averaging._arctopk import kept_rows, projection_seed, projections, sketch
+from averaging._arctopk import kept_rows, payload_elements, projection_seed, projections, sketch
 from averaging._matchmaking import MatchmakingConfig
 from averaging._moshpit import MoshpitGrid
 from swarm import ConfigError
@@ -56,6 +58,20 @@ def test_kept_rows_rounds_up_without_float_noise() -> None:
     assert kept_rows(0.1, 10) == 1
     assert kept_rows(0.01, 10) == 1
     assert kept_rows(1.0, 7) == 7
+
+
+def test_payload_sizes_follow_from_the_shapes() -> None:
+    # the digits model: 64-128-10
+    digits = [(128, 64), (128,), (10, 128), (10,)]
+    assert sum(math.prod(s) for s in digits) == 9610
+    assert payload_elements(digits, 0.2, 4) == (552, 26 * 64 + 128 + 2 * 128 + 10)
+    assert payload_elements(digits, 0.1, 4) == (552, 13 * 64 + 128 + 1 * 128 + 10)
+    assert payload_elements(digits, 1.0, 4) == (552, 9610)
+    gen = torch.Generator().manual_seed(9)
+    x = _random_tensors(gen)
+    _, selection = arc_topk_compress(x, seed=1, rho=0.3, rank=3)
+    sketched = sum(v.shape[0] * 3 for v in sketch(x, projections([t.shape for t in x], 1, 3)))
+    assert payload_elements(SHAPES, 0.3, 3) == (sketched, selection.numel())
 
 
 def test_peers_with_different_gradients_select_identical_rows() -> None:
@@ -210,8 +226,15 @@ async def test_a_group_of_three_averages_the_same_rows_over_the_network() -> Non
                 for i in range(3):
                     nursery.start_soon(run, i)
     digests = set()
+    sketched, values = payload_elements(SHAPES, 0.2, 4)
     for r in rounds:
         assert r.selection is not None and r.values_result is not None
+        assert r.sketch_result is not None and r.sketch_result.allreduce is not None
+        assert r.values_result.allreduce is not None
+        # what went through the two all-reduces, in elements
+        assert r.sketch_result.allreduce.part_bounds[-1][1] == sketched
+        assert r.values_result.allreduce.part_bounds[-1][1] == values
+        assert r.values_result.group_id == groups[0].group_id  # the formed group
         assert r.values_result.contributors == frozenset(r.values_result.members)
         digests.add(r.selection.digest())
     assert len(digests) == 1

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from averaging import ArcTopKRound, Averager, Group, StepResult
-from averaging._arctopk import check_parameters
+from averaging._arctopk import check_parameters, payload_elements
 from swarm import ConfigError
 
 
@@ -83,6 +83,11 @@ class ArcTopK:
                 f"momentum={self.momentum} must be in (0, 1]: EF21M's eta, the weight of the"
                 " newest gradient in v (1 = no momentum)"
             )
+
+    def payload_elements(self, shapes: Sequence[Sequence[int]]) -> tuple[int, int]:
+        """``(sketch, values)`` elements a compressed step all-reduces for
+        parameters of ``shapes`` (a dense step: their total)."""
+        return payload_elements(shapes, self.rho, self.rank)
 
     def compresses(self, epoch: int) -> bool:
         """Is the step that ends ``epoch`` compressed (past the warm-up)?"""
