@@ -8,11 +8,17 @@ import threading
 
 import pytest
 import torch
-from trainer_harness import FAST, TrainingPeer, training_config, training_peers
+from trainer_harness import (
+    FAST,
+    TrainingPeer,
+    digits_optimizer,
+    training_config,
+    training_peers,
+)
 
 from averaging._arctopk import projection_seed, projections, select_rows, sketch
 from swarm import ConfigError
-from trainer import ArcTopK, CollaborativeConfig, CollaborativeOptimizer, load_task
+from trainer import ArcTopK, CollaborativeConfig, CollaborativeOptimizer
 from trainer._ef21m import EF21M
 
 SHAPES = [(12, 5), (12,), (3, 12)]
@@ -196,16 +202,7 @@ def test_three_peers_train_digits_with_arc_top_k() -> None:
         assert reached.wait(90)
         # a newcomer joins: it downloads the swarm's g_bar with the parameters
         # and starts its own estimate from it
-        model, inner, _ = load_task("digits").build(seed=7)
-        newcomer = CollaborativeOptimizer(
-            peers[3],
-            run_id="digits-test",
-            params=model.parameters(),
-            optimizer=inner,
-            target_batch_size=192,
-            batch_size_per_step=32,
-            config=COMPRESSED,
-        )
+        newcomer = digits_optimizer(peers[3], COMPRESSED, seed=7)
         try:
             ef = newcomer._ef21m
             assert ef is not None and newcomer.state_source is not None
@@ -256,17 +253,7 @@ def test_a_restarted_peer_resumes_its_error_feedback_state(tmp_path: object) -> 
         assert first.join().epochs == 3
     assert any(bool(t.abs().sum() > 0) for t in saved[-1]["g_bar"])
     with training_peers(1) as (_, peers):
-        model, inner, _ = load_task("digits").build(seed=99)
-        resumed = CollaborativeOptimizer(
-            peers[0],
-            run_id="digits-test",
-            params=model.parameters(),
-            optimizer=inner,
-            target_batch_size=192,
-            batch_size_per_step=32,
-            config=COMPRESSED,
-            checkpoint_dir=directory,
-        )
+        resumed = digits_optimizer(peers[0], COMPRESSED, seed=99, checkpoint_dir=directory)
         try:
             assert resumed.epoch == 3
             state = resumed.state_dict()["ef21m"]
