@@ -169,23 +169,27 @@ def _whole_group(opt: CollaborativeOptimizer) -> bool:
 
 def test_three_peers_train_digits_with_arc_top_k() -> None:
     torch.set_num_threads(1)
-    lock = threading.Lock()
+    lock = threading.Condition()
     #: epoch -> peer -> (parameters, g_bar) after a step the peer took with the
     #: whole group, every earlier step included
     states: dict[int, dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
+    #: (epoch, peer id) -> g_bar after every step of every peer
+    estimates: dict[tuple[int, bytes], list[torch.Tensor]] = {}
     clean = {0: True, 1: True, 2: True}
     newcomer_check: dict[str, bool] = {}
     reached = threading.Event()
 
     def recorder(i: int):  # type: ignore[no-untyped-def]
         def on_epoch(opt: CollaborativeOptimizer, report: object) -> None:
+            g_bar = [t.clone() for t in opt.state_dict()["ef21m"]["g_bar"]]
             with lock:
+                estimates[(opt.epoch, bytes(opt.peer.peer_id))] = g_bar
+                lock.notify_all()
                 clean[i] = clean[i] and _whole_group(opt)
-                assert opt._ef21m is not None
                 if clean[i]:
                     states.setdefault(opt.epoch, {})[i] = (
                         [p.detach().clone() for p in opt.params],
-                        [t.clone() for t in opt._ef21m.g_bar],
+                        g_bar,
                     )
             if opt.epoch >= 10:
                 reached.set()
@@ -204,13 +208,18 @@ def test_three_peers_train_digits_with_arc_top_k() -> None:
         # and starts its own estimate from it
         newcomer = digits_optimizer(peers[3], COMPRESSED, seed=7)
         try:
-            ef = newcomer._ef21m
-            assert ef is not None and newcomer.state_source is not None
+            ef = newcomer.state_dict()["ef21m"]
+            assert newcomer.state_source is not None
+            key = (newcomer.epoch, bytes(newcomer.state_source))
+            with lock:  # the donor records its epoch right after stepping
+                assert lock.wait_for(lambda: key in estimates, timeout=30)
+                donated = estimates[key]
+            # exactly the donor's g_bar of that epoch, and its own g and v start there
             newcomer_check["adopted"] = newcomer.epoch >= 10 and all(
-                torch.equal(a, b) and torch.equal(a, c)
-                for a, b, c in zip(ef.g, ef.g_bar, ef.v, strict=True)
+                torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
+                for a, b, c, d in zip(ef["g_bar"], donated, ef["g"], ef["v"], strict=True)
             )
-            newcomer_check["nonzero"] = any(bool(t.abs().sum() > 0) for t in ef.g_bar)
+            newcomer_check["nonzero"] = any(bool(t.abs().sum() > 0) for t in ef["g_bar"])
         finally:
             newcomer.close()
         reports = [t.join() for t in trainers]

@@ -60,7 +60,8 @@ class ArcTopK:
     for a linear layer with ``n x m`` weights, ``n * rank + ceil(rho * n) * m``
     values instead of ``n * m``. Use it on slow links (home connections) with
     models whose gradients are mostly large matrices; see
-    ``averaging._arctopk`` for what it costs and guarantees.
+    ``averaging._arctopk`` for what it costs and guarantees. Every peer of a
+    run must use the same setting: members that differ never average together.
     """
 
     #: fraction of each matrix's rows sent per step (0 < rho <= 1)

@@ -11,7 +11,9 @@ reports progress to the DHT. When the swarm as a whole has accumulated
 gradient with a Moshpit group, weighted by its sample count, then takes the
 inner optimizer's step: the epoch advances. A peer that finds no group applies
 its own gradients and says so in its log; none waits longer than
-``averaging_timeout``.
+``averaging_timeout``. With ``gradient_compression=ArcTopK(...)`` the
+all-reduce carries EF21M differences compressed with ARC-Top-K, and the inner
+step uses the swarm's shared gradient estimate (``_ef21m``).
 
 Threads: the training loop calls ``step()`` from its own thread. All network
 work, and every change to parameters or optimizer state, runs on the peer's
