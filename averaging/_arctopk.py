@@ -50,10 +50,16 @@ all rows: ``sum_S ||p_i||^2 >= (k/n) ||P||^2``. Since ``||x_i||^2 >= ||p_i||^2
 is ``k/n`` (exact Top-K's guarantee for rows) scaled by mean over maximum
 distortion: close to ``k/n`` when the projection preserves row norms evenly,
 and never negative. Dense tensors have ``alpha = 1`` and the whole vector
-``alpha = min`` over its tensors. This holds for every ``V``, deterministically;
-the paper bounds the expectation over ``V``. In the sketch space the
-selection is exact Top-K: ``||(X - C(X)) V||^2 <= (1 - k/n) ||X V||^2``. With
-``rho = 1`` every row is kept: ``C(x) = x`` and ``alpha = 1``.
+``alpha = min`` over its tensors. This holds for every ``V``, deterministically
+(the paper's contraction statement is about its random projection; this
+module claims only the bound above, which the tests check). In the sketch
+space the selection is exact Top-K: ``||(X - C(X)) V||^2 <= (1 - k/n) ||X
+V||^2``. With ``rho = 1`` every row is kept: ``C(x) = x`` and ``alpha = 1``.
+
+The bound is for the group's mean ``x``, which is what the group uses: under
+one selection ``C`` is linear, so the mean of the members' ``C(x_j)`` (the
+value all-reduce) is ``C(mean x_j)``. The selection comes from the averaged
+float32 sketch, the sketch of the mean up to float32 rounding.
 """
 
 from __future__ import annotations
