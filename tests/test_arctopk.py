@@ -14,6 +14,7 @@ from averaging import (
     Averager,
     AveragerConfig,
     Group,
+    GroupMember,
     RowSelection,
     arc_topk_compress,
     contraction_bound,
@@ -23,7 +24,7 @@ from averaging._allreduce import AllReduceConfig
 from averaging._arctopk import kept_rows, payload_elements, projection_seed, projections, sketch
 from averaging._matchmaking import MatchmakingConfig
 from averaging._moshpit import MoshpitGrid
-from swarm import ConfigError
+from swarm import ConfigError, PeerID
 
 #: a conv kernel, two linear layers, a bias and a scalar: every shape rule
 SHAPES = [(16, 3, 3, 3), (40, 27), (10, 40), (40,), ()]
@@ -50,6 +51,20 @@ def _mean(vectors: list[list[torch.Tensor]], weights: list[float]) -> list[torch
 
 def _sq(tensors: list[torch.Tensor]) -> float:
     return sum(float(t.double().pow(2).sum()) for t in tensors)
+
+
+def test_sub_rounds_of_a_group_have_their_own_ids() -> None:
+    members = tuple(GroupMember(PeerID(bytes([i]) * 20), "127.0.0.1", 1000 + i) for i in range(3))
+    group = Group(b"formed-group", members, 1)
+    sketches, values = group.sub_round(b"sketch"), group.sub_round(b"values")
+    assert len({group.group_id, sketches.group_id, values.group_id}) == 3
+    assert sketches.members == members and sketches.local_index == 1
+    # every member derives the same id
+    assert Group(b"formed-group", members, 2).sub_round(b"sketch").group_id == sketches.group_id
+    assert group.sub_round(b"sketch") == sketches
+    for bad in (b"", b"x" * 256):
+        with pytest.raises(ConfigError):
+            group.sub_round(bad)
 
 
 def test_kept_rows_rounds_up_without_float_noise() -> None:
