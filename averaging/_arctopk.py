@@ -296,6 +296,47 @@ def arc_topk_compress(
     return out, selection
 
 
+def exact_group_round(
+    xs: Sequence[Sequence[torch.Tensor]],
+    weights: Sequence[float],
+    *,
+    seed: int,
+    rho: float,
+    rank: int,
+) -> tuple[RowSelection, list[list[torch.Tensor]], list[torch.Tensor]]:
+    """What a group whose two all-reduces both succeed computes, without a network.
+
+    ``xs[j]`` are member j's tensors, ``weights[j]`` its weight. Returns the
+    shared selection, every member's own ``C(x_j)`` and the weighted mean of
+    those (what every member holds after the value all-reduce). The means
+    are exact float32 sums here, where the all-reduce adds in chunks; the
+    two agree up to rounding. For tests and simulations.
+    """
+    check_parameters(rho, rank)
+    total = float(sum(weights))
+    if not xs or len(xs) != len(weights) or total <= 0:
+        raise ValueError("one weight per member, and a positive total weight")
+    shapes = [t.shape for t in xs[0]]
+    projected = projections(shapes, seed, rank)
+    sketches = [sketch(x, projected) for x in xs]
+    averaged = [
+        sum((w * s[i] for s, w in zip(sketches, weights, strict=True)), torch.zeros(()))
+        / total
+        for i in range(len(sketches[0]))
+    ]
+    selection = select_rows(shapes, averaged, rho)
+    values = [selection.gather(x) for x in xs]
+    own: list[list[torch.Tensor]] = []
+    for v in values:
+        out = [torch.empty(shape, dtype=torch.float32) for shape in shapes]
+        selection.scatter(v, out)
+        own.append(out)
+    mean_values = sum((w * v for v, w in zip(values, weights, strict=True)), torch.zeros(()))
+    mean = [torch.empty(shape, dtype=torch.float32) for shape in shapes]
+    selection.scatter(mean_values / total, mean)
+    return selection, own, mean
+
+
 def contraction_bound(
     tensors: Sequence[torch.Tensor], *, seed: int, rho: float, rank: int
 ) -> float:

@@ -21,7 +21,14 @@ from averaging import (
     select_rows,
 )
 from averaging._allreduce import AllReduceConfig
-from averaging._arctopk import kept_rows, payload_elements, projection_seed, projections, sketch
+from averaging._arctopk import (
+    exact_group_round,
+    kept_rows,
+    payload_elements,
+    projection_seed,
+    projections,
+    sketch,
+)
 from averaging._matchmaking import MatchmakingConfig
 from averaging._moshpit import MoshpitGrid
 from swarm import ConfigError, PeerID
@@ -117,6 +124,15 @@ def test_peers_with_different_gradients_select_identical_rows() -> None:
     compressed, _ = arc_topk_compress(mean, seed=seed, rho=0.2, rank=4)
     for a, b in zip(out, compressed, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    # the simulation helper computes the same round
+    selection, own, simulated = exact_group_round(peers, weights, seed=seed, rho=0.2, rank=4)
+    assert selection.digest() == selections[0].digest()
+    for a, b in zip(out, simulated, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    for x, c in zip(peers, own, strict=True):
+        expected = [torch.empty(s) for s in shapes]
+        selection.scatter(selection.gather(x), expected)
+        assert all(torch.equal(a, b) for a, b in zip(c, expected, strict=True))
 
 
 def test_the_projection_depends_on_group_and_step_only() -> None:

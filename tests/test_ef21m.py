@@ -16,7 +16,7 @@ from trainer_harness import (
     training_peers,
 )
 
-from averaging._arctopk import projection_seed, projections, select_rows, sketch
+from averaging._arctopk import exact_group_round, projection_seed
 from swarm import ConfigError
 from trainer import ArcTopK, CollaborativeConfig, CollaborativeOptimizer
 from trainer._ef21m import EF21M
@@ -27,23 +27,18 @@ SHAPES = [(12, 5), (12,), (3, 12)]
 def _group_step(efs: list[EF21M], grads: list[list[torch.Tensor]], step: int) -> None:
     """One EF21M step of a whole group, with the group mean computed exactly
     (what a clean all-reduce delivers)."""
-    shapes = [torch.Size(s) for s in SHAPES]
     for ef, g in zip(efs, grads, strict=True):
         ef.begin(g)
-    if efs[0].config.compresses(step):
-        v = projections(shapes, projection_seed(b"group", step), efs[0].config.rank)
-        sketches = [sketch(g, v) for g in grads]
-        averaged = [sum(s[j] for s in sketches) / len(efs) for j in range(len(sketches[0]))]
-        selection = select_rows(shapes, averaged, efs[0].config.rho)
-        values = [selection.gather(g) for g in grads]
-        for ef, own_values in zip(efs, values, strict=True):
-            own = [torch.empty(s) for s in shapes]
-            selection.scatter(own_values, own)
-            ef._own = own  # what EF21M.average records after the value round
-        mean = [torch.empty(s) for s in shapes]
-        selection.scatter(sum(values) / len(efs), mean)
+    config = efs[0].config
+    if config.compresses(step):
+        seed = projection_seed(b"group", step)
+        _, own, mean = exact_group_round(
+            grads, [1.0] * len(efs), seed=seed, rho=config.rho, rank=config.rank
+        )
+        for ef, c in zip(efs, own, strict=True):
+            ef._own = c  # what EF21M.average records after the value round
     else:
-        mean = [sum(g[j] for g in grads) / len(efs) for j in range(len(shapes))]
+        mean = [sum(g[j] for g in grads) / len(efs) for j in range(len(SHAPES))]
     for ef, g in zip(efs, grads, strict=True):
         for dst, src in zip(g, mean, strict=True):
             dst.copy_(src)
