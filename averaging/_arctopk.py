@@ -77,6 +77,9 @@ from swarm import ConfigError
 from ._averager import Averager, StepResult
 from ._group import Group
 
+#: Largest projection rank: the sketch is meant to be a small fraction of the
+#: gradient (the paper uses a handful of columns).
+MAX_RANK = 1024
 #: The version of the selection rule, part of every digest: peers that select
 #: rows differently must never average values together.
 _RULE = b"arctopk-v1"
@@ -99,11 +102,14 @@ def kept_rows(rho: float, rows: int) -> int:
 
 
 def check_parameters(rho: float, rank: int) -> None:
-    """``ConfigError`` unless ``0 < rho <= 1`` and ``rank >= 1``."""
+    """``ConfigError`` unless ``0 < rho <= 1`` and ``1 <= rank <= MAX_RANK``."""
     if not (math.isfinite(rho) and 0 < rho <= 1):
         raise ConfigError(f"rho={rho} must be in (0, 1]: the fraction of rows kept per matrix")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ConfigError(f"rank={rank!r} must be an integer >= 1 (columns of the projection)")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= MAX_RANK:
+        raise ConfigError(
+            f"rank={rank!r} must be an integer in [1, {MAX_RANK}] (columns of the projection;"
+            " a few suffice to rank rows)"
+        )
 
 
 def payload_elements(shapes: Sequence[Sequence[int]], rho: float, rank: int) -> tuple[int, int]:
@@ -320,8 +326,7 @@ def exact_group_round(
     projected = projections(shapes, seed, rank)
     sketches = [sketch(x, projected) for x in xs]
     averaged = [
-        sum((w * s[i] for s, w in zip(sketches, weights, strict=True)), torch.zeros(()))
-        / total
+        sum((w * s[i] for s, w in zip(sketches, weights, strict=True)), torch.zeros(())) / total
         for i in range(len(sketches[0]))
     ]
     selection = select_rows(shapes, averaged, rho)

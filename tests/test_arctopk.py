@@ -202,7 +202,7 @@ def test_selection_bookkeeping_rejects_what_does_not_fit() -> None:
     assert row_sets[0] is not None and row_sets[0].tolist() == [1, 2]  # a tie: lower index
     with pytest.raises(ValueError):
         selection.scatter(torch.zeros(3), [torch.zeros(4, 3), torch.zeros(5)])
-    for bad in [(0.0, 4), (1.5, 4), (float("nan"), 4), (0.2, 0)]:
+    for bad in [(0.0, 4), (1.5, 4), (float("nan"), 4), (0.2, 0), (0.2, 1025)]:
         with pytest.raises(ConfigError):
             arc_topk_compress([torch.zeros(4, 3)], seed=0, rho=bad[0], rank=bad[1])
 
