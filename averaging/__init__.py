@@ -11,10 +11,12 @@ Modules, pure code first:
 - ``_allreduce``: the fault-tolerant butterfly all-reduce over peer connections
 - ``_matchmaking``: leader-based group formation over the DHT
 - ``_averager``: ``Averager``, one Moshpit round per ``step()``
+- ``_arctopk``: ARC-Top-K, Top-K compression a group all-reduces without indices
 - ``_state_transfer``: newcomers download the current state from donors
 """
 
 from ._allreduce import AllReduceConfig, AllReduceResult, all_reduce, serve_allreduce
+from ._arctopk import ArcTopKRound, RowSelection, arc_topk_compress, contraction_bound, select_rows
 from ._averager import Averager, AveragerConfig, StepInProgressError, StepResult
 from ._codecs import FLOAT16, NONE, UINT4, UINT8, Codec, CodecKind
 from ._faults import FaultPlan, InjectedFault, MemberFault
@@ -37,6 +39,7 @@ __all__ = [
     "UNCHECKED",
     "AllReduceConfig",
     "AllReduceResult",
+    "ArcTopKRound",
     "Averager",
     "AveragerConfig",
     "Codec",
@@ -51,11 +54,15 @@ __all__ = [
     "MemberMode",
     "MoshpitGrid",
     "MoshpitState",
+    "RowSelection",
     "StateTransferConfig",
     "StepInProgressError",
     "StepResult",
     "all_reduce",
+    "arc_topk_compress",
+    "contraction_bound",
     "load_state_from_peers",
+    "select_rows",
     "serve_allreduce",
     "serve_state",
 ]

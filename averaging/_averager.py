@@ -230,6 +230,40 @@ class Averager:
         """All-reduce the tensors with ``group`` (from ``find_group``), in place,
         and move to the next round's grid cell. Returns within the all-reduce's
         round deadline."""
+        return await self._all_reduce(group, group, self.tensors, weight, last=True)
+
+    async def average_with(
+        self,
+        group: Group,
+        tensors: Sequence[torch.Tensor],
+        weight: float = 1.0,
+        *,
+        tag: bytes,
+        last: bool = False,
+    ) -> StepResult:
+        """All-reduce other ``tensors`` with ``group`` (from ``find_group``), in place.
+
+        One more all-reduce of an already formed group in the same round, as
+        the sub-round ``tag`` (``Group.sub_round``): its streams never mix
+        with those of another tag or of ``average``, and a member calling with
+        a different tag counts as failed. Every member must pass the same tag
+        and the same tensor sizes. The averager's own tensors are untouched.
+        With ``last`` the averager then moves to the next round's grid cell,
+        as ``average`` does; several sub-rounds may run before the last.
+        Returns within the all-reduce's round deadline; on cancellation the
+        tensors hold whole chunks, each averaged or local.
+        """
+        return await self._all_reduce(group, group.sub_round(tag), tensors, weight, last=last)
+
+    async def _all_reduce(
+        self,
+        group: Group,
+        round_group: Group,
+        tensors: Sequence[torch.Tensor],
+        weight: float,
+        *,
+        last: bool,
+    ) -> StepResult:
         if not (math.isfinite(weight) and weight >= 0):
             raise ConfigError(f"weight must be a finite number >= 0, got {weight}")
         with self._busy_guard():
@@ -237,15 +271,19 @@ class Averager:
             key = state.key(self.grid, self.prefix)
             result = await all_reduce(
                 self.peer.connections,
-                group,
-                self.tensors,
+                round_group,
+                tensors,
                 weight=weight,
                 codec=self.config.codec,
                 config=self.config.allreduce,
                 fault_plan=self.fault_plan,
             )
-            members = [bytes(m.peer_id) for m in group.members]
-            self.state = state.after_group(self.grid, group.group_id, members, group.local_index)
+            if last:
+                members = [bytes(m.peer_id) for m in group.members]
+                self.state = state.after_group(
+                    self.grid, group.group_id, members, group.local_index
+                )
+            # the formed group; the sub-round's own id is in result.group_id
             return StepResult(state.round, key, group, result)
 
     def skip(self, reason: str) -> StepResult:

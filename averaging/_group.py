@@ -9,8 +9,11 @@ talking about it.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import hashlib
 import math
+import struct
 from dataclasses import dataclass
 
 from swarm import ConfigError, PeerID
@@ -91,3 +94,18 @@ class Group:
     def senders(self) -> tuple[int, ...]:
         """Indices of the members that contribute data (everyone but AUX)."""
         return tuple(i for i, m in enumerate(self.members) if m.mode is not MemberMode.AUX)
+
+    def sub_round(self, tag: bytes) -> Group:
+        """The same members under a group id derived from ``tag``.
+
+        For a further all-reduce of this group in the same step (ARC-Top-K
+        averages sketches, then values): the all-reduce keys its rounds by
+        group id, so rounds with different tags never exchange a chunk, and a
+        member that calls with another tag is a failed member to the others.
+        """
+        if not 1 <= len(tag) <= 255:
+            raise ConfigError("a sub-round tag is 1 to 255 bytes")
+        digest = hashlib.blake2b(
+            struct.pack("<B", len(tag)) + tag + self.group_id, digest_size=32, person=b"swarm.sub"
+        ).digest()
+        return dataclasses.replace(self, group_id=digest)

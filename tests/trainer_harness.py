@@ -12,7 +12,7 @@ from typing import Any
 from averaging import AllReduceConfig, AveragerConfig, MatchmakingConfig
 from dht import DHTConfig
 from swarm import Identity, Peer, PeerConfig
-from trainer import CollaborativeConfig, load_task
+from trainer import CollaborativeConfig, CollaborativeOptimizer, load_task
 from trainer._loop import TrainingConfig, TrainingReport, train
 
 FAST = CollaborativeConfig(
@@ -97,3 +97,21 @@ def training_config(i: int, **kwargs: Any) -> TrainingConfig:
     )
     defaults.update(kwargs)
     return TrainingConfig(**defaults)
+
+
+def digits_optimizer(
+    peer: Peer, config: CollaborativeConfig, *, seed: int, **kwargs: Any
+) -> CollaborativeOptimizer:
+    """A digits optimizer of the test run outside a training loop (a newcomer,
+    a restarted peer), with other initial weights (``seed``) than the run's."""
+    model, inner, _ = load_task("digits").build(seed=seed)
+    return CollaborativeOptimizer(
+        peer,
+        run_id="digits-test",
+        params=model.parameters(),
+        optimizer=inner,
+        target_batch_size=192,
+        batch_size_per_step=32,
+        config=config,
+        **kwargs,
+    )

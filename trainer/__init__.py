@@ -6,16 +6,19 @@ Modules:
 - ``_tasks_digits``: the built-in ``digits`` task (scikit-learn's bundled data set)
 - ``_checkpoint``: atomic checkpoint files and checkpoint directories
 - ``_progress``: progress records in the DHT and the swarm's progress estimate
+- ``_ef21m``: ``ArcTopK`` gradient compression with EF21M error feedback
 - ``_optimizer``: ``CollaborativeOptimizer``, one global step per target batch
 """
 
 from ._checkpoint import Checkpoint, CheckpointDir, load_checkpoint, save_checkpoint
+from ._ef21m import ArcTopK
 from ._optimizer import CollaborativeConfig, CollaborativeOptimizer, GlobalStep
 from ._progress import PeerProgress, SwarmProgress, estimate, parse_progress, progress_key
 from ._task import Task, builtin_task_names, default_optimizer, load_task, shuffled_batches
 from ._tasks_digits import make_digits_task
 
 __all__ = [
+    "ArcTopK",
     "Checkpoint",
     "CheckpointDir",
     "CollaborativeConfig",

@@ -11,7 +11,9 @@ reports progress to the DHT. When the swarm as a whole has accumulated
 gradient with a Moshpit group, weighted by its sample count, then takes the
 inner optimizer's step: the epoch advances. A peer that finds no group applies
 its own gradients and says so in its log; none waits longer than
-``averaging_timeout``.
+``averaging_timeout``. With ``gradient_compression=ArcTopK(...)`` the
+all-reduce carries EF21M differences compressed with ARC-Top-K, and the inner
+step uses the swarm's shared gradient estimate (``_ef21m``).
 
 Threads: the training loop calls ``step()`` from its own thread. All network
 work, and every change to parameters or optimizer state, runs on the peer's
@@ -50,6 +52,7 @@ from dht import owner_marker
 from swarm import ClosedError, ConfigError, Peer, PeerID, SwarmError
 
 from ._checkpoint import Checkpoint, CheckpointDir
+from ._ef21m import EF21M, ArcTopK
 from ._progress import (
     PeerProgress,
     RateMeter,
@@ -85,6 +88,8 @@ class CollaborativeConfig:
     #: target, so the group is ready when the last batch is (DeDLOC, section 3.2)
     matchmaking_lead: float = 1.0
     state_transfer: StateTransferConfig = field(default_factory=StateTransferConfig)
+    #: compress the gradient all-reduce (None: dense); see ``ArcTopK``
+    gradient_compression: ArcTopK | None = None
 
     def __post_init__(self) -> None:
         bound = self.averaging.matchmaking.bound
@@ -108,6 +113,10 @@ class CollaborativeConfig:
                 f"all-reduce's sender_timeout ({self.averaging.allreduce.sender_timeout}s): "
                 "members of an early group must all be ready before they drop each other"
             )
+        if self.gradient_compression is not None and not isinstance(
+            self.gradient_compression, ArcTopK
+        ):
+            raise ConfigError("gradient_compression must be None (dense) or an ArcTopK(...)")
 
 
 @dataclass(frozen=True)
@@ -192,6 +201,9 @@ class CollaborativeOptimizer:
             torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params
         ]
         self._samples = 0
+        compression = self.config.gradient_compression
+        #: error feedback state when gradients are compressed (None: dense)
+        self._ef21m = None if compression is None else EF21M(self.params, compression)
         self._rate = RateMeter()
         #: the tracker's latest reading (see ``_Reading``), replaced whole
         self._reading: _Reading | None = None
@@ -309,11 +321,14 @@ class CollaborativeOptimizer:
         return reading.swarm
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "epoch": self.epoch,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
         }
+        if self._ef21m is not None:
+            state["ef21m"] = self._ef21m.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         def load() -> None:
@@ -321,6 +336,8 @@ class CollaborativeOptimizer:
             if self.scheduler is not None and state.get("scheduler") is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
             self.epoch = int(state["epoch"])
+            if self._ef21m is not None and "ef21m" in state:
+                self._ef21m.load_state_dict(state["ef21m"])
 
         self.peer.run_sync(load)
 
@@ -413,8 +430,15 @@ class CollaborativeOptimizer:
             await prematch.done.wait()
             return self._grad_averager.skip("no group formed in time")
         with trio.move_on_after(self.config.averaging_timeout):
-            return await self._grad_averager.average(prematch.group, weight)
+            return await self._average_in_group(prematch.group, weight)
         return self._grad_averager.skip("timed out during the all-reduce")
+
+    async def _average_in_group(self, group: Group, weight: float) -> StepResult:
+        """The gradient all-reduce itself: dense, or ARC-Top-K past the warm-up."""
+        ef = self._ef21m
+        if ef is not None and ef.config.compresses(self.epoch):
+            return await ef.average(self._grad_averager, group, self._grads, weight, self.epoch)
+        return await self._grad_averager.average(group, weight)
 
     def _refresh_now(self, now: float, *, force: bool = False) -> bool:
         """Near the target, publish and read right away instead of waiting for
@@ -527,6 +551,9 @@ class CollaborativeOptimizer:
         with torch.no_grad():
             for acc in self._grads:
                 acc.div_(max(1, samples))
+        if self._ef21m is not None:
+            # averaging now carries EF21M's difference v - g (see _ef21m)
+            self.peer.run_sync(self._ef21m.begin, self._grads)
         result: StepResult | None = None
         if alone:
             log.info("epoch %d: no other peer is training; applying local gradients", self.epoch)
@@ -557,6 +584,8 @@ class CollaborativeOptimizer:
 
     def _apply_gradients(self) -> None:
         """On the trio thread: the inner step, then a fresh accumulator."""
+        if self._ef21m is not None:
+            self._ef21m.finish(self._grads)  # the accumulator now holds g_bar
         with torch.no_grad():
             for acc, p in zip(self._grads, self.params, strict=True):
                 p.grad = acc.clone()
@@ -574,6 +603,8 @@ class CollaborativeOptimizer:
             for value in self.optimizer.state.get(p, {}).values():
                 if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim():
                     tensors.append(value)
+        if self._ef21m is not None:
+            tensors.extend(self._ef21m.g_bar)  # the shared estimate drifts like the parameters
         return tensors
 
     def _average_state(self) -> None:
@@ -606,11 +637,14 @@ class CollaborativeOptimizer:
 
     def _donated_state(self) -> tuple[dict[str, Any], Any]:
         # called on the trio thread, where every change to this state happens
-        return {"epoch": self.epoch}, {
+        state = {
             "params": [p.detach() for p in self.params],
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
         }
+        if self._ef21m is not None:
+            state["ef21m_estimate"] = list(self._ef21m.g_bar)
+        return {"epoch": self.epoch}, state
 
     async def _start_donor(self) -> trio.CancelScope:
         peer = self.peer.async_peer
@@ -634,11 +668,13 @@ class CollaborativeOptimizer:
         """Download the swarm's state (of at least ``min_epoch``); True if loaded."""
         with contextlib.suppress(SwarmError):
             self.peer.run_sync(self._cancel_matchmaking)
-        template = {
+        template: dict[str, Any] = {
             "params": [p.detach() for p in self.params],
             "optimizer": UNCHECKED,
             "scheduler": UNCHECKED,
         }
+        if self._ef21m is not None:
+            template["ef21m_estimate"] = list(self._ef21m.g_bar)
         timeout = self.config.load_state_timeout
 
         async def load() -> LoadedState | None:
@@ -675,6 +711,8 @@ class CollaborativeOptimizer:
                 self.scheduler.load_state_dict(loaded.state["scheduler"])
             for acc in self._grads:
                 acc.zero_()
+            if self._ef21m is not None:
+                self._ef21m.adopt(loaded.state["ef21m_estimate"])
             self._samples = 0
             self.epoch = epoch
             self.state_source = loaded.donor
@@ -695,12 +733,19 @@ class CollaborativeOptimizer:
                 model={str(i): p.detach().clone() for i, p in enumerate(self.params)},
                 optimizer=self.optimizer.state_dict(),
                 scheduler=None if self.scheduler is None else self.scheduler.state_dict(),
-                extra={"run_id": self.run_id},
+                extra={"run_id": self.run_id} | self._ef21m_extra(),
             )
 
         checkpoint = self.peer.run_sync(capture)
         path = self._checkpoints.save(checkpoint)
         log.info("saved checkpoint %s", path)
+
+    def _ef21m_extra(self) -> dict[str, Any]:
+        """A copy of the EF21M state for a checkpoint (on the trio thread)."""
+        if self._ef21m is None:
+            return {}
+        state = self._ef21m.state_dict()
+        return {"ef21m": {name: [t.clone() for t in ts] for name, ts in state.items()}}
 
     def _resume_from_checkpoint(self) -> None:
         assert self._checkpoints is not None
@@ -718,6 +763,8 @@ class CollaborativeOptimizer:
             if self.scheduler is not None and checkpoint.scheduler is not None:
                 self.scheduler.load_state_dict(checkpoint.scheduler)
             self.epoch = checkpoint.epoch
+            if self._ef21m is not None and "ef21m" in checkpoint.extra:
+                self._ef21m.load_state_dict(checkpoint.extra["ef21m"])
 
         self.peer.run_sync(apply)
         log.info("resumed from the checkpoint of epoch %d", checkpoint.epoch)
