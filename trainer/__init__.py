@@ -6,10 +6,12 @@ Modules:
 - ``_tasks_digits``: the built-in ``digits`` task (scikit-learn's bundled data set)
 - ``_checkpoint``: atomic checkpoint files and checkpoint directories
 - ``_progress``: progress records in the DHT and the swarm's progress estimate
+- ``_diloco``: DiLoCo mode: local inner steps, then an outer Nesterov step
 - ``_optimizer``: ``CollaborativeOptimizer``, one global step per target batch
 """
 
 from ._checkpoint import Checkpoint, CheckpointDir, load_checkpoint, save_checkpoint
+from ._diloco import DiLoCo
 from ._optimizer import CollaborativeConfig, CollaborativeOptimizer, GlobalStep
 from ._progress import PeerProgress, SwarmProgress, estimate, parse_progress, progress_key
 from ._task import Task, builtin_task_names, default_optimizer, load_task, shuffled_batches
@@ -20,6 +22,7 @@ __all__ = [
     "CheckpointDir",
     "CollaborativeConfig",
     "CollaborativeOptimizer",
+    "DiLoCo",
     "GlobalStep",
     "PeerProgress",
     "SwarmProgress",

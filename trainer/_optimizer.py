@@ -26,7 +26,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -47,9 +47,10 @@ from averaging import (
     serve_state,
 )
 from dht import owner_marker
-from swarm import ClosedError, ConfigError, Peer, PeerID, SwarmError
+from swarm import ClosedError, ConfigError, Peer, PeerID, ProtocolError, SwarmError
 
 from ._checkpoint import Checkpoint, CheckpointDir
+from ._diloco import DiLoCo, OuterLoop
 from ._progress import (
     PeerProgress,
     RateMeter,
@@ -85,6 +86,8 @@ class CollaborativeConfig:
     #: target, so the group is ready when the last batch is (DeDLOC, section 3.2)
     matchmaking_lead: float = 1.0
     state_transfer: StateTransferConfig = field(default_factory=StateTransferConfig)
+    #: DiLoCo mode (see ``DiLoCo``): local steps, then an outer step; None: off
+    diloco: DiLoCo | None = None
 
     def __post_init__(self) -> None:
         bound = self.averaging.matchmaking.bound
@@ -188,9 +191,15 @@ class CollaborativeOptimizer:
         self.state_source: PeerID | None = None
         self.loss: float | None = None
         self.accuracy: float | None = None
-        self._grads = [
-            torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params
-        ]
+        #: DiLoCo mode: its state, and the pseudo-gradients take the gradients' place
+        self._diloco = (
+            None if self.config.diloco is None else OuterLoop(self.params, self.config.diloco)
+        )
+        self._grads = (
+            []
+            if self._diloco is not None
+            else [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
+        )
         self._samples = 0
         self._rate = RateMeter()
         #: the tracker's latest reading (see ``_Reading``), replaced whole
@@ -204,13 +213,7 @@ class CollaborativeOptimizer:
         self._prematch: _Prematch | None = None
         self._prematch_epoch = -1
         self._checkpoints = CheckpointDir(Path(checkpoint_dir)) if checkpoint_dir else None
-        self._grad_averager = Averager(
-            peer,
-            self._grads,
-            prefix=f"{run_id}.grads",
-            config=self.config.averaging,
-            grid=self._grid(1),
-        )
+        self._grad_averager = self._make_grad_averager()
         self._state_averager: Averager | None = None
         self._closed = False
         self._donor = peer.run(self._start_donor)
@@ -238,15 +241,13 @@ class CollaborativeOptimizer:
         if self._closed:
             raise ConfigError("the optimizer is closed")
         size = self.batch_size_per_step if batch_size is None else batch_size
+        if self._diloco is not None:
+            return self._local_step(self._diloco, size, loss)
         with torch.no_grad():
             for acc, p in zip(self._grads, self.params, strict=True):
                 if p.grad is not None:
                     acc.add_(p.grad, alpha=size)
-        self._samples += size
-        if loss is not None:
-            self.loss = loss if self.loss is None else 0.9 * self.loss + 0.1 * loss
-        now = time.monotonic()
-        self._rate.update(now, size)
+        now = self._account(size, loss)
         reading = self._reading
         if reading is None or reading.epoch != self.epoch:
             # the tracker has not read the swarm since this epoch began: read now,
@@ -283,6 +284,82 @@ class CollaborativeOptimizer:
         self._global_step(alone=swarm.num_peers <= 1, expected=swarm.num_peers)
         return True
 
+    def _account(self, size: int, loss: float | None) -> float:
+        """Count a local batch of ``size`` samples; returns the monotonic time."""
+        self._samples += size
+        if loss is not None:
+            self.loss = loss if self.loss is None else 0.9 * self.loss + 0.1 * loss
+        now = time.monotonic()
+        self._rate.update(now, size)
+        return now
+
+    def _local_step(self, diloco: OuterLoop, size: int, loss: float | None) -> bool:
+        """DiLoCo mode's ``step()``: an inner step now, the outer step after
+        ``local_steps`` of them (see ``_outer_step``)."""
+
+        def inner() -> None:
+            self.optimizer.step()
+            diloco.local_steps += 1
+
+        self.peer.run_sync(inner)
+        now = self._account(size, loss)
+        remaining = diloco.config.local_steps - diloco.local_steps
+        reading = self._reading
+        if remaining > 0:
+            rate = self._rate.rate
+            lead = self.config.matchmaking_lead
+            if (
+                reading is not None
+                and reading.swarm.num_peers > 1
+                and self._prematch_epoch != self.epoch
+                and rate > 0
+                and remaining * size / rate <= lead
+            ):
+                # the group is ready when the last local step is
+                self._prematch_epoch = self.epoch
+                with contextlib.suppress(SwarmError):
+                    self.peer.run(self._begin_matchmaking, self.epoch, reading.swarm.num_peers)
+            return False
+        self._refresh_now(now, force=True)  # who is live now, and how far they are
+        reading = self._reading
+        if reading is not None and reading.swarm.epoch > self.epoch:
+            # the others synchronised without us: our local steps are stale
+            log.info(
+                "epoch %d is behind the swarm's %d: downloading its state",
+                self.epoch,
+                reading.swarm.epoch,
+            )
+            if not self._catch_up(initial=False, min_epoch=reading.swarm.epoch):
+                self.peer.run_sync(diloco.resync)  # nobody could send it: go on from here
+            return False
+        peers = 1 if reading is None else reading.swarm.num_peers
+        self._outer_step(diloco, alone=peers <= 1, expected=peers)
+        return True
+
+    def _outer_step(self, diloco: OuterLoop, *, alone: bool, expected: int) -> None:
+        """Average the pseudo-gradients with a group and take the outer step."""
+        samples = self._samples
+        started = time.monotonic()
+        self.peer.run_sync(diloco.compute_pseudo_gradients)
+        result: StepResult | None = None
+        if alone:
+            log.info("epoch %d: no other peer is training; outer step alone", self.epoch)
+        else:
+            result = self._average_gradients(samples, expected)
+        seconds = time.monotonic() - started
+        self._rate.pause()
+
+        def apply() -> None:
+            diloco.outer_step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self._samples = 0
+            self.epoch += 1
+
+        self.peer.run_sync(apply)
+        self.last_step = GlobalStep(self.epoch, samples, result, seconds)
+        self._after_global_step(alone)
+
     def report_accuracy(self, accuracy: float) -> None:
         """Publish this peer's latest evaluation accuracy (shown by ``swarm status``)."""
         self.accuracy = accuracy
@@ -309,17 +386,25 @@ class CollaborativeOptimizer:
         return reading.swarm
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "epoch": self.epoch,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
         }
+        if self._diloco is not None:
+            state["diloco"] = self._diloco.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         def load() -> None:
             self.optimizer.load_state_dict(state["optimizer"])
             if self.scheduler is not None and state.get("scheduler") is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
+            if self._diloco is not None:
+                if "diloco" in state:
+                    self._diloco.load_state_dict(state["diloco"])
+                else:
+                    self._diloco.resync()
             self.epoch = int(state["epoch"])
 
         self.peer.run_sync(load)
@@ -536,12 +621,25 @@ class CollaborativeOptimizer:
         self._rate.pause()
         self.peer.run_sync(self._apply_gradients)
         self.last_step = GlobalStep(self.epoch, samples, result, seconds)
+        self._after_global_step(alone)
+
+    def _after_global_step(self, alone: bool) -> None:
         interval = self.config.state_averaging_interval
         if interval and self.epoch % interval == 0 and not alone:
             self._average_state()
         if self._checkpoints is not None and self.epoch % self.config.checkpoint_every == 0:
             self._save_checkpoint()
         self._poke()
+
+    def _make_grad_averager(self) -> Averager:
+        """The averager of each global step: of the accumulated gradients, or in
+        DiLoCo mode of the pseudo-gradients, with the DiLoCo codec."""
+        if self._diloco is None:
+            tensors, prefix, config = self._grads, f"{self.run_id}.grads", self.config.averaging
+        else:
+            tensors, prefix = self._diloco.deltas, f"{self.run_id}.diloco"
+            config = replace(self.config.averaging, codec=self._diloco.config.codec)
+        return Averager(self.peer, tensors, prefix=prefix, config=config, grid=self._grid(1))
 
     def _average_gradients(self, samples: int, expected: int | None) -> StepResult | None:
         result: StepResult | None = None
@@ -574,6 +672,8 @@ class CollaborativeOptimizer:
             for value in self.optimizer.state.get(p, {}).values():
                 if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim():
                     tensors.append(value)
+        if self._diloco is not None:
+            tensors += self._diloco.momentum()
         return tensors
 
     def _average_state(self) -> None:
@@ -601,16 +701,26 @@ class CollaborativeOptimizer:
             log.info("epoch %d: averaged parameters with %d peers", self.epoch, len(result.members))
         except SwarmError as e:
             log.warning("epoch %d: parameter averaging failed: %s", self.epoch, e)
+        if self._diloco is not None:
+            self.peer.run_sync(self._diloco.resync)  # right after the outer step: nothing lost
 
     # -- state sharing ------------------------------------------------------------
 
     def _donated_state(self) -> tuple[dict[str, Any], Any]:
         # called on the trio thread, where every change to this state happens
-        return {"epoch": self.epoch}, {
-            "params": [p.detach() for p in self.params],
+        state = {
+            "params": [p.detach() for p in self._shared_params()],
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
         }
+        if self._diloco is not None:
+            state["diloco"] = self._diloco.state_dict()
+        return {"epoch": self.epoch}, state
+
+    def _shared_params(self) -> list[torch.Tensor]:
+        """The parameters of the swarm's last global step: in DiLoCo mode the
+        synced ones (this peer's own are part-way through local steps)."""
+        return list(self.params) if self._diloco is None else self._diloco.synced
 
     async def _start_donor(self) -> trio.CancelScope:
         peer = self.peer.async_peer
@@ -634,11 +744,13 @@ class CollaborativeOptimizer:
         """Download the swarm's state (of at least ``min_epoch``); True if loaded."""
         with contextlib.suppress(SwarmError):
             self.peer.run_sync(self._cancel_matchmaking)
-        template = {
+        template: dict[str, Any] = {
             "params": [p.detach() for p in self.params],
             "optimizer": UNCHECKED,
             "scheduler": UNCHECKED,
         }
+        if self._diloco is not None:
+            template["diloco"] = self._diloco.template()
         timeout = self.config.load_state_timeout
 
         async def load() -> LoadedState | None:
@@ -675,6 +787,8 @@ class CollaborativeOptimizer:
                 self.scheduler.load_state_dict(loaded.state["scheduler"])
             for acc in self._grads:
                 acc.zero_()
+            if self._diloco is not None:
+                self._diloco.load_state_dict(loaded.state["diloco"])
             self._samples = 0
             self.epoch = epoch
             self.state_source = loaded.donor
@@ -692,10 +806,11 @@ class CollaborativeOptimizer:
         def capture() -> Checkpoint:
             return Checkpoint(
                 epoch=self.epoch,
-                model={str(i): p.detach().clone() for i, p in enumerate(self.params)},
+                model={str(i): p.detach().clone() for i, p in enumerate(self._shared_params())},
                 optimizer=self.optimizer.state_dict(),
                 scheduler=None if self.scheduler is None else self.scheduler.state_dict(),
-                extra={"run_id": self.run_id},
+                extra={"run_id": self.run_id}
+                | ({} if self._diloco is None else {"diloco": self._diloco.state_dict()}),
             )
 
         checkpoint = self.peer.run_sync(capture)
@@ -717,7 +832,16 @@ class CollaborativeOptimizer:
             self.optimizer.load_state_dict(checkpoint.optimizer)
             if self.scheduler is not None and checkpoint.scheduler is not None:
                 self.scheduler.load_state_dict(checkpoint.scheduler)
+            if self._diloco is not None:
+                diloco_state = checkpoint.extra.get("diloco")
+                if diloco_state is None:
+                    self._diloco.resync()  # a checkpoint of a run without DiLoCo
+                else:
+                    self._diloco.load_state_dict(diloco_state)
             self.epoch = checkpoint.epoch
 
-        self.peer.run_sync(apply)
+        try:
+            self.peer.run_sync(apply)
+        except ProtocolError as e:
+            raise ConfigError(f"the checkpoint's DiLoCo state does not fit: {e}") from e
         log.info("resumed from the checkpoint of epoch %d", checkpoint.epoch)
