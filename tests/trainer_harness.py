@@ -4,7 +4,8 @@ its own training thread; all threads are joined before a test ends."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 from averaging import AllReduceConfig, AveragerConfig, MatchmakingConfig
 from dht import DHTConfig
 from swarm import Identity, Peer, PeerConfig
-from trainer import CollaborativeConfig, load_task
+from trainer import CollaborativeConfig, Task, load_task
 from trainer._loop import TrainingConfig, TrainingReport, train
 
 FAST = CollaborativeConfig(
@@ -45,12 +46,25 @@ class TrainingPeer:
     thread: threading.Thread | None = None
     optimizer: Any = None
 
-    def start(self, on_epoch: Any = None) -> None:
-        task = load_task("digits")
+    def start(
+        self,
+        on_epoch: Any = None,
+        *,
+        task: Task[Any] | None = None,
+        compute_clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        task = task or load_task("digits")
 
         def run() -> None:
             try:
-                self.report = train(self.peer, task, self.config, stop=self.stop, on_epoch=on_epoch)
+                self.report = train(
+                    self.peer,
+                    task,
+                    self.config,
+                    stop=self.stop,
+                    on_epoch=on_epoch,
+                    compute_clock=compute_clock,
+                )
             except BaseException as e:  # re-raised by the test thread in join()
                 self.error = e
 

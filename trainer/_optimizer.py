@@ -25,7 +25,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -51,6 +51,7 @@ from swarm import ClosedError, ConfigError, Peer, PeerID, ProtocolError, SwarmEr
 
 from ._checkpoint import Checkpoint, CheckpointDir
 from ._diloco import DiLoCo, OuterLoop
+from ._dropcompute import ComputeBudget, DropCompute
 from ._progress import (
     PeerProgress,
     RateMeter,
@@ -88,6 +89,8 @@ class CollaborativeConfig:
     state_transfer: StateTransferConfig = field(default_factory=StateTransferConfig)
     #: DiLoCo mode (see ``DiLoCo``): local steps, then an outer step; None: off
     diloco: DiLoCo | None = None
+    #: a compute budget per global step (see ``DropCompute``); None: off
+    drop_compute: DropCompute | None = None
 
     def __post_init__(self) -> None:
         bound = self.averaging.matchmaking.bound
@@ -143,6 +146,10 @@ class GlobalStep:
     samples: int
     averaging: StepResult | None
     averaging_seconds: float
+    #: with DropCompute: this step's compute time on its clock, and whether it
+    #: ended because the compute threshold was reached
+    compute_seconds: float | None = None
+    stopped_early: bool = False
 
 
 class CollaborativeOptimizer:
@@ -170,6 +177,7 @@ class CollaborativeOptimizer:
         config: CollaborativeConfig | None = None,
         checkpoint_dir: str | Path | None = None,
         load_state: bool = True,
+        compute_clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not run_id or len(run_id) > 64 or any(c.isspace() or c in "[]" for c in run_id):
             raise ConfigError(f"run_id {run_id!r} must be 1-64 characters, no spaces or brackets")
@@ -214,6 +222,10 @@ class CollaborativeOptimizer:
         self._prematch_epoch = -1
         self._checkpoints = CheckpointDir(Path(checkpoint_dir)) if checkpoint_dir else None
         self._grad_averager = self._make_grad_averager()
+        drop = self.config.drop_compute
+        self._budget = None if drop is None else ComputeBudget(drop, compute_clock)
+        #: this step's compute budget is spent (DropCompute): average now
+        self._out_of_time = False
         self._state_averager: Averager | None = None
         self._closed = False
         self._donor = peer.run(self._start_donor)
@@ -234,7 +246,11 @@ class CollaborativeOptimizer:
         """Account for one local batch; take the global step when the swarm is ready.
 
         Returns True if a global step (averaging and the inner optimizer step)
-        happened. Blocks at most ``averaging_timeout`` for averaging, plus the
+        happened. With ``config.drop_compute`` the global step also happens once
+        this peer has computed for longer than its threshold in this step, with
+        the samples it has (the loop needs no change). In DiLoCo mode the inner
+        optimizer steps now, and the global step is the outer step after
+        ``local_steps`` of these calls. Blocks at most ``averaging_timeout`` for averaging, plus the
         time to download the state when this peer fell behind the swarm.
         Raises ``ClosedError`` once the peer has stopped.
         """
@@ -252,7 +268,7 @@ class CollaborativeOptimizer:
         if reading is None or reading.epoch != self.epoch:
             # the tracker has not read the swarm since this epoch began: read now,
             # rather than compute blind past the target
-            if not self._refresh_now(now):
+            if not self._refresh_now(now, force=self._out_of_time):
                 return False
             reading = self._reading
             if reading is None or reading.epoch != self.epoch:
@@ -266,7 +282,9 @@ class CollaborativeOptimizer:
                 # nobody could send that epoch: train on, try again later
                 self._next_catch_up = now + self.config.progress_ttl / 2
             return False
-        if not self._ready(reading):
+        if self._ready(reading):
+            self._out_of_time = False  # the swarm's target ended this step, not the threshold
+        elif not self._out_of_time:
             self._maybe_begin_matchmaking(reading, now)
             if not self._near_target(reading, now) or not self._refresh_now(now):
                 return False
@@ -291,7 +309,29 @@ class CollaborativeOptimizer:
             self.loss = loss if self.loss is None else 0.9 * self.loss + 0.1 * loss
         now = time.monotonic()
         self._rate.update(now, size)
+        if self._budget is not None and self._budget.spent(size):
+            self._out_of_time = True
         return now
+
+    def _end_compute(self) -> tuple[float | None, bool]:
+        """This step's compute is over (DropCompute): its seconds, and whether
+        the threshold ended it."""
+        if self._budget is None:
+            return None, False
+        seconds, early = self._budget.end(), self._out_of_time
+        if early:
+            log.info(
+                "epoch %d: compute threshold %.3gs reached after %d samples; averaging now",
+                self.epoch,
+                self._budget.threshold,
+                self._samples,
+            )
+        return seconds, early
+
+    def _begin_compute(self) -> None:
+        self._out_of_time = False
+        if self._budget is not None:
+            self._budget.begin()
 
     def _local_step(self, diloco: OuterLoop, size: int, loss: float | None) -> bool:
         """DiLoCo mode's ``step()``: an inner step now, the outer step after
@@ -304,8 +344,10 @@ class CollaborativeOptimizer:
         self.peer.run_sync(inner)
         now = self._account(size, loss)
         remaining = diloco.config.local_steps - diloco.local_steps
+        if remaining <= 0:
+            self._out_of_time = False  # the local steps ended this round, not the threshold
         reading = self._reading
-        if remaining > 0:
+        if remaining > 0 and not self._out_of_time:
             rate = self._rate.rate
             lead = self.config.matchmaking_lead
             if (
@@ -331,6 +373,7 @@ class CollaborativeOptimizer:
             )
             if not self._catch_up(initial=False, min_epoch=reading.swarm.epoch):
                 self.peer.run_sync(diloco.resync)  # nobody could send it: go on from here
+                self._begin_compute()
             return False
         peers = 1 if reading is None else reading.swarm.num_peers
         self._outer_step(diloco, alone=peers <= 1, expected=peers)
@@ -339,6 +382,7 @@ class CollaborativeOptimizer:
     def _outer_step(self, diloco: OuterLoop, *, alone: bool, expected: int) -> None:
         """Average the pseudo-gradients with a group and take the outer step."""
         samples = self._samples
+        compute, early = self._end_compute()
         started = time.monotonic()
         self.peer.run_sync(diloco.compute_pseudo_gradients)
         result: StepResult | None = None
@@ -357,8 +401,13 @@ class CollaborativeOptimizer:
             self.epoch += 1
 
         self.peer.run_sync(apply)
-        self.last_step = GlobalStep(self.epoch, samples, result, seconds)
+        self.last_step = GlobalStep(self.epoch, samples, result, seconds, compute, early)
         self._after_global_step(alone)
+
+    @property
+    def compute_threshold(self) -> float | None:
+        """DropCompute's tau in seconds (None: DropCompute off, or still calibrating)."""
+        return None if self._budget is None else self._budget.threshold
 
     def report_accuracy(self, accuracy: float) -> None:
         """Publish this peer's latest evaluation accuracy (shown by ``swarm status``)."""
@@ -372,8 +421,10 @@ class CollaborativeOptimizer:
         while True:
             reading = self._reading
             if reading is not None and reading.swarm.num_peers >= count:
+                self._begin_compute()  # waiting is not compute
                 return True
             if time.monotonic() >= deadline:
+                self._begin_compute()
                 return False
             self._refresh_now(time.monotonic(), force=True)
             time.sleep(self.config.progress_interval)
@@ -608,6 +659,7 @@ class CollaborativeOptimizer:
 
     def _global_step(self, *, alone: bool, expected: int) -> None:
         samples = self._samples
+        compute, early = self._end_compute()
         started = time.monotonic()
         with torch.no_grad():
             for acc in self._grads:
@@ -620,7 +672,7 @@ class CollaborativeOptimizer:
         seconds = time.monotonic() - started
         self._rate.pause()
         self.peer.run_sync(self._apply_gradients)
-        self.last_step = GlobalStep(self.epoch, samples, result, seconds)
+        self.last_step = GlobalStep(self.epoch, samples, result, seconds, compute, early)
         self._after_global_step(alone)
 
     def _after_global_step(self, alone: bool) -> None:
@@ -630,6 +682,7 @@ class CollaborativeOptimizer:
         if self._checkpoints is not None and self.epoch % self.config.checkpoint_every == 0:
             self._save_checkpoint()
         self._poke()
+        self._begin_compute()
 
     def _make_grad_averager(self) -> Averager:
         """The averager of each global step: of the accumulated gradients, or in
@@ -795,6 +848,7 @@ class CollaborativeOptimizer:
 
         self.peer.run_sync(apply)
         self._poke()
+        self._begin_compute()
         log.info("loaded the state of epoch %d from %s", epoch, loaded.donor.short())
         return True
 
