@@ -45,6 +45,9 @@ class TrainingConfig:
     min_peers: int = 1
     min_peers_timeout: float = 60.0
     checkpoint_dir: Path | None = None
+    #: download the swarm's state on joining; False only when every peer
+    #: starts from the same weights at the same time (e.g. a benchmark)
+    load_state: bool = True
     optimizer: CollaborativeConfig = field(default_factory=CollaborativeConfig)
 
 
@@ -90,6 +93,7 @@ def train(
         batch_size_per_step=batch_size,
         config=config.optimizer,
         checkpoint_dir=config.checkpoint_dir,
+        load_state=config.load_state,
         compute_clock=compute_clock,
     ) as opt:
         if config.min_peers > 1 and not opt.wait_for_peers(
