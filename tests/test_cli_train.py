@@ -139,6 +139,9 @@ async def test_bad_configuration_exits_2_with_one_line(tmp_path: Path) -> None:
     cases = {
         ("train", "--task", "no-such-task"): "unknown task",
         ("train", "--target-batch-size", "0"): "--target-batch-size",
+        ("train", "--diloco", "0"): "--diloco",
+        ("train", "--drop-compute", "soon"): "--drop-compute",
+        ("train", "--drop-compute", "-1"): "DropCompute threshold",
         ("train", "--initial-peer", nobody): "no initial peer answered",
         ("status", "--initial-peer", nobody): "no initial peer answered",
         ("status", "--initial-peer", "nonsense"): "HOST:PORT",
