@@ -40,6 +40,13 @@ class DiLoCo:
     optimizer is the task's (the paper uses AdamW); the outer one is fixed to
     SGD with Nesterov momentum, which the paper found best among the outer
     optimizers it compared.
+
+    In DiLoCo mode an epoch is one outer step. ``target_batch_size`` does not
+    trigger it: each peer synchronises after its own ``local_steps`` inner
+    steps (``CollaborativeOptimizer.step()`` calls), with its samples since the
+    last synchronisation as its weight; the group waits for every live peer
+    up to the matchmaking time, and a peer that the others passed meanwhile
+    downloads their state instead. The task's scheduler steps once per epoch.
     """
 
     #: inner optimizer steps of each peer between two synchronisations (H);

@@ -13,6 +13,11 @@ inner optimizer's step: the epoch advances. A peer that finds no group applies
 its own gradients and says so in its log; none waits longer than
 ``averaging_timeout``.
 
+Two options change what a global step is (``CollaborativeConfig``): ``diloco``
+(``_diloco``: inner steps in ``step()``, an outer step every ``local_steps``)
+and ``drop_compute`` (``_dropcompute``: the step also ends once this peer has
+computed for its threshold).
+
 Threads: the training loop calls ``step()`` from its own thread. All network
 work, and every change to parameters or optimizer state, runs on the peer's
 trio thread (``Peer.run``/``run_sync``), so the state a donor sends to a
