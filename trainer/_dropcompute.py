@@ -47,6 +47,13 @@ class DropCompute:
     peer that is uniformly slow (the threshold a peer chooses from its own
     times would cut nothing): give such a peer a fixed ``threshold``, or let
     the swarm's target batch absorb it (the standard mode already does).
+
+    A peer that stops early waits for the others in matchmaking, for at most
+    the matchmaking time: a threshold far below the swarm's usual step time
+    makes it average with fewer peers, or alone, and the others then download
+    its state. Peers of one run should stop within the matchmaking time of
+    each other, as they do with one fixed threshold, or with thresholds each
+    chose from step times that the swarm's pace sets alike.
     """
 
     #: tau, seconds of compute per global step; None: chosen automatically
