@@ -7,11 +7,18 @@ from dataclasses import replace
 
 import pytest
 import torch
-from trainer_harness import FAST, TrainingPeer, training_config, training_peers
+from trainer_harness import (
+    FAST,
+    TrainingPeer,
+    join_run,
+    training_config,
+    training_peers,
+    whole_group,
+)
 
 from averaging import NONE
 from swarm import ConfigError, ProtocolError
-from trainer import CollaborativeOptimizer, DiLoCo, load_task
+from trainer import CollaborativeOptimizer, DiLoCo
 from trainer._diloco import OuterLoop
 
 
@@ -74,15 +81,6 @@ def _snapshot(opt: CollaborativeOptimizer) -> tuple[list[torch.Tensor], list[tor
     return params, momentum
 
 
-def _whole_group(opt: CollaborativeOptimizer) -> bool:
-    step = opt.last_step
-    if step is None or step.averaging is None or step.averaging.allreduce is None:
-        return False
-    result = step.averaging.allreduce
-    everyone = frozenset(range(len(step.averaging.members)))
-    return all(chunk == everyone for part in result.contributors for chunk in part if part)
-
-
 @pytest.mark.parametrize("codec", [None, NONE], ids=["float16", "float32"])
 def test_peers_converge_and_agree_after_each_outer_step(codec: object) -> None:
     torch.set_num_threads(1)
@@ -96,7 +94,7 @@ def test_peers_converge_and_agree_after_each_outer_step(codec: object) -> None:
         def on_epoch(opt: CollaborativeOptimizer, report: object) -> None:
             step = opt.last_step
             assert step is not None
-            if _whole_group(opt) and step.averaging is not None:
+            if whole_group(opt) and step.averaging is not None:
                 with lock:
                     states.setdefault(opt.epoch, {})[i] = _snapshot(opt)
                     groups.setdefault(opt.epoch, {})[i] = step.averaging.members
@@ -148,16 +146,7 @@ def test_a_newcomer_gets_the_synced_parameters_and_outer_momentum() -> None:
         for t in trainers:
             t.start(on_epoch=record)
         assert reached.wait(60)
-        model, inner, _ = load_task("digits").build(seed=123)  # other weights on purpose
-        newcomer = CollaborativeOptimizer(
-            peers[3],
-            run_id="digits-test",
-            params=model.parameters(),
-            optimizer=inner,
-            target_batch_size=192,
-            batch_size_per_step=32,
-            config=DILOCO,
-        )
+        newcomer = join_run(peers[3], DILOCO, seed=123)
         try:
             epoch = newcomer.epoch
             assert epoch >= 3 and newcomer.state_source is not None

@@ -180,7 +180,12 @@ def test_diloco_epochs_stop_waiting_for_a_straggler() -> None:
     with delays, trains exactly as a run without)."""
     torch.set_num_threads(1)
     epochs = 20
-    diloco = replace(FAST, diloco=DiLoCo(local_steps=6))
+    # a leader waits up to 5 s for every peer (the group closes as soon as all
+    # three joined): exact epoch times need every outer step taken together,
+    # also when other processes load the machine
+    matchmaking = replace(FAST.averaging.matchmaking, matchmaking_time=5.0)
+    patient = replace(FAST, averaging=replace(FAST.averaging, matchmaking=matchmaking))
+    diloco = replace(patient, diloco=DiLoCo(local_steps=6))
     baseline, accuracy, _ = _train(diloco, [Compute(), Compute(), Compute(STRAGGLER)], epochs)
     dropping = replace(diloco, drop_compute=DropCompute(threshold=7.0))
     total, dropped_accuracy, steps = _train(

@@ -8,7 +8,14 @@ import time
 
 import pytest
 import torch
-from trainer_harness import FAST, TEST_DHT, TrainingPeer, training_config, training_peers
+from trainer_harness import (
+    FAST,
+    TEST_DHT,
+    TrainingPeer,
+    training_config,
+    training_peers,
+    whole_group,
+)
 
 from swarm import SwarmError
 from trainer import CollaborativeOptimizer
@@ -16,16 +23,6 @@ from trainer import CollaborativeOptimizer
 
 def _fingerprint(opt: CollaborativeOptimizer) -> list[torch.Tensor]:
     return [p.detach().clone() for p in opt.params]
-
-
-def _whole_group(opt: CollaborativeOptimizer) -> bool:
-    """Did the last global step average every chunk over every member?"""
-    step = opt.last_step
-    if step is None or step.averaging is None or step.averaging.allreduce is None:
-        return False
-    result = step.averaging.allreduce
-    everyone = frozenset(range(len(step.averaging.members)))
-    return all(chunk == everyone for part in result.contributors for chunk in part if part)
 
 
 def test_three_peers_train_digits_together() -> None:
@@ -43,7 +40,7 @@ def test_three_peers_train_digits_together() -> None:
             assert step is not None
             with lock:
                 samples.setdefault(step.epoch, {})[i] = step.samples
-                clean[i] = clean[i] and _whole_group(opt)
+                clean[i] = clean[i] and whole_group(opt)
                 if clean[i] and step.averaging is not None:
                     params.setdefault(opt.epoch, {})[i] = _fingerprint(opt)
                     groups.setdefault(opt.epoch, {})[i] = step.averaging.members

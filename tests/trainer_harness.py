@@ -13,7 +13,7 @@ from typing import Any
 from averaging import AllReduceConfig, AveragerConfig, MatchmakingConfig
 from dht import DHTConfig
 from swarm import Identity, Peer, PeerConfig
-from trainer import CollaborativeConfig, Task, load_task
+from trainer import CollaborativeConfig, CollaborativeOptimizer, Task, load_task
 from trainer._loop import TrainingConfig, TrainingReport, train
 
 FAST = CollaborativeConfig(
@@ -111,3 +111,28 @@ def training_config(i: int, **kwargs: Any) -> TrainingConfig:
     )
     defaults.update(kwargs)
     return TrainingConfig(**defaults)
+
+
+def whole_group(opt: CollaborativeOptimizer) -> bool:
+    """Did the last global step average every chunk over every member?"""
+    step = opt.last_step
+    if step is None or step.averaging is None or step.averaging.allreduce is None:
+        return False
+    result = step.averaging.allreduce
+    everyone = frozenset(range(len(step.averaging.members)))
+    return all(chunk == everyone for part in result.contributors for chunk in part if part)
+
+
+def join_run(peer: Peer, config: CollaborativeConfig, *, seed: int) -> CollaborativeOptimizer:
+    """A digits optimizer of the test run on ``peer``, its model built from
+    ``seed`` (another seed than the run's: it must download the state)."""
+    model, inner, _ = load_task("digits").build(seed=seed)
+    return CollaborativeOptimizer(
+        peer,
+        run_id="digits-test",
+        params=model.parameters(),
+        optimizer=inner,
+        target_batch_size=192,
+        batch_size_per_step=32,
+        config=config,
+    )

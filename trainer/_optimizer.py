@@ -369,17 +369,18 @@ class CollaborativeOptimizer:
             return False
         self._refresh_now(now, force=True)  # who is live now, and how far they are
         reading = self._reading
-        if reading is not None and reading.swarm.epoch > self.epoch:
+        if reading is not None and reading.swarm.epoch > self.epoch and now >= self._next_catch_up:
             # the others synchronised without us: our local steps are stale
             log.info(
                 "epoch %d is behind the swarm's %d: downloading its state",
                 self.epoch,
                 reading.swarm.epoch,
             )
-            if not self._catch_up(initial=False, min_epoch=reading.swarm.epoch):
-                self.peer.run_sync(diloco.resync)  # nobody could send it: go on from here
-                self._begin_compute()
-            return False
+            if self._catch_up(initial=False, min_epoch=reading.swarm.epoch):
+                return False
+            # nobody could send that epoch yet (donors announce it a little
+            # later): synchronise with the peers at ours, try again later
+            self._next_catch_up = now + self.config.progress_ttl / 2
         peers = 1 if reading is None else reading.swarm.num_peers
         self._outer_step(diloco, alone=peers <= 1, expected=peers)
         return True
