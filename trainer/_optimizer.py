@@ -255,8 +255,9 @@ class CollaborativeOptimizer:
         this peer has computed for longer than its threshold in this step, with
         the samples it has (the loop needs no change). In DiLoCo mode the inner
         optimizer steps now, and the global step is the outer step after
-        ``local_steps`` of these calls. Blocks at most ``averaging_timeout`` for averaging, plus the
-        time to download the state when this peer fell behind the swarm.
+        ``local_steps`` of these calls. Blocks at most ``averaging_timeout`` for
+        averaging, plus the time to download the state when this peer fell
+        behind the swarm.
         Raises ``ClosedError`` once the peer has stopped.
         """
         if self._closed:
