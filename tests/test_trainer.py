@@ -12,6 +12,7 @@ from trainer_harness import (
     FAST,
     TEST_DHT,
     TrainingPeer,
+    join_run,
     training_config,
     training_peers,
     whole_group,
@@ -110,18 +111,7 @@ def test_a_newcomer_starts_from_the_swarms_exact_state() -> None:
         assert reached.wait(60)
         # a fourth peer joins mid-run: before it contributes anything it must
         # hold exactly the parameters and optimizer state of the swarm's epoch
-        from trainer import load_task
-
-        model, inner, _ = load_task("digits").build(seed=123)  # deliberately other weights
-        newcomer = CollaborativeOptimizer(
-            peers[3],
-            run_id="digits-test",
-            params=model.parameters(),
-            optimizer=inner,
-            target_batch_size=192,
-            batch_size_per_step=32,
-            config=trainers[0].config.optimizer,
-        )
+        newcomer = join_run(peers[3], trainers[0].config.optimizer, seed=123)
         try:
             epoch = newcomer.epoch
             assert epoch >= 4 and newcomer.state_source is not None
@@ -184,19 +174,7 @@ def test_a_restarted_peer_resumes_from_its_checkpoint(tmp_path: object) -> None:
         first.start(on_epoch=lambda opt, report: saved.append(_fingerprint(opt)))
         assert first.join().epochs == 3
     with training_peers(1) as (_, peers):
-        from trainer import load_task
-
-        model, inner, _ = load_task("digits").build(seed=99)  # other weights on purpose
-        resumed = CollaborativeOptimizer(
-            peers[0],
-            run_id="digits-test",
-            params=model.parameters(),
-            optimizer=inner,
-            target_batch_size=192,
-            batch_size_per_step=32,
-            config=FAST,
-            checkpoint_dir=directory,
-        )
+        resumed = join_run(peers[0], FAST, seed=99, checkpoint_dir=directory)
         try:
             assert resumed.epoch == 3
             assert all(

@@ -123,9 +123,12 @@ def whole_group(opt: CollaborativeOptimizer) -> bool:
     return all(chunk == everyone for part in result.contributors for chunk in part if part)
 
 
-def join_run(peer: Peer, config: CollaborativeConfig, *, seed: int) -> CollaborativeOptimizer:
+def join_run(
+    peer: Peer, config: CollaborativeConfig, *, seed: int, checkpoint_dir: str | None = None
+) -> CollaborativeOptimizer:
     """A digits optimizer of the test run on ``peer``, its model built from
-    ``seed`` (another seed than the run's: it must download the state)."""
+    ``seed`` (another seed than the run's: what it holds must come from the
+    swarm or the checkpoint)."""
     model, inner, _ = load_task("digits").build(seed=seed)
     return CollaborativeOptimizer(
         peer,
@@ -135,4 +138,5 @@ def join_run(peer: Peer, config: CollaborativeConfig, *, seed: int) -> Collabora
         target_batch_size=192,
         batch_size_per_step=32,
         config=config,
+        checkpoint_dir=checkpoint_dir,
     )
