@@ -166,3 +166,27 @@ def test_a_newcomer_gets_the_synced_parameters_and_outer_momentum() -> None:
             newcomer.close()
         for t in trainers:
             assert t.join().epochs == 10
+
+
+def test_a_restarted_peer_resumes_the_outer_state_from_its_checkpoint(tmp_path: object) -> None:
+    torch.set_num_threads(1)
+    directory = f"{tmp_path}/checkpoints"
+    saved: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+    with training_peers(1) as (_, peers):
+        config = training_config(
+            0, max_epochs=3, min_peers=1, checkpoint_dir=directory, optimizer=DILOCO
+        )
+        first = TrainingPeer(peers[0], config)
+        first.start(on_epoch=lambda opt, report: saved.append(_snapshot(opt)))
+        assert first.join().epochs == 3
+    with training_peers(1) as (_, peers):
+        resumed = join_run(peers[0], DILOCO, seed=99, checkpoint_dir=directory)
+        try:
+            assert resumed.epoch == 3
+            params, momentum = _snapshot(resumed)
+            expected_params, expected_momentum = saved[-1]
+            assert all(torch.equal(a, b) for a, b in zip(params, expected_params, strict=True))
+            assert all(torch.equal(a, b) for a, b in zip(momentum, expected_momentum, strict=True))
+            assert any(m.abs().sum() > 0 for m in momentum)
+        finally:
+            resumed.close()
