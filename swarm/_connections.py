@@ -181,6 +181,17 @@ class ConnectionConfig:
             raise ConfigError("swarm_key must be at least 16 bytes (use 32 random bytes)")
 
 
+class _Traffic:
+    """Bytes a ``Connections`` object moved over TCP, both ways (handshakes,
+    frame headers, tags and payloads: what the kernel accepted or delivered)."""
+
+    __slots__ = ("received", "sent")
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.received = 0
+
+
 class _Connection:
     """One TCP connection after its handshake: whole frames in and out.
 
@@ -200,8 +211,10 @@ class _Connection:
         leftover: bytes,
         *,
         dialer: bool,
+        traffic: _Traffic | None = None,
     ) -> None:
         self._stream = stream
+        self._traffic = traffic or _Traffic()
         self._dialer = dialer
         self.socket = stream.socket
         self.remote = result.remote_peer
@@ -290,6 +303,7 @@ class _Connection:
         pending: list[bytes | memoryview] = [b for b in buffers if len(b)]
         while pending:
             sent = await self.socket.sendmsg(pending)
+            self._traffic.sent += sent
             done = 0
             while done < len(pending) and sent >= len(pending[done]):
                 sent -= len(pending[done])
@@ -389,6 +403,7 @@ class _Connection:
                     ) from e
                 finally:
                     buffer.release()
+                self._traffic.received += count
                 if count == 0:
                     self.broken = True
                     raise PeerUnreachableError(f"{self.remote.short()} closed the connection")
@@ -429,8 +444,8 @@ class _Connection:
             self.socket.shutdown(socket.SHUT_WR)
         sink = bytearray(65536)
         with suppress(OSError, trio.ClosedResourceError):
-            while await self.socket.recv_into(sink):
-                pass
+            while count := await self.socket.recv_into(sink):
+                self._traffic.received += count
 
 
 class Stream:
@@ -671,11 +686,23 @@ class Connections:
         self._connections: set[_Connection] = set()
         self._cancel_on_close: set[trio.CancelScope] = set()
         self._closed = False
+        self._traffic = _Traffic()
         self.port = 0
 
     @property
     def peer_id(self) -> PeerID:
         return self._identity.peer_id
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes sent over all TCP connections so far, handshakes and framing
+        included (what the kernel accepted; never decreases)."""
+        return self._traffic.sent
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes received over all TCP connections so far, like ``bytes_sent``."""
+        return self._traffic.received
 
     @property
     def config(self) -> ConnectionConfig:
@@ -951,9 +978,11 @@ class Connections:
             while True:
                 if out:
                     await socket_stream.send_all(out)
+                    self._traffic.sent += len(out)
                 if handshake.complete:
                     break
                 data = await socket_stream.receive_some(_HANDSHAKE_READ)
+                self._traffic.received += len(data)
                 if not data:
                     raise PeerUnreachableError(
                         "the remote closed the connection during the handshake"
@@ -973,6 +1002,7 @@ class Connections:
             self._config,
             handshake.unused_data,
             dialer=expected_peer is not None,
+            traffic=self._traffic,
         )
         if self._closed:
             connection.close()

@@ -30,7 +30,13 @@ from ._errors import BootstrapError, ConfigError, SwarmError, collapse_exception
 from ._identity import Identity
 
 if TYPE_CHECKING:
-    from trainer import CollaborativeConfig, CollaborativeOptimizer, PeerProgress, SwarmProgress
+    from trainer import (
+        CollaborativeConfig,
+        CollaborativeOptimizer,
+        DropCompute,
+        PeerProgress,
+        SwarmProgress,
+    )
     from trainer._loop import TrainingReport
 
     from ._peer import PeerConfig
@@ -124,6 +130,13 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="peers per averaging group (Moshpit; default 16)",
     )
+    run.add_argument(
+        "--diloco",
+        type=int,
+        metavar="H",
+        help="DiLoCo: H local steps per peer, then an outer step on the averaged "
+        "pseudo-gradients (float16); for slow links (default: off)",
+    )
     peer = parser.add_argument_group("this peer")
     peer.add_argument(
         "--batch-size", type=int, metavar="N", help="samples per local step (default: the task's)"
@@ -168,6 +181,12 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
     )
     peer.add_argument(
         "--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)"
+    )
+    peer.add_argument(
+        "--drop-compute",
+        metavar="SECONDS|auto",
+        help="DropCompute: stop computing after SECONDS per global step and average what "
+        "this peer has; 'auto' chooses it from the first steps (default: off)",
     )
 
 
@@ -320,7 +339,7 @@ async def _run_dht(args: argparse.Namespace) -> int:
 
 def _collaborative_config(args: argparse.Namespace) -> CollaborativeConfig:
     from averaging import AveragerConfig, MatchmakingConfig
-    from trainer import CollaborativeConfig
+    from trainer import CollaborativeConfig, DiLoCo
 
     defaults = MatchmakingConfig()
     if not (math.isfinite(args.matchmaking_time) and args.matchmaking_time > 0):
@@ -345,11 +364,30 @@ def _collaborative_config(args: argparse.Namespace) -> CollaborativeConfig:
         averaging=AveragerConfig(matchmaking=matchmaking),
         averaging_timeout=timeout,
         checkpoint_every=args.checkpoint_every,
+        diloco=None if args.diloco is None else DiLoCo(local_steps=args.diloco),
+        drop_compute=_drop_compute(args.drop_compute),
     )
 
 
+def _drop_compute(value: str | None) -> DropCompute | None:
+    from trainer import DropCompute
+
+    if value is None:
+        return None
+    if value == "auto":
+        return DropCompute()
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ConfigError(
+            f"--drop-compute {value!r} must be a number of seconds or 'auto'"
+        ) from None
+    return DropCompute(threshold=seconds)
+
+
 def _check_train_args(args: argparse.Namespace) -> None:
-    for name in ("target_batch_size", "batch_size", "max_epochs", "threads", "checkpoint_every"):
+    names = ("target_batch_size", "batch_size", "max_epochs", "threads", "checkpoint_every")
+    for name in (*names, "diloco"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -403,7 +441,7 @@ def _join_command(args: argparse.Namespace, address: str, run_id: str) -> str:
     if args.task != DEFAULT_TASK:
         parts += ["--task", args.task]
     defaults = build_parser().parse_args(["train"])
-    for option in ("target_batch_size", "matchmaking_time", "target_group_size"):
+    for option in ("target_batch_size", "matchmaking_time", "target_group_size", "diloco"):
         value = getattr(args, option)
         if value != getattr(defaults, option):
             parts += [

@@ -7,13 +7,17 @@ finish all its epochs alone before the others have imported torch.
 
 from __future__ import annotations
 
+import argparse
 import json
 import signal
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 from cli_harness import CLIProcess, free_udp_port, run_cli, run_to_completion
+
+from swarm import ConfigError
 
 THROTTLED_TASK = """
 import dataclasses
@@ -154,3 +158,28 @@ async def test_bad_configuration_exits_2_with_one_line(tmp_path: Path) -> None:
     async with trio.open_nursery() as nursery:
         for args, expected in cases.items():
             nursery.start_soon(check, args, expected)
+
+
+def test_diloco_and_drop_compute_options() -> None:
+    from swarm.cli import _check_train_args, _collaborative_config, _join_command, build_parser
+    from trainer import DiLoCo, DropCompute
+
+    def parse(*argv: str) -> argparse.Namespace:
+        args = build_parser().parse_args(["train", *argv])
+        _check_train_args(args)
+        return args
+
+    config = _collaborative_config(parse("--diloco", "10", "--drop-compute", "auto"))
+    assert config.diloco == DiLoCo(local_steps=10)
+    assert config.drop_compute == DropCompute()
+    config = _collaborative_config(parse("--drop-compute", "2.5"))
+    assert config.diloco is None and config.drop_compute == DropCompute(threshold=2.5)
+    # every peer of a run must use DiLoCo alike: the join command says so
+    assert "--diloco 10" in _join_command(parse("--diloco", "10"), "127.0.0.1:1", "run")
+    for argv, expected in [
+        (("--diloco", "0"), "--diloco"),
+        (("--drop-compute", "soon"), "--drop-compute"),
+        (("--drop-compute", "-1"), "DropCompute threshold"),
+    ]:
+        with pytest.raises(ConfigError, match=expected):
+            _collaborative_config(parse(*argv))

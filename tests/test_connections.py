@@ -120,6 +120,22 @@ async def test_sequential_streams_reuse_one_connection() -> None:
         assert len(b._connections) == 1
 
 
+@pytest.mark.parametrize("config", MODES)
+async def test_byte_counters_match_both_ways(config: ConnectionConfig) -> None:
+    payload = random.Random(2).randbytes(2**20)
+    async with two_peers(config, config) as (a, b):
+        assert (a.bytes_sent, a.bytes_received, b.bytes_sent, b.bytes_received) == (0, 0, 0, 0)
+        b.set_handler("echo", echo)
+        assert await a.call(B.peer_id, address(b), "echo", payload, timeout=10) == payload
+        await trio.testing.wait_all_tasks_blocked()
+        # every byte one side sent, the other received: handshake, framing, payloads
+        assert a.bytes_sent == b.bytes_received
+        assert b.bytes_sent == a.bytes_received
+        overhead = 4096  # handshake, frame headers and tags of a few frames
+        assert len(payload) < a.bytes_sent < len(payload) + overhead
+        assert len(payload) < b.bytes_sent < len(payload) + overhead
+
+
 async def test_wrong_peer_id_is_refused() -> None:
     async with two_peers() as (a, b):
         b.set_handler("echo", echo)

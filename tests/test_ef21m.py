@@ -11,14 +11,14 @@ import torch
 from trainer_harness import (
     FAST,
     TrainingPeer,
-    digits_optimizer,
+    join_run,
     training_config,
     training_peers,
 )
 
 from averaging._arctopk import exact_group_round, projection_seed
 from swarm import ConfigError
-from trainer import ArcTopK, CollaborativeConfig, CollaborativeOptimizer
+from trainer import ArcTopK, CollaborativeConfig, CollaborativeOptimizer, DiLoCo
 from trainer._ef21m import EF21M
 
 SHAPES = [(12, 5), (12,), (3, 12)]
@@ -140,6 +140,11 @@ def test_only_an_arctopk_selects_compression() -> None:
     assert CollaborativeConfig(gradient_compression=ArcTopK(rho=0.1)).gradient_compression
 
 
+def test_compression_and_diloco_are_refused_together() -> None:
+    with pytest.raises(ConfigError, match="cannot be combined"):
+        CollaborativeConfig(gradient_compression=ArcTopK(), diloco=DiLoCo(local_steps=10))
+
+
 # -- real peers ------------------------------------------------------------------
 
 COMPRESSED = CollaborativeConfig(
@@ -201,7 +206,7 @@ def test_three_peers_train_digits_with_arc_top_k() -> None:
         assert reached.wait(90)
         # a newcomer joins: it downloads the swarm's g_bar with the parameters
         # and starts its own estimate from it
-        newcomer = digits_optimizer(peers[3], COMPRESSED, seed=7)
+        newcomer = join_run(peers[3], COMPRESSED, seed=7)
         try:
             ef = newcomer.state_dict()["ef21m"]
             assert newcomer.state_source is not None
@@ -257,7 +262,7 @@ def test_a_restarted_peer_resumes_its_error_feedback_state(tmp_path: object) -> 
         assert first.join().epochs == 3
     assert any(bool(t.abs().sum() > 0) for t in saved[-1]["g_bar"])
     with training_peers(1) as (_, peers):
-        resumed = digits_optimizer(peers[0], COMPRESSED, seed=99, checkpoint_dir=directory)
+        resumed = join_run(peers[0], COMPRESSED, seed=99, checkpoint_dir=directory)
         try:
             assert resumed.epoch == 3
             state = resumed.state_dict()["ef21m"]

@@ -12,9 +12,10 @@ from trainer_harness import (
     FAST,
     TEST_DHT,
     TrainingPeer,
-    digits_optimizer,
+    join_run,
     training_config,
     training_peers,
+    whole_group,
 )
 
 from swarm import SwarmError
@@ -23,16 +24,6 @@ from trainer import CollaborativeOptimizer
 
 def _fingerprint(opt: CollaborativeOptimizer) -> list[torch.Tensor]:
     return [p.detach().clone() for p in opt.params]
-
-
-def _whole_group(opt: CollaborativeOptimizer) -> bool:
-    """Did the last global step average every chunk over every member?"""
-    step = opt.last_step
-    if step is None or step.averaging is None or step.averaging.allreduce is None:
-        return False
-    result = step.averaging.allreduce
-    everyone = frozenset(range(len(step.averaging.members)))
-    return all(chunk == everyone for part in result.contributors for chunk in part if part)
 
 
 def test_three_peers_train_digits_together() -> None:
@@ -50,7 +41,7 @@ def test_three_peers_train_digits_together() -> None:
             assert step is not None
             with lock:
                 samples.setdefault(step.epoch, {})[i] = step.samples
-                clean[i] = clean[i] and _whole_group(opt)
+                clean[i] = clean[i] and whole_group(opt)
                 if clean[i] and step.averaging is not None:
                     params.setdefault(opt.epoch, {})[i] = _fingerprint(opt)
                     groups.setdefault(opt.epoch, {})[i] = step.averaging.members
@@ -120,7 +111,7 @@ def test_a_newcomer_starts_from_the_swarms_exact_state() -> None:
         assert reached.wait(60)
         # a fourth peer joins mid-run: before it contributes anything it must
         # hold exactly the parameters and optimizer state of the swarm's epoch
-        newcomer = digits_optimizer(peers[3], trainers[0].config.optimizer, seed=123)
+        newcomer = join_run(peers[3], trainers[0].config.optimizer, seed=123)
         try:
             epoch = newcomer.epoch
             assert epoch >= 4 and newcomer.state_source is not None
@@ -183,7 +174,7 @@ def test_a_restarted_peer_resumes_from_its_checkpoint(tmp_path: object) -> None:
         first.start(on_epoch=lambda opt, report: saved.append(_fingerprint(opt)))
         assert first.join().epochs == 3
     with training_peers(1) as (_, peers):
-        resumed = digits_optimizer(peers[0], FAST, seed=99, checkpoint_dir=directory)
+        resumed = join_run(peers[0], FAST, seed=99, checkpoint_dir=directory)
         try:
             assert resumed.epoch == 3
             assert all(

@@ -4,7 +4,8 @@ its own training thread; all threads are joined before a test ends."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 from averaging import AllReduceConfig, AveragerConfig, MatchmakingConfig
 from dht import DHTConfig
 from swarm import Identity, Peer, PeerConfig
-from trainer import CollaborativeConfig, CollaborativeOptimizer, load_task
+from trainer import CollaborativeConfig, CollaborativeOptimizer, Task, load_task
 from trainer._loop import TrainingConfig, TrainingReport, train
 
 FAST = CollaborativeConfig(
@@ -45,12 +46,25 @@ class TrainingPeer:
     thread: threading.Thread | None = None
     optimizer: Any = None
 
-    def start(self, on_epoch: Any = None) -> None:
-        task = load_task("digits")
+    def start(
+        self,
+        on_epoch: Any = None,
+        *,
+        task: Task[Any] | None = None,
+        compute_clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        task = task or load_task("digits")
 
         def run() -> None:
             try:
-                self.report = train(self.peer, task, self.config, stop=self.stop, on_epoch=on_epoch)
+                self.report = train(
+                    self.peer,
+                    task,
+                    self.config,
+                    stop=self.stop,
+                    on_epoch=on_epoch,
+                    compute_clock=compute_clock,
+                )
             except BaseException as e:  # re-raised by the test thread in join()
                 self.error = e
 
@@ -99,11 +113,23 @@ def training_config(i: int, **kwargs: Any) -> TrainingConfig:
     return TrainingConfig(**defaults)
 
 
-def digits_optimizer(
+def whole_group(opt: CollaborativeOptimizer) -> bool:
+    """Did the last global step average every chunk over every member?"""
+    step = opt.last_step
+    if step is None or step.averaging is None or step.averaging.allreduce is None:
+        return False
+    result = step.averaging.allreduce
+    everyone = frozenset(range(len(step.averaging.members)))
+    return all(chunk == everyone for part in result.contributors for chunk in part if part)
+
+
+def join_run(
     peer: Peer, config: CollaborativeConfig, *, seed: int, **kwargs: Any
 ) -> CollaborativeOptimizer:
-    """A digits optimizer of the test run outside a training loop (a newcomer,
-    a restarted peer), with other initial weights (``seed``) than the run's."""
+    """A digits optimizer of the test run on ``peer`` outside a training loop (a
+    newcomer, a restarted peer), its model built from ``seed`` (another seed than
+    the run's: what it holds must come from the swarm or the checkpoint).
+    ``kwargs`` go to ``CollaborativeOptimizer`` (e.g. ``checkpoint_dir``)."""
     model, inner, _ = load_task("digits").build(seed=seed)
     return CollaborativeOptimizer(
         peer,

@@ -7,10 +7,14 @@ Modules:
 - ``_checkpoint``: atomic checkpoint files and checkpoint directories
 - ``_progress``: progress records in the DHT and the swarm's progress estimate
 - ``_ef21m``: ``ArcTopK`` gradient compression with EF21M error feedback
+- ``_diloco``: DiLoCo mode: local inner steps, then an outer Nesterov step
+- ``_dropcompute``: DropCompute: a compute threshold per step, chosen from measured times
 - ``_optimizer``: ``CollaborativeOptimizer``, one global step per target batch
 """
 
 from ._checkpoint import Checkpoint, CheckpointDir, load_checkpoint, save_checkpoint
+from ._diloco import DiLoCo
+from ._dropcompute import DropCompute, choose_threshold
 from ._ef21m import ArcTopK
 from ._optimizer import CollaborativeConfig, CollaborativeOptimizer, GlobalStep
 from ._progress import PeerProgress, SwarmProgress, estimate, parse_progress, progress_key
@@ -23,11 +27,14 @@ __all__ = [
     "CheckpointDir",
     "CollaborativeConfig",
     "CollaborativeOptimizer",
+    "DiLoCo",
+    "DropCompute",
     "GlobalStep",
     "PeerProgress",
     "SwarmProgress",
     "Task",
     "builtin_task_names",
+    "choose_threshold",
     "default_optimizer",
     "estimate",
     "load_checkpoint",

@@ -45,6 +45,9 @@ class TrainingConfig:
     min_peers: int = 1
     min_peers_timeout: float = 60.0
     checkpoint_dir: Path | None = None
+    #: download the swarm's state on joining; False only when every peer
+    #: starts from the same weights at the same time (e.g. a benchmark)
+    load_state: bool = True
     optimizer: CollaborativeConfig = field(default_factory=CollaborativeConfig)
 
 
@@ -67,10 +70,12 @@ def train(
     *,
     stop: threading.Event | None = None,
     on_epoch: Callable[[CollaborativeOptimizer, TrainingReport], None] | None = None,
+    compute_clock: Callable[[], float] = time.monotonic,
 ) -> TrainingReport:
     """Train ``task`` with the swarm until ``max_epochs`` or until ``stop`` is set.
 
-    Returns what happened. The optimizer is closed on the way out (final
+    Returns what happened. ``compute_clock`` is the clock DropCompute measures
+    compute with (tests pass a virtual one). The optimizer is closed on the way out (final
     checkpoint, progress record withdrawn), also on an exception.
     """
     model, inner, scheduler = task.build(seed=config.model_seed)
@@ -88,6 +93,8 @@ def train(
         batch_size_per_step=batch_size,
         config=config.optimizer,
         checkpoint_dir=config.checkpoint_dir,
+        load_state=config.load_state,
+        compute_clock=compute_clock,
     ) as opt:
         if config.min_peers > 1 and not opt.wait_for_peers(
             config.min_peers, config.min_peers_timeout

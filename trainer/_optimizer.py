@@ -15,6 +15,11 @@ its own gradients and says so in its log; none waits longer than
 all-reduce carries EF21M differences compressed with ARC-Top-K, and the inner
 step uses the swarm's shared gradient estimate (``_ef21m``).
 
+Two options change what a global step is (``CollaborativeConfig``): ``diloco``
+(``_diloco``: inner steps in ``step()``, an outer step every ``local_steps``)
+and ``drop_compute`` (``_dropcompute``: the step also ends once this peer has
+computed for its threshold).
+
 Threads: the training loop calls ``step()`` from its own thread. All network
 work, and every change to parameters or optimizer state, runs on the peer's
 trio thread (``Peer.run``/``run_sync``), so the state a donor sends to a
@@ -27,8 +32,8 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -49,9 +54,11 @@ from averaging import (
     serve_state,
 )
 from dht import owner_marker
-from swarm import ClosedError, ConfigError, Peer, PeerID, SwarmError
+from swarm import ClosedError, ConfigError, Peer, PeerID, ProtocolError, SwarmError
 
 from ._checkpoint import Checkpoint, CheckpointDir
+from ._diloco import DiLoCo, OuterLoop
+from ._dropcompute import ComputeBudget, DropCompute
 from ._ef21m import EF21M, ArcTopK
 from ._progress import (
     PeerProgress,
@@ -90,6 +97,10 @@ class CollaborativeConfig:
     state_transfer: StateTransferConfig = field(default_factory=StateTransferConfig)
     #: compress the gradient all-reduce (None: dense); see ``ArcTopK``
     gradient_compression: ArcTopK | None = None
+    #: DiLoCo mode (see ``DiLoCo``): local steps, then an outer step; None: off
+    diloco: DiLoCo | None = None
+    #: a compute budget per global step (see ``DropCompute``); None: off
+    drop_compute: DropCompute | None = None
 
     def __post_init__(self) -> None:
         bound = self.averaging.matchmaking.bound
@@ -117,6 +128,11 @@ class CollaborativeConfig:
             self.gradient_compression, ArcTopK
         ):
             raise ConfigError("gradient_compression must be None (dense) or an ArcTopK(...)")
+        if self.gradient_compression is not None and self.diloco is not None:
+            raise ConfigError(
+                "gradient_compression and diloco cannot be combined: DiLoCo averages "
+                "pseudo-gradients, not gradients; choose one (DiLoCo has its own codec)"
+            )
 
 
 @dataclass(frozen=True)
@@ -149,6 +165,10 @@ class GlobalStep:
     samples: int
     averaging: StepResult | None
     averaging_seconds: float
+    #: with DropCompute: this step's compute time on its clock, and whether it
+    #: ended because the compute threshold was reached
+    compute_seconds: float | None = None
+    stopped_early: bool = False
 
 
 class CollaborativeOptimizer:
@@ -176,6 +196,7 @@ class CollaborativeOptimizer:
         config: CollaborativeConfig | None = None,
         checkpoint_dir: str | Path | None = None,
         load_state: bool = True,
+        compute_clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not run_id or len(run_id) > 64 or any(c.isspace() or c in "[]" for c in run_id):
             raise ConfigError(f"run_id {run_id!r} must be 1-64 characters, no spaces or brackets")
@@ -197,9 +218,15 @@ class CollaborativeOptimizer:
         self.state_source: PeerID | None = None
         self.loss: float | None = None
         self.accuracy: float | None = None
-        self._grads = [
-            torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params
-        ]
+        #: DiLoCo mode: its state, and the pseudo-gradients take the gradients' place
+        self._diloco = (
+            None if self.config.diloco is None else OuterLoop(self.params, self.config.diloco)
+        )
+        self._grads = (
+            []
+            if self._diloco is not None
+            else [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
+        )
         self._samples = 0
         compression = self.config.gradient_compression
         #: error feedback state when gradients are compressed (None: dense)
@@ -216,13 +243,11 @@ class CollaborativeOptimizer:
         self._prematch: _Prematch | None = None
         self._prematch_epoch = -1
         self._checkpoints = CheckpointDir(Path(checkpoint_dir)) if checkpoint_dir else None
-        self._grad_averager = Averager(
-            peer,
-            self._grads,
-            prefix=f"{run_id}.grads",
-            config=self.config.averaging,
-            grid=self._grid(1),
-        )
+        self._grad_averager = self._make_grad_averager()
+        drop = self.config.drop_compute
+        self._budget = None if drop is None else ComputeBudget(drop, compute_clock)
+        #: this step's compute budget is spent (DropCompute): average now
+        self._out_of_time = False
         self._state_averager: Averager | None = None
         self._closed = False
         self._donor = peer.run(self._start_donor)
@@ -243,27 +268,30 @@ class CollaborativeOptimizer:
         """Account for one local batch; take the global step when the swarm is ready.
 
         Returns True if a global step (averaging and the inner optimizer step)
-        happened. Blocks at most ``averaging_timeout`` for averaging, plus the
-        time to download the state when this peer fell behind the swarm.
+        happened. With ``config.drop_compute`` the global step also happens once
+        this peer has computed for longer than its threshold in this step, with
+        the samples it has (the loop needs no change). In DiLoCo mode the inner
+        optimizer steps now, and the global step is the outer step after
+        ``local_steps`` of these calls. Blocks at most ``averaging_timeout`` for
+        averaging, plus the time to download the state when this peer fell
+        behind the swarm.
         Raises ``ClosedError`` once the peer has stopped.
         """
         if self._closed:
             raise ConfigError("the optimizer is closed")
         size = self.batch_size_per_step if batch_size is None else batch_size
+        if self._diloco is not None:
+            return self._local_step(self._diloco, size, loss)
         with torch.no_grad():
             for acc, p in zip(self._grads, self.params, strict=True):
                 if p.grad is not None:
                     acc.add_(p.grad, alpha=size)
-        self._samples += size
-        if loss is not None:
-            self.loss = loss if self.loss is None else 0.9 * self.loss + 0.1 * loss
-        now = time.monotonic()
-        self._rate.update(now, size)
+        now = self._account(size, loss)
         reading = self._reading
         if reading is None or reading.epoch != self.epoch:
             # the tracker has not read the swarm since this epoch began: read now,
             # rather than compute blind past the target
-            if not self._refresh_now(now):
+            if not self._refresh_now(now, force=self._out_of_time):
                 return False
             reading = self._reading
             if reading is None or reading.epoch != self.epoch:
@@ -277,7 +305,9 @@ class CollaborativeOptimizer:
                 # nobody could send that epoch: train on, try again later
                 self._next_catch_up = now + self.config.progress_ttl / 2
             return False
-        if not self._ready(reading):
+        if self._ready(reading):
+            self._out_of_time = False  # the swarm's target ended this step, not the threshold
+        elif not self._out_of_time:
             self._maybe_begin_matchmaking(reading, now)
             if not self._near_target(reading, now) or not self._refresh_now(now):
                 return False
@@ -295,6 +325,114 @@ class CollaborativeOptimizer:
         self._global_step(alone=swarm.num_peers <= 1, expected=swarm.num_peers)
         return True
 
+    def _account(self, size: int, loss: float | None) -> float:
+        """Count a local batch of ``size`` samples; returns the monotonic time."""
+        self._samples += size
+        if loss is not None:
+            self.loss = loss if self.loss is None else 0.9 * self.loss + 0.1 * loss
+        now = time.monotonic()
+        self._rate.update(now, size)
+        if self._budget is not None and self._budget.spent(size):
+            self._out_of_time = True
+        return now
+
+    def _end_compute(self) -> tuple[float | None, bool]:
+        """This step's compute is over (DropCompute): its seconds, and whether
+        the threshold ended it."""
+        if self._budget is None:
+            return None, False
+        seconds, early = self._budget.end(), self._out_of_time
+        if early:
+            log.info(
+                "epoch %d: compute threshold %.3gs reached after %d samples; averaging now",
+                self.epoch,
+                self._budget.threshold,
+                self._samples,
+            )
+        return seconds, early
+
+    def _begin_compute(self) -> None:
+        self._out_of_time = False
+        if self._budget is not None:
+            self._budget.begin()
+
+    def _local_step(self, diloco: OuterLoop, size: int, loss: float | None) -> bool:
+        """DiLoCo mode's ``step()``: an inner step now, the outer step after
+        ``local_steps`` of them (see ``_outer_step``)."""
+
+        def inner() -> None:
+            self.optimizer.step()
+            diloco.local_steps += 1
+
+        self.peer.run_sync(inner)
+        now = self._account(size, loss)
+        remaining = diloco.config.local_steps - diloco.local_steps
+        if remaining <= 0:
+            self._out_of_time = False  # the local steps ended this round, not the threshold
+        reading = self._reading
+        if remaining > 0 and not self._out_of_time:
+            rate = self._rate.rate
+            lead = self.config.matchmaking_lead
+            if (
+                reading is not None
+                and reading.swarm.num_peers > 1
+                and self._prematch_epoch != self.epoch
+                and rate > 0
+                and remaining * size / rate <= lead
+            ):
+                # the group is ready when the last local step is
+                self._prematch_epoch = self.epoch
+                with contextlib.suppress(SwarmError):
+                    self.peer.run(self._begin_matchmaking, self.epoch, reading.swarm.num_peers)
+            return False
+        self._refresh_now(now, force=True)  # who is live now, and how far they are
+        reading = self._reading
+        if reading is not None and reading.swarm.epoch > self.epoch and now >= self._next_catch_up:
+            # the others synchronised without us: our local steps are stale
+            log.info(
+                "epoch %d is behind the swarm's %d: downloading its state",
+                self.epoch,
+                reading.swarm.epoch,
+            )
+            if self._catch_up(initial=False, min_epoch=reading.swarm.epoch):
+                return False
+            # nobody could send that epoch yet (donors announce it a little
+            # later): synchronise with the peers at ours, try again later
+            self._next_catch_up = now + self.config.progress_ttl / 2
+        peers = 1 if reading is None else reading.swarm.num_peers
+        self._outer_step(diloco, alone=peers <= 1, expected=peers)
+        return True
+
+    def _outer_step(self, diloco: OuterLoop, *, alone: bool, expected: int) -> None:
+        """Average the pseudo-gradients with a group and take the outer step."""
+        samples = self._samples
+        compute, early = self._end_compute()
+        started = time.monotonic()
+        self.peer.run_sync(diloco.compute_pseudo_gradients)
+        result: StepResult | None = None
+        if alone:
+            log.info("epoch %d: no other peer is training; outer step alone", self.epoch)
+        else:
+            result = self._average_gradients(samples, expected)
+        seconds = time.monotonic() - started
+        self._rate.pause()
+
+        def apply() -> None:
+            diloco.outer_step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self._samples = 0
+            self.epoch += 1
+
+        self.peer.run_sync(apply)
+        self.last_step = GlobalStep(self.epoch, samples, result, seconds, compute, early)
+        self._after_global_step(alone)
+
+    @property
+    def compute_threshold(self) -> float | None:
+        """DropCompute's tau in seconds (None: DropCompute off, or still calibrating)."""
+        return None if self._budget is None else self._budget.threshold
+
     def report_accuracy(self, accuracy: float) -> None:
         """Publish this peer's latest evaluation accuracy (shown by ``swarm status``)."""
         self.accuracy = accuracy
@@ -307,8 +445,10 @@ class CollaborativeOptimizer:
         while True:
             reading = self._reading
             if reading is not None and reading.swarm.num_peers >= count:
+                self._begin_compute()  # waiting is not compute
                 return True
             if time.monotonic() >= deadline:
+                self._begin_compute()
                 return False
             self._refresh_now(time.monotonic(), force=True)
             time.sleep(self.config.progress_interval)
@@ -328,6 +468,8 @@ class CollaborativeOptimizer:
         }
         if self._ef21m is not None:
             state["ef21m"] = self._ef21m.state_dict()
+        if self._diloco is not None:
+            state["diloco"] = self._diloco.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -335,6 +477,11 @@ class CollaborativeOptimizer:
             self.optimizer.load_state_dict(state["optimizer"])
             if self.scheduler is not None and state.get("scheduler") is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
+            if self._diloco is not None:
+                if "diloco" in state:
+                    self._diloco.load_state_dict(state["diloco"])
+                else:
+                    self._diloco.resync()
             self.epoch = int(state["epoch"])
             if self._ef21m is not None and "ef21m" in state:
                 self._ef21m.load_state_dict(state["ef21m"])
@@ -547,6 +694,7 @@ class CollaborativeOptimizer:
 
     def _global_step(self, *, alone: bool, expected: int) -> None:
         samples = self._samples
+        compute, early = self._end_compute()
         started = time.monotonic()
         with torch.no_grad():
             for acc in self._grads:
@@ -562,13 +710,27 @@ class CollaborativeOptimizer:
         seconds = time.monotonic() - started
         self._rate.pause()
         self.peer.run_sync(self._apply_gradients)
-        self.last_step = GlobalStep(self.epoch, samples, result, seconds)
+        self.last_step = GlobalStep(self.epoch, samples, result, seconds, compute, early)
+        self._after_global_step(alone)
+
+    def _after_global_step(self, alone: bool) -> None:
         interval = self.config.state_averaging_interval
         if interval and self.epoch % interval == 0 and not alone:
             self._average_state()
         if self._checkpoints is not None and self.epoch % self.config.checkpoint_every == 0:
             self._save_checkpoint()
         self._poke()
+        self._begin_compute()
+
+    def _make_grad_averager(self) -> Averager:
+        """The averager of each global step: of the accumulated gradients, or in
+        DiLoCo mode of the pseudo-gradients, with the DiLoCo codec."""
+        if self._diloco is None:
+            tensors, prefix, config = self._grads, f"{self.run_id}.grads", self.config.averaging
+        else:
+            tensors, prefix = self._diloco.deltas, f"{self.run_id}.diloco"
+            config = replace(self.config.averaging, codec=self._diloco.config.codec)
+        return Averager(self.peer, tensors, prefix=prefix, config=config, grid=self._grid(1))
 
     def _average_gradients(self, samples: int, expected: int | None) -> StepResult | None:
         result: StepResult | None = None
@@ -605,6 +767,8 @@ class CollaborativeOptimizer:
                     tensors.append(value)
         if self._ef21m is not None:
             tensors.extend(self._ef21m.g_bar)  # the shared estimate drifts like the parameters
+        if self._diloco is not None:
+            tensors += self._diloco.momentum()
         return tensors
 
     def _average_state(self) -> None:
@@ -632,19 +796,28 @@ class CollaborativeOptimizer:
             log.info("epoch %d: averaged parameters with %d peers", self.epoch, len(result.members))
         except SwarmError as e:
             log.warning("epoch %d: parameter averaging failed: %s", self.epoch, e)
+        if self._diloco is not None:
+            self.peer.run_sync(self._diloco.resync)  # right after the outer step: nothing lost
 
     # -- state sharing ------------------------------------------------------------
 
     def _donated_state(self) -> tuple[dict[str, Any], Any]:
         # called on the trio thread, where every change to this state happens
         state = {
-            "params": [p.detach() for p in self.params],
+            "params": [p.detach() for p in self._shared_params()],
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
         }
         if self._ef21m is not None:
             state["ef21m_estimate"] = list(self._ef21m.g_bar)
+        if self._diloco is not None:
+            state["diloco"] = self._diloco.state_dict()
         return {"epoch": self.epoch}, state
+
+    def _shared_params(self) -> list[torch.Tensor]:
+        """The parameters of the swarm's last global step: in DiLoCo mode the
+        synced ones (this peer's own are part-way through local steps)."""
+        return list(self.params) if self._diloco is None else self._diloco.synced
 
     async def _start_donor(self) -> trio.CancelScope:
         peer = self.peer.async_peer
@@ -675,6 +848,8 @@ class CollaborativeOptimizer:
         }
         if self._ef21m is not None:
             template["ef21m_estimate"] = list(self._ef21m.g_bar)
+        if self._diloco is not None:
+            template["diloco"] = self._diloco.template()
         timeout = self.config.load_state_timeout
 
         async def load() -> LoadedState | None:
@@ -713,12 +888,15 @@ class CollaborativeOptimizer:
                 acc.zero_()
             if self._ef21m is not None:
                 self._ef21m.adopt(loaded.state["ef21m_estimate"])
+            if self._diloco is not None:
+                self._diloco.load_state_dict(loaded.state["diloco"])
             self._samples = 0
             self.epoch = epoch
             self.state_source = loaded.donor
 
         self.peer.run_sync(apply)
         self._poke()
+        self._begin_compute()
         log.info("loaded the state of epoch %d from %s", epoch, loaded.donor.short())
         return True
 
@@ -730,10 +908,12 @@ class CollaborativeOptimizer:
         def capture() -> Checkpoint:
             return Checkpoint(
                 epoch=self.epoch,
-                model={str(i): p.detach().clone() for i, p in enumerate(self.params)},
+                model={str(i): p.detach().clone() for i, p in enumerate(self._shared_params())},
                 optimizer=self.optimizer.state_dict(),
                 scheduler=None if self.scheduler is None else self.scheduler.state_dict(),
-                extra={"run_id": self.run_id} | self._ef21m_extra(),
+                extra={"run_id": self.run_id}
+                | self._ef21m_extra()
+                | ({} if self._diloco is None else {"diloco": self._diloco.state_dict()}),
             )
 
         checkpoint = self.peer.run_sync(capture)
@@ -762,9 +942,18 @@ class CollaborativeOptimizer:
             self.optimizer.load_state_dict(checkpoint.optimizer)
             if self.scheduler is not None and checkpoint.scheduler is not None:
                 self.scheduler.load_state_dict(checkpoint.scheduler)
+            if self._diloco is not None:
+                diloco_state = checkpoint.extra.get("diloco")
+                if diloco_state is None:
+                    self._diloco.resync()  # a checkpoint of a run without DiLoCo
+                else:
+                    self._diloco.load_state_dict(diloco_state)
             self.epoch = checkpoint.epoch
             if self._ef21m is not None and "ef21m" in checkpoint.extra:
                 self._ef21m.load_state_dict(checkpoint.extra["ef21m"])
 
-        self.peer.run_sync(apply)
+        try:
+            self.peer.run_sync(apply)
+        except ProtocolError as e:
+            raise ConfigError(f"the checkpoint's DiLoCo state does not fit: {e}") from e
         log.info("resumed from the checkpoint of epoch %d", checkpoint.epoch)

@@ -1,0 +1,192 @@
+"""DiLoCo mode: the outer step's arithmetic, then real peers in one process."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import pytest
+import torch
+from trainer_harness import (
+    FAST,
+    TrainingPeer,
+    join_run,
+    training_config,
+    training_peers,
+    whole_group,
+)
+
+from averaging import NONE
+from swarm import ConfigError, ProtocolError
+from trainer import CollaborativeOptimizer, DiLoCo
+from trainer._diloco import OuterLoop
+
+
+def test_config_is_validated() -> None:
+    for bad in (
+        {"local_steps": 0},
+        {"outer_lr": 0.0},
+        {"outer_lr": float("nan")},
+        {"outer_momentum": 1.0},
+        {"outer_momentum": 0.0, "nesterov": True},
+    ):
+        with pytest.raises(ConfigError):
+            DiLoCo(**bad)  # type: ignore[arg-type]
+    assert DiLoCo(outer_momentum=0.0, nesterov=False).outer_momentum == 0.0
+
+
+def test_outer_steps_are_nesterov_sgd_on_the_pseudo_gradient() -> None:
+    param = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    loop = OuterLoop([param], DiLoCo(local_steps=3, outer_lr=0.5, outer_momentum=0.9))
+    synced, momentum = torch.tensor([1.0, -2.0]), torch.zeros(2)
+    for local in (torch.tensor([0.5, -1.0]), torch.tensor([0.25, 0.0])):
+        with torch.no_grad():
+            param.add_(local)  # what the local steps did
+        loop.compute_pseudo_gradients()
+        delta = synced - param.detach()
+        assert torch.equal(loop.deltas[0], delta)
+        loop.outer_step()
+        momentum = 0.9 * momentum + delta
+        synced = synced - 0.5 * (delta + 0.9 * momentum)
+        assert torch.allclose(param.detach(), synced)
+        assert torch.allclose(loop.synced[0], synced)
+        assert torch.allclose(loop.momentum()[0], momentum)
+        assert loop.local_steps == 0
+
+
+def test_outer_state_round_trips_and_is_checked() -> None:
+    a = torch.nn.Parameter(torch.ones(3))
+    loop = OuterLoop([a], DiLoCo())
+    with torch.no_grad():
+        a.sub_(0.1)
+    loop.compute_pseudo_gradients()
+    loop.outer_step()
+    other = OuterLoop([torch.nn.Parameter(a.detach().clone())], DiLoCo())
+    other.load_state_dict(loop.state_dict())
+    assert torch.equal(other.momentum()[0], loop.momentum()[0])
+    assert torch.equal(other.synced[0], loop.synced[0])
+    with pytest.raises(ProtocolError):
+        other.load_state_dict({"momentum": [torch.zeros(4)]})
+    with pytest.raises(ProtocolError):
+        other.load_state_dict({"momentum": []})
+
+
+DILOCO = replace(FAST, diloco=DiLoCo(local_steps=5))
+
+
+def _snapshot(opt: CollaborativeOptimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    assert opt._diloco is not None
+    params = [p.detach().clone() for p in opt.params]
+    momentum = [m.detach().clone() for m in opt._diloco.momentum()]
+    return params, momentum
+
+
+@pytest.mark.parametrize("codec", [None, NONE], ids=["float16", "float32"])
+def test_peers_converge_and_agree_after_each_outer_step(codec: object) -> None:
+    torch.set_num_threads(1)
+    diloco = DiLoCo(local_steps=5) if codec is None else DiLoCo(local_steps=5, codec=NONE)
+    config = replace(FAST, diloco=diloco)
+    states: dict[int, dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
+    groups: dict[int, dict[int, tuple[bytes, ...]]] = {}
+    lock = threading.Lock()
+
+    def recorder(i: int):  # type: ignore[no-untyped-def]
+        def on_epoch(opt: CollaborativeOptimizer, report: object) -> None:
+            step = opt.last_step
+            assert step is not None
+            if whole_group(opt) and step.averaging is not None:
+                with lock:
+                    states.setdefault(opt.epoch, {})[i] = _snapshot(opt)
+                    groups.setdefault(opt.epoch, {})[i] = step.averaging.members
+
+        return on_epoch
+
+    with training_peers(3) as (_, peers):
+        trainers = [
+            TrainingPeer(p, training_config(i, max_epochs=8, optimizer=config))
+            for i, p in enumerate(peers)
+        ]
+        for i, t in enumerate(trainers):
+            t.start(on_epoch=recorder(i))
+        reports = [t.join() for t in trainers]
+    for report in reports:
+        assert report.epochs == 8
+        assert report.local_steps >= 8 * 5
+        assert report.metrics["accuracy"] >= 0.85, report.metrics
+    compared = 0
+    for epoch, by_peer in states.items():
+        for i, j in [(0, 1), (0, 2), (1, 2)]:
+            if i in by_peer and j in by_peer and groups[epoch][i] == groups[epoch][j]:
+                for a, b in zip(
+                    [*by_peer[i][0], *by_peer[i][1]], [*by_peer[j][0], *by_peer[j][1]], strict=True
+                ):
+                    assert torch.equal(a, b), f"epoch {epoch}: peers {i} and {j} differ"
+                compared += 1
+    assert compared >= 1
+
+
+def test_a_newcomer_gets_the_synced_parameters_and_outer_momentum() -> None:
+    torch.set_num_threads(1)
+    snapshots: dict[tuple[int, bytes], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    recorded = threading.Condition()
+    reached = threading.Event()
+
+    def record(opt: CollaborativeOptimizer, report: object) -> None:
+        with recorded:
+            snapshots[(opt.epoch, bytes(opt.peer.peer_id))] = _snapshot(opt)
+            recorded.notify_all()
+        if opt.epoch >= 3:
+            reached.set()
+
+    with training_peers(4) as (_, peers):
+        trainers = [
+            TrainingPeer(p, training_config(i, max_epochs=10, optimizer=DILOCO))
+            for i, p in enumerate(peers[:3])
+        ]
+        for t in trainers:
+            t.start(on_epoch=record)
+        assert reached.wait(60)
+        newcomer = join_run(peers[3], DILOCO, seed=123)
+        try:
+            epoch = newcomer.epoch
+            assert epoch >= 3 and newcomer.state_source is not None
+            key = (epoch, bytes(newcomer.state_source))
+            with recorded:  # the donor records its epoch right after the outer step
+                assert recorded.wait_for(lambda: key in snapshots, timeout=30)
+                expected_params, expected_momentum = snapshots[key]
+            params, momentum = _snapshot(newcomer)
+            assert newcomer._diloco is not None
+            assert all(torch.equal(a, b) for a, b in zip(params, expected_params, strict=True))
+            assert all(
+                torch.equal(a, b) for a, b in zip(newcomer._diloco.synced, params, strict=True)
+            )
+            assert all(torch.equal(a, b) for a, b in zip(momentum, expected_momentum, strict=True))
+            assert any(m.abs().sum() > 0 for m in momentum)
+        finally:
+            newcomer.close()
+        for t in trainers:
+            assert t.join().epochs == 10
+
+
+def test_a_restarted_peer_resumes_the_outer_state_from_its_checkpoint(tmp_path: object) -> None:
+    torch.set_num_threads(1)
+    directory = f"{tmp_path}/checkpoints"
+    saved: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+    with training_peers(1) as (_, peers):
+        config = training_config(
+            0, max_epochs=3, min_peers=1, checkpoint_dir=directory, optimizer=DILOCO
+        )
+        first = TrainingPeer(peers[0], config)
+        first.start(on_epoch=lambda opt, report: saved.append(_snapshot(opt)))
+        assert first.join().epochs == 3
+    with training_peers(1) as (_, peers):
+        resumed = join_run(peers[0], DILOCO, seed=99, checkpoint_dir=directory)
+        try:
+            assert resumed.epoch == 3
+            params, momentum = _snapshot(resumed)
+            expected_params, expected_momentum = saved[-1]
+            assert all(torch.equal(a, b) for a, b in zip(params, expected_params, strict=True))
+            assert all(torch.equal(a, b) for a, b in zip(momentum, expected_momentum, strict=True))
+            assert any(m.abs().sum() > 0 for m in momentum)
+        finally:
+            resumed.close()
