@@ -35,6 +35,7 @@ from swarm._wire import expect_bytes, expect_int, expect_list, expect_str, pack
 
 from . import _messages as messages
 from ._records import Record, RecordLimits
+from ._routing import NeighborTable
 from ._storage import RecordStorage
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class SwarmProtocol(KademliaProtocol):
         clock: WallClock,
     ) -> None:
         super().__init__(source_node, storage, ksize)
+        self.router = NeighborTable(self, ksize, source_node)
         self.storage: RecordStorage = storage
         self._identity = identity
         self._limits = limits

@@ -1,0 +1,58 @@
+"""``NeighborTable``: kademlia's routing table with a fast, exact ``find_neighbors``.
+
+kademlia's ``RoutingTable.find_neighbors`` walks the buckets outward from the
+target's bucket through a ``TableTraverser`` (one generator step, one
+``same_home_as`` and one heap push per contact) and stops after the first
+``k`` contacts it meets; it runs on every find_node/find_value request we answer
+and for every stored key each time a new node is welcomed, so in a swarm that
+all lives in one process it is a large share of the CPU of an RPC. Stopping
+after ``k`` contacts in bucket order also means it can miss closer contacts in
+a bucket it did not reach (and when the right-hand buckets run out on its
+turn, it stops with fewer than ``k`` although more are known).
+
+``NeighborTable`` answers with exactly what the Kademlia paper (section 2.3)
+asks for: the ``k`` contacts in the table closest to the target by XOR
+distance, over all buckets, computed as integers in C (``heapq.nsmallest``).
+It excludes what kademlia excludes (the target's own id, and every contact at
+the ``exclude`` node's ip and port) and, like kademlia's traverser, marks the
+target's bucket as used so that bucket refreshes see the same activity.
+Buckets, splitting, replacement lists and eviction are kademlia's, untouched.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from kademlia.node import Node
+from kademlia.routing import RoutingTable
+
+
+class NeighborTable(RoutingTable):
+    def find_neighbors(
+        self, node: Node, k: int | None = None, exclude: Node | None = None
+    ) -> list[Node]:
+        """The ``k`` (default ``ksize``) contacts closest to ``node``, closest first.
+
+        Never returns a contact with ``node``'s id, nor one at ``exclude``'s ip
+        and port. Returns fewer than ``k`` only when the table holds fewer.
+        """
+        k = k or self.ksize
+        self.buckets[self.get_bucket_for(node)].touch_last_updated()
+        target, target_id = node.long_id, node.id
+        if exclude is None:
+            contacts = [
+                (n.long_id ^ target, n)
+                for bucket in self.buckets
+                for n in bucket.nodes.values()
+                if n.id != target_id
+            ]
+        else:
+            home = (exclude.ip, exclude.port)
+            contacts = [
+                (n.long_id ^ target, n)
+                for bucket in self.buckets
+                for n in bucket.nodes.values()
+                if n.id != target_id and (n.ip, n.port) != home
+            ]
+        # distances are unique (ids are), so the Node is never compared
+        return [n for _, n in heapq.nsmallest(k, contacts)]
