@@ -352,14 +352,7 @@ class SwarmProtocol(KademliaProtocol):
             self.router.add_contact(node)  # refresh its position in the bucket
             return
         for dkey, records in self.storage:
-            keynode = Node(dkey)
-            neighbors = self.router.find_neighbors(keynode)
-            if neighbors:
-                last = neighbors[-1].distance_to(keynode)
-                new_node_close = node.distance_to(keynode) < last
-                first = neighbors[0].distance_to(keynode)
-                this_closest = self.source_node.distance_to(keynode) < first
-            if not neighbors or (new_node_close and this_closest):
+            if self.router.hands_over(Node(dkey), node):
                 for record in records:
                     self.spawn(self.call_store(node, record))
         self.router.add_contact(node)

@@ -1,4 +1,6 @@
-"""``NeighborTable``: kademlia's routing table with a fast, exact ``find_neighbors``.
+"""Fast versions of kademlia's two nearest-node searches, same behaviour.
+
+``NeighborTable``: kademlia's routing table with a fast, exact ``find_neighbors``.
 
 kademlia's ``RoutingTable.find_neighbors`` walks the buckets outward from the
 target's bucket through a ``TableTraverser`` (one generator step, one
@@ -17,13 +19,17 @@ It excludes what kademlia excludes (the target's own id, and every contact at
 the ``exclude`` node's ip and port) and, like kademlia's traverser, marks the
 target's bucket as used so that bucket refreshes see the same activity.
 Buckets, splitting, replacement lists and eviction are kademlia's, untouched.
+
+``NearestNodes``: kademlia's ``NodeHeap`` (a look-up's candidates) with a set
+of the ids it holds. kademlia's tests membership by scanning the whole heap for
+every contact a reply brings, so one look-up costs O(replies x contacts x heap).
 """
 
 from __future__ import annotations
 
 import heapq
 
-from kademlia.node import Node
+from kademlia.node import Node, NodeHeap
 from kademlia.routing import RoutingTable
 
 
@@ -56,3 +62,51 @@ class NeighborTable(RoutingTable):
             ]
         # distances are unique (ids are), so the Node is never compared
         return [n for _, n in heapq.nsmallest(k, contacts)]
+
+    def hands_over(self, key: Node, newcomer: Node) -> bool:
+        """Whether we push our records of ``key`` to ``newcomer``, a node not in
+        the table yet (Kademlia paper, section 2.5): when we are closer to the key
+        than every contact and ``newcomer`` is closer than the farthest of
+        ``find_neighbors(key)``, or when that is empty. The same answer as
+        kademlia's ``welcome_if_new`` computes from ``find_neighbors``, without
+        building its list for the many keys where we are not the closest."""
+        self.buckets[self.get_bucket_for(key)].touch_last_updated()
+        target, target_id = key.long_id, key.id
+        distances = [
+            n.long_id ^ target
+            for bucket in self.buckets
+            for n in bucket.nodes.values()
+            if n.id != target_id
+        ]
+        if not distances:
+            return True
+        if self.node.long_id ^ target >= min(distances):
+            return False
+        farthest = heapq.nsmallest(self.ksize, distances)[-1]
+        return bool(newcomer.long_id ^ target < farthest)
+
+
+class NearestNodes(NodeHeap):
+    def __init__(self, node: Node, maxsize: int) -> None:
+        super().__init__(node, maxsize)
+        self._ids: set[bytes] = set()
+
+    def push(self, nodes: Node | list[Node]) -> None:
+        """Add contacts whose id is not held yet (kademlia's rule, in O(1) each)."""
+        for node in nodes if isinstance(nodes, list) else [nodes]:
+            if node.id not in self._ids:
+                self._ids.add(node.id)
+                heapq.heappush(self.heap, (self.node.distance_to(node), node))
+
+    def remove(self, peers: list[bytes]) -> None:
+        super().remove(peers)
+        self._ids = {node.id for _, node in self.heap}
+
+    def popleft(self) -> Node | None:
+        node: Node | None = super().popleft()
+        if node is not None:
+            self._ids.discard(node.id)
+        return node
+
+    def __contains__(self, node: Node) -> bool:
+        return node.id in self._ids
