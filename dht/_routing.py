@@ -1,4 +1,4 @@
-"""Fast versions of kademlia's two nearest-node searches, same behaviour.
+"""Faster versions of kademlia's nearest-node searches (routing table, look-ups).
 
 ``NeighborTable``: kademlia's routing table with a fast, exact ``find_neighbors``.
 
@@ -14,11 +14,13 @@ turn, it stops with fewer than ``k`` although more are known).
 
 ``NeighborTable`` answers with exactly what the Kademlia paper (section 2.3)
 asks for: the ``k`` contacts in the table closest to the target by XOR
-distance, over all buckets, computed as integers in C (``heapq.nsmallest``).
+distance, over all buckets: one int XOR per contact and ``heapq.nsmallest``.
 It excludes what kademlia excludes (the target's own id, and every contact at
 the ``exclude`` node's ip and port) and, like kademlia's traverser, marks the
 target's bucket as used so that bucket refreshes see the same activity.
-Buckets, splitting, replacement lists and eviction are kademlia's, untouched.
+``hands_over`` answers welcome_if_new's question for a stored key without
+building that list. Buckets, splitting, replacement lists and eviction are
+kademlia's, untouched.
 
 ``NearestNodes``: kademlia's ``NodeHeap`` (a look-up's candidates) with a set
 of the ids it holds. kademlia's tests membership by scanning the whole heap for
