@@ -35,7 +35,6 @@ from swarm._wire import expect_bytes, expect_int, expect_list, expect_str, pack
 
 from . import _messages as messages
 from ._records import Record, RecordLimits
-from ._routing import NeighborTable
 from ._storage import RecordStorage
 
 log = logging.getLogger(__name__)
@@ -94,7 +93,6 @@ class SwarmProtocol(KademliaProtocol):
         clock: WallClock,
     ) -> None:
         super().__init__(source_node, storage, ksize)
-        self.router = NeighborTable(self, ksize, source_node)
         self.storage: RecordStorage = storage
         self._identity = identity
         self._limits = limits
@@ -352,7 +350,14 @@ class SwarmProtocol(KademliaProtocol):
             self.router.add_contact(node)  # refresh its position in the bucket
             return
         for dkey, records in self.storage:
-            if self.router.hands_over(Node(dkey), node):
+            keynode = Node(dkey)
+            neighbors = self.router.find_neighbors(keynode)
+            if neighbors:
+                last = neighbors[-1].distance_to(keynode)
+                new_node_close = node.distance_to(keynode) < last
+                first = neighbors[0].distance_to(keynode)
+                this_closest = self.source_node.distance_to(keynode) < first
+            if not neighbors or (new_node_close and this_closest):
                 for record in records:
                     self.spawn(self.call_store(node, record))
         self.router.add_contact(node)
