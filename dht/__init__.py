@@ -6,6 +6,7 @@ Modules, from pure code up to the node:
 - ``_messages``: the signed datagram envelope (pure)
 - ``_storage``: kademlia ``IStorage`` holding validated records by key id
 - ``_protocol``: kademlia's protocol subclass speaking signed datagrams and records
+- ``_routing``: ``NearestNodes``, a look-up's candidate heap with O(1) membership
 - ``_crawl``: a value look-up that merges the replies of the responsible nodes
 - ``_server``: kademlia's ``Server`` subclass storing and finding records
 - ``_aio``: the one seam between trio and asyncio (trio-asyncio)

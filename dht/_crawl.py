@@ -40,6 +40,7 @@ from swarm._clock import WallClock
 from swarm._errors import RecordRejectedError
 
 from ._records import Record, RecordLimits, merge, validate
+from ._routing import NearestNodes
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,13 @@ RPC = Callable[[Node, Node], Awaitable[tuple[bool, Any]]]
 
 class LookupCrawl(SpiderCrawl):
     """Iterative look-up with ``alpha`` requests in flight (Kademlia paper, 2.3)."""
+
+    def __init__(
+        self, protocol: Any, node: Node, peers: list[Node], ksize: int, alpha: int
+    ) -> None:
+        super().__init__(protocol, node, [], ksize, alpha)
+        self.nearest = NearestNodes(node, ksize)
+        self.nearest.push(peers)
 
     async def _lookup(self, rpc: RPC) -> None:
         pending: dict[asyncio.Future[tuple[bool, Any]], Node] = {}
