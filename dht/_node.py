@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from swarm._identity import Identity, PeerID
 
 from ._aio import AsyncioLoop, open_asyncio_loop
 from ._crawl import RecordCrawl
+from ._ratelimit import MonotonicClock, RequestRateLimit
 from ._records import (
     Record,
     RecordLimits,
@@ -40,6 +42,7 @@ from ._records import (
     validate,
 )
 from ._server import RecordServer
+from ._storage import StorageQuota
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +65,13 @@ class DHTConfig:
     #: how often expired records are swept from storage
     expiry_sweep_interval: float = 30.0
     limits: RecordLimits = field(default_factory=RecordLimits)
-    #: most records one node stores, across all keys
+    #: most records one node stores, across all keys; beyond it new records
+    #: are refused (nothing stored is evicted to make room)
     max_records: int = 100_000
+    #: how much of this node's storage one node id / one host may hold
+    quota: StorageQuota = field(default_factory=StorageQuota)
+    #: datagrams per second one source address / one node id may send us
+    rate_limit: RequestRateLimit = field(default_factory=RequestRateLimit)
 
     def __post_init__(self) -> None:
         if self.ksize < 1 or self.alpha < 1:
@@ -77,6 +85,12 @@ class DHTConfig:
             )
         if self.refresh_interval <= 0 or self.expiry_sweep_interval <= 0:
             raise ConfigError("DHTConfig: refresh_interval and expiry_sweep_interval must be > 0")
+        if self.max_records < self.quota.max_records_per_host:
+            raise ConfigError(
+                f"DHTConfig: max_records ({self.max_records}) must be at least "
+                f"quota.max_records_per_host ({self.quota.max_records_per_host}), "
+                "or one host could fill the whole storage"
+            )
 
 
 class DHTValue(NamedTuple):
@@ -236,7 +250,13 @@ class DHTNode:
 
     @property
     def dropped_datagrams(self) -> int:
+        """Datagrams dropped as malformed, unsigned or not a valid request."""
         return self._server.proto.dropped_datagrams
+
+    @property
+    def rate_limited_datagrams(self) -> int:
+        """Datagrams dropped because their source was over its ``RequestRateLimit``."""
+        return self._server.proto.rate_limited_datagrams
 
     # -- maintenance ----------------------------------------------------------
 
@@ -275,12 +295,14 @@ async def open_dht_node(
     initial_peers: Sequence[str | Address] = (),
     config: DHTConfig | None = None,
     clock: WallClock = system_clock,
+    rate_clock: MonotonicClock = time.monotonic,
 ) -> AsyncIterator[DHTNode]:
     """Run a DHT node listening on UDP ``host:port`` for the duration of the block.
 
     ``port=0`` picks a free port (see ``node.port``). With ``initial_peers`` the
     node bootstraps before the block starts and raises ``BootstrapError`` if none
-    answers. ``clock`` is the wall clock used for expiration times. On exit (or
+    answers. ``clock`` is the wall clock used for expiration times and
+    ``rate_clock`` the monotonic clock that refills request budgets. On exit (or
     cancellation) maintenance stops and the socket is closed.
     """
     identity = identity or Identity.generate()
@@ -294,7 +316,10 @@ async def open_dht_node(
                 rpc_timeout=config.rpc_timeout,
                 limits=config.limits,
                 max_records=config.max_records,
+                quota=config.quota,
+                rate_limit=config.rate_limit,
                 clock=clock,
+                rate_clock=rate_clock,
             )
             try:
                 bound = await loop.call(server.listen, port, host)

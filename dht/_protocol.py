@@ -10,6 +10,12 @@ table and crawlers work unchanged, and replaces what kademlia gets wrong for us:
 - ``rpc_store`` validates before it stores, ``rpc_find_value`` returns the
   records of a key and the closest nodes together (a crawl can merge the replies
   of several nodes), bounded to one datagram;
+- every source UDP address and every proven node id has its own request
+  budget (``RequestRateLimit``, a token bucket each): a datagram over budget is
+  dropped before its signature is checked, so a flood from one source costs
+  little and leaves the other sources' budgets untouched;
+- stored records are charged to the node id and host that sent them
+  (``StorageQuota`` in ``_storage``);
 - a node that sends us a request is not trusted into the routing table on its
   word: it is pinged back, and added when its signed answer arrives;
 - ``welcome_if_new`` pushes stored records, which passed validation, as records.
@@ -34,8 +40,9 @@ from swarm._identity import PEER_ID_SIZE, Identity, PeerID
 from swarm._wire import expect_bytes, expect_int, expect_list, expect_str, pack
 
 from . import _messages as messages
+from ._ratelimit import MonotonicClock, RateLimiter, RequestRateLimit
 from ._records import Record, RecordLimits
-from ._storage import RecordStorage
+from ._storage import RecordStorage, Source
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +98,8 @@ class SwarmProtocol(KademliaProtocol):
         limits: RecordLimits,
         rpc_timeout: float,
         clock: WallClock,
+        rate_limit: RequestRateLimit,
+        rate_clock: MonotonicClock,
     ) -> None:
         super().__init__(source_node, storage, ksize)
         self.storage: RecordStorage = storage
@@ -103,7 +112,12 @@ class SwarmProtocol(KademliaProtocol):
         self._pinging: set[bytes] = set()
         self._failed: dict[bytes, float] = {}
         self._closed = False
+        self.received_datagrams = 0
         self.dropped_datagrams = 0
+        #: datagrams dropped because their source address or node id was over budget
+        self.rate_limited_datagrams = 0
+        self._by_address = RateLimiter(rate_limit, rate_clock)
+        self._by_node = RateLimiter(rate_limit, rate_clock)
         self._handlers: dict[str, Callable[[Node, list[Any]], Any]] = {
             "ping": self._rpc_ping,
             "find_node": self._rpc_find_node,
@@ -137,6 +151,10 @@ class SwarmProtocol(KademliaProtocol):
     # -- receiving -------------------------------------------------------------
 
     def datagram_received(self, data: bytes, addr: Address) -> None:
+        self.received_datagrams += 1
+        if not self._by_address.allow((addr[0], addr[1])):
+            self.rate_limited_datagrams += 1
+            return
         try:
             datagram = messages.decode(data)
         except ProtocolError as e:
@@ -144,6 +162,9 @@ class SwarmProtocol(KademliaProtocol):
             log.debug("dropped datagram from %s: %s", addr, e)
             return
         if datagram.kind is messages.Kind.REQUEST:
+            if not self._by_node.allow(bytes(datagram.sender)):
+                self.rate_limited_datagrams += 1
+                return
             self._answer(datagram, (addr[0], addr[1]))
         else:
             self._resolve(datagram, (addr[0], addr[1]))
@@ -243,7 +264,7 @@ class SwarmProtocol(KademliaProtocol):
             log.debug("malformed record from %s: %s", sender, e)
             return [False, RejectReason.MALFORMED.name]
         try:
-            kept = self.storage.store(record)
+            kept = self.storage.store(record, Source(bytes(sender.id), sender.ip))
         except RecordRejectedError as e:
             log.debug("refused record from %s: %s", sender, e)
             return [False, e.reason.name]

@@ -27,8 +27,9 @@ from swarm._identity import Identity, PeerID
 
 from ._crawl import NodeCrawl, RecordCrawl
 from ._protocol import Address, SwarmProtocol
+from ._ratelimit import MonotonicClock, RequestRateLimit
 from ._records import Record, RecordLimits, merge, validate
-from ._storage import RecordStorage
+from ._storage import RecordStorage, StorageQuota
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +46,12 @@ class RecordServer(Server):
         rpc_timeout: float,
         limits: RecordLimits,
         max_records: int,
+        quota: StorageQuota,
+        rate_limit: RequestRateLimit,
         clock: WallClock,
+        rate_clock: MonotonicClock,
     ) -> None:
-        storage = RecordStorage(clock, limits, max_records)
+        storage = RecordStorage(clock, limits, max_records, quota)
         super().__init__(ksize=ksize, alpha=alpha, node_id=identity.peer_id, storage=storage)
         self.storage: RecordStorage = storage
         self.protocol: SwarmProtocol | None = None
@@ -55,6 +59,8 @@ class RecordServer(Server):
         self._limits = limits
         self._rpc_timeout = rpc_timeout
         self._clock = clock
+        self._rate_limit = rate_limit
+        self._rate_clock = rate_clock
 
     def _create_protocol(self) -> SwarmProtocol:
         return SwarmProtocol(
@@ -65,6 +71,8 @@ class RecordServer(Server):
             limits=self._limits,
             rpc_timeout=self._rpc_timeout,
             clock=self._clock,
+            rate_limit=self._rate_limit,
+            rate_clock=self._rate_clock,
         )
 
     @property
