@@ -77,6 +77,20 @@ def decode_nodes(obj: Any) -> list[tuple[bytes, str, int]]:
     return nodes
 
 
+def decode_find_value_reply(
+    obj: Any, limits: RecordLimits
+) -> tuple[list[Record], list[tuple[bytes, str, int]], bool]:
+    """Decode ``[records, contacts, truncated]``; records are decoded, not validated.
+
+    Raises ``ProtocolError`` (and nothing else) if it is malformed.
+    """
+    records_wire, nodes, truncated = expect_list(obj, 3, "find_value reply")
+    if not isinstance(records_wire, list):
+        raise ProtocolError("find_value reply: records must be a list")
+    records = [Record.from_wire(w, limits) for w in records_wire]
+    return records, decode_nodes(nodes), bool(truncated)
+
+
 def _is_ip(text: str) -> bool:
     for family in (socket.AF_INET, socket.AF_INET6):
         try:
@@ -303,11 +317,8 @@ class SwarmProtocol(KademliaProtocol):
         result: Result = (False, None)
         if ok:
             try:
-                records_wire, nodes, truncated = expect_list(answer[1], 3, "find_value reply")
-                if not isinstance(records_wire, list):
-                    raise ProtocolError("find_value reply: records must be a list")
-                records = [Record.from_wire(w, self._limits) for w in records_wire]
-                result = (True, (records, self._live(decode_nodes(nodes)), bool(truncated)))
+                records, nodes, truncated = decode_find_value_reply(answer[1], self._limits)
+                result = (True, (records, self._live(nodes), truncated))
             except ProtocolError as e:
                 log.debug("bad find_value reply from %s: %s", node_to_ask, e)
         return self.handle_call_response(result, node_to_ask)

@@ -11,6 +11,7 @@ import random
 
 import pytest
 import trio
+from dht_harness import send_datagrams
 
 from dht import DHTConfig, DHTValue, RequestRateLimit, StorageQuota, open_dht_node
 from dht._messages import Kind, encode, new_msg_id
@@ -143,7 +144,6 @@ def test_limit_configs_say_what_to_change() -> None:
 # -- a flood on real sockets --------------------------------------------------------
 
 FLOOD_DATAGRAMS = 3000
-FLOOD_BATCH = 64
 FLOOD_CONFIG = DHTConfig(
     rpc_timeout=0.5,
     bootstrap_timeout=5.0,
@@ -195,25 +195,8 @@ async def test_flood_from_one_address_does_not_stop_serving_others() -> None:
     ):
         done = trio.Event()
 
-        proto = target._server.proto
-
         async def send_flood() -> None:
-            # As fast as the target takes them: a batch at a time, so the kernel's
-            # socket buffer never overflows and every datagram reaches the node
-            # (the honest node's too: nothing here depends on lucky timing).
-            with trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM) as sock:
-                await sock.bind(("127.0.0.1", 0))
-                for start in range(0, len(flood), FLOOD_BATCH):
-                    before = proto.received_datagrams
-                    batch = flood[start : start + FLOOD_BATCH]
-                    for data in batch:
-                        await sock.sendto(data, ("127.0.0.1", target.port))
-                    for _ in range(10_000):  # bounded: 10 s at most
-                        if proto.received_datagrams >= before + len(batch):
-                            break
-                        await trio.sleep(0.001)
-                    else:
-                        raise AssertionError("the target stopped reading datagrams")
+            await send_datagrams(target, flood)
             done.set()
 
         async with trio.open_nursery() as nursery:
