@@ -77,6 +77,7 @@ from ._faults import FaultPlan, InjectedFault, MemberFault
 from ._group import Group, MemberMode
 from ._partition import Partition, flatten, unflatten_into
 from ._reducer import PartReducer, ReceivedParts
+from ._robust import CenteredClip
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,12 @@ class AllReduceConfig:
     reducer_timeout: float = 10.0
     round_timeout: float = 60.0
     chunk_elements: int = (1 << 19) - 16
+    #: None: each reducer returns the weighted mean of its part. ``CenteredClip``:
+    #: each reducer returns, chunk by chunk, the CenteredClip of its senders'
+    #: values (``_robust``), which bounds the pull of Byzantine senders on every
+    #: chunk; it keeps every sender's copy of unfinished chunks (``_reducer``).
+    #: Every member must use the same setting.
+    aggregation: CenteredClip | None = None
 
     def __post_init__(self) -> None:
         for name in ("sender_timeout", "reducer_timeout", "round_timeout"):
@@ -125,6 +132,10 @@ class AllReduceConfig:
                 f"reducer_timeout ({self.reducer_timeout}) must exceed sender_timeout"
                 f" ({self.sender_timeout}): a reducer waits up to sender_timeout for a slow"
                 " sender before it can answer, and must not be dropped meanwhile"
+            )
+        if self.aggregation is not None and not isinstance(self.aggregation, CenteredClip):
+            raise ConfigError(
+                f"aggregation must be None or CenteredClip(tau=...), not {self.aggregation!r}"
             )
         if not 1 <= self.chunk_elements <= (1 << 21) - 1024:
             raise ConfigError(
@@ -280,7 +291,10 @@ class _Round:
         if partition.part_size(me) > 0:
             self.buffer = _registry(net).take_buffer(partition.part_size(me))
             self.reducer = PartReducer(
-                partition.chunk_sizes(me), dict.fromkeys(group.senders(), 0.0), buffer=self.buffer
+                partition.chunk_sizes(me),
+                dict.fromkeys(group.senders(), 0.0),
+                buffer=self.buffer,
+                aggregation=config.aggregation,
             )
         self._incoming_send, self._incoming_receive = trio.open_memory_channel[
             tuple[StreamLike, int, float, trio.Event]
