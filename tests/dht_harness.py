@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -72,6 +73,26 @@ class Swarm:
         running = next(r for r in self._running if r.node is node)
         running.stop.set()
         await running.stopped.wait()
+
+
+@asynccontextmanager
+async def open_pair(
+    config: DHTConfig, clock: WallClock, *, rate_clock: Callable[[], float] = time.monotonic
+) -> AsyncIterator[tuple[DHTNode, DHTNode]]:
+    """A target node (budgets refilled by ``rate_clock``) and a well-behaved node
+    joined through it, both on 127.0.0.1 with fixed identities."""
+    async with (
+        open_dht_node(
+            Identity.from_seed(b"T" * 32), config=config, clock=clock, rate_clock=rate_clock
+        ) as target,
+        open_dht_node(
+            Identity.from_seed(b"H" * 32),
+            initial_peers=[target.address],
+            config=config,
+            clock=clock,
+        ) as honest,
+    ):
+        yield target, honest
 
 
 async def send_datagrams(node: DHTNode, datagrams: list[bytes], *, batch: int = 64) -> None:

@@ -11,9 +11,9 @@ import random
 
 import pytest
 import trio
-from dht_harness import send_datagrams
+from dht_harness import open_pair, send_datagrams
 
-from dht import DHTConfig, DHTValue, RequestRateLimit, StorageQuota, open_dht_node
+from dht import DHTConfig, DHTValue, RequestRateLimit, StorageQuota
 from dht._messages import Kind, encode, new_msg_id
 from dht._ratelimit import RateLimiter, TokenBucket
 from dht._records import Record, RecordLimits, make_record
@@ -182,17 +182,7 @@ async def test_flood_from_one_address_does_not_stop_serving_others() -> None:
     frozen = ManualClock(0.0)
     mallory = Identity.from_seed(b"F" * 32)
     flood = _flood(mallory, random.Random(7), NOW)
-    async with (
-        open_dht_node(
-            Identity.from_seed(b"T" * 32), config=FLOOD_CONFIG, clock=clock, rate_clock=frozen
-        ) as target,
-        open_dht_node(
-            Identity.from_seed(b"H" * 32),
-            initial_peers=[target.address],
-            config=FLOOD_CONFIG,
-            clock=clock,
-        ) as honest,
-    ):
+    async with open_pair(FLOOD_CONFIG, clock, rate_clock=frozen) as (target, honest):
         done = trio.Event()
 
         async def send_flood() -> None:
@@ -231,10 +221,7 @@ async def test_storing_node_answers_malformed_and_over_quota_stores_with_the_rea
     config = DHTConfig(
         rpc_timeout=0.5, bootstrap_timeout=5.0, quota=StorageQuota(max_records_per_peer=1)
     )
-    async with (
-        open_dht_node(config=config, clock=clock) as target,
-        open_dht_node(initial_peers=[target.address], config=config, clock=clock) as sender,
-    ):
+    async with open_pair(config, clock) as (target, sender):
         good = make_record("fine", 1, NOW + 10, limits=config.limits)
         sig = sender.identity.sign(b"anything")
         cases: list[tuple[object, str]] = [

@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 import torch
 import trio
+from dht_harness import open_pair, send_datagrams
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from kademlia.node import Node
@@ -56,7 +57,7 @@ from averaging._state_transfer import (
     encode_header,
     encode_refusal,
 )
-from dht import DHTConfig, DHTValue, RequestRateLimit, open_dht_node
+from dht import DHTConfig, DHTValue, RequestRateLimit
 from dht import _messages as messages
 from dht._protocol import SwarmProtocol, decode_find_value_reply, decode_nodes
 from dht._records import Record, RecordLimits, decode_subkey, make_record, owner_marker, validate
@@ -533,19 +534,9 @@ def body_noise(rng: random.Random) -> list[Any]:
 
 
 async def test_dht_node_serves_others_after_a_burst_of_fuzzed_datagrams() -> None:
-    from dht_harness import send_datagrams
-
     clock = ManualClock(NOW)
     config = DHTConfig(rpc_timeout=0.5, bootstrap_timeout=5.0)
-    async with (
-        open_dht_node(Identity.from_seed(b"T" * 32), config=config, clock=clock) as target,
-        open_dht_node(
-            Identity.from_seed(b"H" * 32),
-            initial_peers=[target.address],
-            config=config,
-            clock=clock,
-        ) as honest,
-    ):
+    async with open_pair(config, clock) as (target, honest):
         await send_datagrams(target, _fuzzed_datagrams(random.Random(11)))
         assert target.rate_limited_datagrams == 0  # every datagram reached the decoder
         assert target.dropped_datagrams >= BURST // 2
