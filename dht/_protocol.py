@@ -13,7 +13,9 @@ table and crawlers work unchanged, and replaces what kademlia gets wrong for us:
 - every source UDP address and every proven node id has its own request
   budget (``RequestRateLimit``, a token bucket each): a datagram over budget is
   dropped before its signature is checked, so a flood from one source costs
-  little and leaves the other sources' budgets untouched;
+  little and leaves the other sources' budgets untouched; the reply bytes sent
+  to one address have a budget too, so a forged source address cannot turn
+  the node into an amplifier;
 - stored records are charged to the node id and host that sent them
   (``StorageQuota`` in ``_storage``);
 - a node that sends us a request is not trusted into the routing table on its
@@ -130,8 +132,11 @@ class SwarmProtocol(KademliaProtocol):
         self.dropped_datagrams = 0
         #: datagrams dropped because their source address or node id was over budget
         self.rate_limited_datagrams = 0
-        self._by_address = RateLimiter(rate_limit, rate_clock)
-        self._by_node = RateLimiter(rate_limit, rate_clock)
+        self._by_address = RateLimiter.for_requests(rate_limit, rate_clock)
+        self._by_node = RateLimiter.for_requests(rate_limit, rate_clock)
+        self._reply_bytes = RateLimiter.for_reply_bytes(rate_limit, rate_clock)
+        #: replies not sent because their address was over its reply byte budget
+        self.unsent_replies = 0
         self._handlers: dict[str, Callable[[Node, list[Any]], Any]] = {
             "ping": self._rpc_ping,
             "find_node": self._rpc_find_node,
@@ -195,7 +200,11 @@ class SwarmProtocol(KademliaProtocol):
             self.dropped_datagrams += 1
             log.debug("malformed request from %s: %s", addr, e)
             return
-        self._send(messages.Kind.RESPONSE, datagram.msg_id, response, addr)
+        reply = messages.encode(self._identity, messages.Kind.RESPONSE, datagram.msg_id, response)
+        if self._reply_bytes.allow((addr[0], addr[1]), len(reply)):
+            self._sendto(reply, addr)
+        else:
+            self.unsent_replies += 1
         if sender.id != self.source_node.id:
             self._ping_back_if_new(sender)
 
@@ -215,9 +224,12 @@ class SwarmProtocol(KademliaProtocol):
     # -- sending ---------------------------------------------------------------
 
     def _send(self, kind: messages.Kind, msg_id: bytes, body: Any, addr: Address) -> None:
+        self._sendto(messages.encode(self._identity, kind, msg_id, body), addr)
+
+    def _sendto(self, data: bytes, addr: Address) -> None:
         if self.transport is None or self._closed:
             return
-        self.transport.sendto(messages.encode(self._identity, kind, msg_id, body), addr)
+        self.transport.sendto(data, addr)
 
     def call(
         self, addr: Address, method: str, args: list[Any], expected: bytes | None = None

@@ -60,7 +60,8 @@ class StorageQuota:
     node id can fill at most ``max_bytes_per_peer`` (2 MiB) and one host at
     most ``max_bytes_per_host`` (16 MiB) of a node's memory. An honest peer
     writes a few records per run; the per-peer count leaves room for a
-    neighbour pushing the records a newly joined node becomes responsible for.
+    neighbour pushing, or republishing, the records of others that a node is
+    responsible for (about ``k / N`` of all records in a swarm of ``N`` nodes).
     """
 
     #: most records one node id may hold on this node

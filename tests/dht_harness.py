@@ -95,24 +95,33 @@ async def open_pair(
         yield target, honest
 
 
-async def send_datagrams(node: DHTNode, datagrams: list[bytes], *, batch: int = 64) -> None:
-    """Send ``datagrams`` from one fresh 127.0.0.1 socket to ``node``, as fast as it
-    reads them: a batch at a time, so the kernel's socket buffer never overflows
-    and every datagram reaches the node (and so do other peers' datagrams)."""
+async def send_datagrams(
+    node: DHTNode,
+    datagrams: list[bytes],
+    *,
+    batch: int = 64,
+    source: trio.socket.SocketType | None = None,
+) -> None:
+    """Send ``datagrams`` from ``source`` (or one fresh 127.0.0.1 socket) to ``node``,
+    as fast as it reads them: a batch at a time, so the kernel's socket buffer
+    never overflows and every datagram reaches the node (and so do other peers')."""
+    if source is None:
+        with trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM) as sock:
+            await sock.bind(("127.0.0.1", 0))
+            await send_datagrams(node, datagrams, batch=batch, source=sock)
+        return
     proto = node._server.proto
-    with trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM) as sock:
-        await sock.bind(("127.0.0.1", 0))
-        for start in range(0, len(datagrams), batch):
-            before = proto.received_datagrams
-            chunk = datagrams[start : start + batch]
-            for data in chunk:
-                await sock.sendto(data, ("127.0.0.1", node.port))
-            for _ in range(10_000):  # bounded: 10 s at most
-                if proto.received_datagrams >= before + len(chunk):
-                    break
-                await trio.sleep(0.001)
-            else:
-                raise AssertionError("the node stopped reading datagrams")
+    for start in range(0, len(datagrams), batch):
+        before = proto.received_datagrams
+        chunk = datagrams[start : start + batch]
+        for data in chunk:
+            await source.sendto(data, ("127.0.0.1", node.port))
+        for _ in range(10_000):  # bounded: 10 s at most
+            if proto.received_datagrams >= before + len(chunk):
+                break
+            await trio.sleep(0.001)
+        else:
+            raise AssertionError("the node stopped reading datagrams")
 
 
 @asynccontextmanager

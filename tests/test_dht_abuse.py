@@ -8,13 +8,14 @@ while a well-behaved node stores and reads through the flooded node.
 from __future__ import annotations
 
 import random
+import socket
 
 import pytest
 import trio
 from dht_harness import open_pair, send_datagrams
 
 from dht import DHTConfig, DHTValue, RequestRateLimit, StorageQuota
-from dht._messages import Kind, encode, new_msg_id
+from dht._messages import Kind, decode, encode, new_msg_id
 from dht._ratelimit import RateLimiter, TokenBucket
 from dht._records import Record, RecordLimits, make_record
 from dht._storage import RecordStorage, Source
@@ -122,7 +123,7 @@ def test_token_bucket_refills_at_its_rate() -> None:
 
 def test_rate_limiter_keeps_sources_apart_and_bounds_memory() -> None:
     clock = ManualClock(0.0)
-    limiter = RateLimiter(RequestRateLimit(rate=1.0, burst=5, max_sources=10), clock)
+    limiter = RateLimiter.for_requests(RequestRateLimit(rate=1.0, burst=5, max_sources=10), clock)
     assert sum(limiter.allow("flooder") for _ in range(1000)) == 5
     assert sum(limiter.allow("honest") for _ in range(5)) == 5
     for i in range(100):
@@ -135,6 +136,8 @@ def test_limit_configs_say_what_to_change() -> None:
         RequestRateLimit(burst=0)
     with pytest.raises(ConfigError, match="rate"):
         RequestRateLimit(rate=0)
+    with pytest.raises(ConfigError, match="reply_bytes_burst"):
+        RequestRateLimit(reply_bytes_burst=1000)
     with pytest.raises(ConfigError, match="max_records_per_host"):
         StorageQuota(max_records_per_peer=10, max_records_per_host=5)
     with pytest.raises(ConfigError, match="max_records"):
@@ -243,3 +246,41 @@ async def test_storing_node_answers_malformed_and_over_quota_stores_with_the_rea
             assert ok
             assert reply == [reason is None, reason], wire
         assert target.stored_key_count() == 1
+
+
+async def test_replies_to_one_address_are_bounded_in_bytes() -> None:
+    """A forged source address cannot aim large find_value replies at a victim:
+    the node sends one address at most ``reply_bytes_burst`` bytes at once."""
+    clock = ManualClock(NOW)
+    config = DHTConfig(
+        rpc_timeout=0.5,
+        bootstrap_timeout=5.0,
+        rate_limit=RequestRateLimit(reply_bytes_burst=200_000),
+    )
+    mallory = Identity.from_seed(b"V" * 32)
+    async with open_pair(config, clock, rate_clock=ManualClock(0.0)) as (target, honest):
+        for i in range(14):  # ~4.2 kB each: a ~60 kB reply
+            await honest.store("big", b"x" * 4000, NOW + 60, subkey=i)
+        request = encode(
+            mallory, Kind.REQUEST, new_msg_id(), ["find_value", [_record("big").key_id]]
+        )
+        proto = target._server.proto
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as victim:
+            victim.bind(("127.0.0.1", 0))
+            victim.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+            victim.setblocking(False)
+            await send_datagrams(
+                target, [request] * 10, source=trio.socket.from_stdlib_socket(victim)
+            )
+            received = []
+            for _ in range(10):  # replies are sent as requests are read: all are here now
+                try:
+                    received.append(victim.recv(65_536))
+                except BlockingIOError:
+                    break
+        # (the node also pings the unknown sender back, once: a small request)
+        sizes = [len(r) for r in received if decode(r).kind is Kind.RESPONSE]
+        assert len(sizes) == 3 and all(s > 50_000 for s in sizes), sizes
+        assert proto.unsent_replies == 7
+        # other addresses are still answered
+        assert await honest.get("big") is not None
