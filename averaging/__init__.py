@@ -6,6 +6,7 @@ Modules, pure code first:
 - ``_partition``: flatten tensors and cut the vector into parts by bandwidth
 - ``_codecs``: parts on the wire: float32, float16, 8-bit blockwise, 4-bit groups
 - ``_reducer``: per-chunk weighted accumulation that survives failed senders
+- ``_robust``: CenteredClip, Byzantine-robust aggregation of a chunk
 - ``_faults``: fault plans, injected by composition into the real code
 - ``_moshpit``: the Moshpit grid, its key schedule and group placement
 - ``_allreduce``: the fault-tolerant butterfly all-reduce over peer connections
@@ -23,6 +24,7 @@ from ._faults import FaultPlan, InjectedFault, MemberFault
 from ._group import Group, GroupMember, MemberMode
 from ._matchmaking import MatchmakingConfig
 from ._moshpit import MoshpitGrid, MoshpitState
+from ._robust import CenteredClip
 from ._state_transfer import (
     UNCHECKED,
     LoadedState,
@@ -42,6 +44,7 @@ __all__ = [
     "ArcTopKRound",
     "Averager",
     "AveragerConfig",
+    "CenteredClip",
     "Codec",
     "CodecKind",
     "FaultPlan",

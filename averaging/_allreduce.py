@@ -77,6 +77,7 @@ from ._faults import FaultPlan, InjectedFault, MemberFault
 from ._group import Group, MemberMode
 from ._partition import Partition, flatten, unflatten_into
 from ._reducer import PartReducer, ReceivedParts
+from ._robust import CenteredClip
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,12 @@ class AllReduceConfig:
     reducer_timeout: float = 10.0
     round_timeout: float = 60.0
     chunk_elements: int = (1 << 19) - 16
+    #: None: each reducer returns the weighted mean of its part. ``CenteredClip``:
+    #: each reducer returns, chunk by chunk, the CenteredClip of its senders'
+    #: values (``_robust``), which bounds the pull of Byzantine senders on every
+    #: chunk; it keeps every sender's copy of unfinished chunks (``_reducer``).
+    #: Every member must use the same setting.
+    aggregation: CenteredClip | None = None
 
     def __post_init__(self) -> None:
         for name in ("sender_timeout", "reducer_timeout", "round_timeout"):
@@ -125,6 +132,10 @@ class AllReduceConfig:
                 f"reducer_timeout ({self.reducer_timeout}) must exceed sender_timeout"
                 f" ({self.sender_timeout}): a reducer waits up to sender_timeout for a slow"
                 " sender before it can answer, and must not be dropped meanwhile"
+            )
+        if self.aggregation is not None and not isinstance(self.aggregation, CenteredClip):
+            raise ConfigError(
+                f"aggregation must be None or CenteredClip(tau=...), not {self.aggregation!r}"
             )
         if not 1 <= self.chunk_elements <= (1 << 21) - 1024:
             raise ConfigError(
@@ -274,7 +285,7 @@ class _Round:
         self.config = config
         self.fault = fault
         me = group.local_index
-        self._mask_size = -(-group.size // 32) * 4
+        self._mask_size = mask_size(group.size)
         self.received = ReceivedParts([partition.num_chunks(j) for j in range(group.size)], me)
         # Reducer role.
         self.reducer: PartReducer | None = None
@@ -282,7 +293,10 @@ class _Round:
         if partition.part_size(me) > 0:
             self.buffer = _registry(net).take_buffer(partition.part_size(me))
             self.reducer = PartReducer(
-                partition.chunk_sizes(me), dict.fromkeys(group.senders(), 0.0), buffer=self.buffer
+                partition.chunk_sizes(me),
+                dict.fromkeys(group.senders(), 0.0),
+                buffer=self.buffer,
+                aggregation=config.aggregation,
             )
         self._incoming_send, self._incoming_receive = trio.open_memory_channel[
             tuple[StreamLike, int, float, trio.Event]
@@ -314,31 +328,7 @@ class _Round:
 
         Raises ``ProtocolError`` with the one-line reason for the refusal.
         """
-        fields = expect_list(message, 7, "all-reduce header")
-        version = expect_int(fields[0], "version")
-        if version != PROTOCOL_VERSION:
-            raise ProtocolError(
-                f"all-reduce protocol version {version}, expected {PROTOCOL_VERSION}"
-            )
-        part = expect_int(fields[2], "part")
-        if part != self.group.local_index:
-            raise ProtocolError(
-                f"part {part} is not reduced here (this is member {self.group.local_index})"
-            )
-        sender = expect_int(fields[3], "sender", lo=0, hi=self.group.size - 1)
-        weight = expect_float(fields[4], "weight")
-        if weight < 0:
-            raise ProtocolError("weight must be >= 0")
-        if expect_int(fields[5], "chunk_elements") != self.partition.chunk_elements:
-            raise ProtocolError(f"chunk_elements differ: ours is {self.partition.chunk_elements}")
-        if expect_int(fields[6], "total") != self.partition.total:
-            raise ProtocolError(f"vector sizes differ: ours has {self.partition.total} elements")
-        member = self.group.members[sender]
-        if stream.remote != member.peer_id:
-            raise ProtocolError(f"member {sender} of the group is another peer")
-        if member.mode is MemberMode.AUX:
-            raise ProtocolError(f"member {sender} is auxiliary and sends no data")
-        return sender, weight
+        return parse_sender_header(message, self.group, self.partition, stream.remote)
 
     async def accept(self, stream: StreamLike, sender: int, weight: float) -> None:
         """Hand an incoming sender stream to the reducer; return when it is served.
@@ -415,20 +405,14 @@ class _Round:
             while reducer.expects(sender):
                 header = payload = None
                 with trio.move_on_after(self.config.sender_timeout):
-                    header = _expect_frame(await stream.receive(), "chunk header")
-                    if len(header) != _CHUNK_HEADER_SIZE:
-                        raise ProtocolError(f"chunk header of {len(header)} bytes")
-                    (chunk,) = _CHUNK_INDEX.unpack_from(header)
-                    if chunk != reducer.delivered(sender):
-                        raise ProtocolError(f"chunk {chunk} out of order")
-                    blob_header = memoryview(header)[_CHUNK_INDEX.size :]
-                    size = payload_size(blob_header, expected_length=sizes[chunk])
+                    chunk = reducer.delivered(sender)
+                    header, size = parse_chunk_header(await stream.receive(), chunk, sizes[chunk])
                     payload = await scratch.receive(stream, size)
                 if header is None or payload is None:
                     logger.info("all-reduce: member %d missed sender_timeout", sender)
                     self._completed(reducer.fail(sender))
                     break
-                values = decode_split(blob_header, payload, expected_length=sizes[chunk])
+                values = decode_split(header, payload, expected_length=sizes[chunk])
                 if not all_finite(values):  # the reducer excludes it; we also ban it
                     self._blame(sender, ProtocolError(f"sent NaN or Inf in chunk {chunk}"))
                 self._completed(reducer.add(sender, chunk, values))
@@ -586,32 +570,18 @@ class _Round:
 
     async def _receive_results(self, stream: StreamLike, part: int) -> None:
         start, _ = self.partition.part_bounds[part]
-        senders = set(self.group.senders())
-        header = _CHUNK_INDEX.size + self._mask_size
+        senders = frozenset(self.group.senders())
         scratch = _Scratch()  # each chunk's payload, until it is checked and copied
         while not self.received.is_complete(part):
             chunk = self.received.next_chunk(part)
+            a, b = self.partition.chunk_bounds(part, chunk)
             with trio.fail_after(self.config.reducer_timeout):
-                data = _expect_frame(await stream.receive(), "result frame")
-                if len(data) < header:
-                    raise ProtocolError("result frame shorter than its header")
-                (index,) = _CHUNK_INDEX.unpack_from(data)
-                if index != chunk:
-                    raise ProtocolError(f"result chunk {index} out of order, expected {chunk}")
-                mask = data[_CHUNK_INDEX.size : header]
-                contributors = frozenset(
-                    i for i in range(self.group.size) if mask[i // 8] >> (i % 8) & 1
+                contributors, blob_header, size = parse_result_header(
+                    await stream.receive(), chunk, self.group.size, senders, b - a
                 )
-                if not contributors <= senders:
-                    raise ProtocolError("result names contributors that are not senders")
-                if not contributors:
-                    if len(data) != header:
-                        raise ProtocolError("a result without contributors carries no values")
+                if blob_header is None:
                     self.received.received(part, chunk, contributors)
                     continue
-                a, b = self.partition.chunk_bounds(part, chunk)
-                blob_header = memoryview(data)[header:]
-                size = payload_size(blob_header, expected_length=b - a)
                 payload = await scratch.receive(stream, size)
             values = decode_split(blob_header, payload, expected_length=b - a)
             # Into place only once it is known to be good: a failed chunk
@@ -653,6 +623,96 @@ class _Round:
             failed_reducers=failed_reducers,
             timed_out=timed_out,
         )
+
+
+def parse_sender_header(
+    message: Any, group: Group, partition: Partition, remote: PeerID
+) -> tuple[int, float]:
+    """A sender's stream header, checked against this round; (sender index, weight).
+
+    Raises ``ProtocolError`` (and nothing else) with the one-line reason for
+    the refusal: malformed, another version, part or vector layout, a member
+    index that is not ``remote`` or is auxiliary, a negative or non-finite weight.
+    """
+    fields = expect_list(message, 7, "all-reduce header")
+    version = expect_int(fields[0], "version")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"all-reduce protocol version {version}, expected {PROTOCOL_VERSION}")
+    part = expect_int(fields[2], "part")
+    if part != group.local_index:
+        raise ProtocolError(f"part {part} is not reduced here (this is member {group.local_index})")
+    sender = expect_int(fields[3], "sender", lo=0, hi=group.size - 1)
+    weight = expect_float(fields[4], "weight")
+    if weight < 0:
+        raise ProtocolError("weight must be >= 0")
+    if expect_int(fields[5], "chunk_elements") != partition.chunk_elements:
+        raise ProtocolError(f"chunk_elements differ: ours is {partition.chunk_elements}")
+    if expect_int(fields[6], "total") != partition.total:
+        raise ProtocolError(f"vector sizes differ: ours has {partition.total} elements")
+    member = group.members[sender]
+    if remote != member.peer_id:
+        raise ProtocolError(f"member {sender} of the group is another peer")
+    if member.mode is MemberMode.AUX:
+        raise ProtocolError(f"member {sender} is auxiliary and sends no data")
+    return sender, weight
+
+
+def parse_chunk_header(
+    frame: Any, expected_chunk: int, expected_length: int
+) -> tuple[memoryview, int]:
+    """A sender's chunk header frame, ``u32 chunk index | blob header``.
+
+    Returns the blob header and the payload size it announces. Raises
+    ``ProtocolError`` (and nothing else) if the frame is not raw bytes of that
+    size, names another chunk than ``expected_chunk`` or a blob that is not
+    ``expected_length`` values.
+    """
+    data = memoryview(_expect_frame(frame, "chunk header")).cast("B")
+    if len(data) != _CHUNK_HEADER_SIZE:
+        raise ProtocolError(f"chunk header of {len(data)} bytes")
+    (chunk,) = _CHUNK_INDEX.unpack_from(data)
+    if chunk != expected_chunk:
+        raise ProtocolError(f"chunk {chunk} out of order, expected {expected_chunk}")
+    blob_header = data[_CHUNK_INDEX.size :]
+    return blob_header, payload_size(blob_header, expected_length=expected_length)
+
+
+def mask_size(group_size: int) -> int:
+    """Bytes of a result's contributor mask: one bit per member, in whole u32s."""
+    return -(-group_size // 32) * 4
+
+
+def parse_result_header(
+    frame: Any,
+    expected_chunk: int,
+    group_size: int,
+    senders: frozenset[int],
+    expected_length: int,
+) -> tuple[frozenset[int], memoryview | None, int]:
+    """A reducer's result frame, ``u32 chunk index | contributor mask | blob header``.
+
+    Returns the contributors, the blob header (None when the chunk has no
+    result: no contributors, no blob, no payload frame) and the payload size.
+    Raises ``ProtocolError`` (and nothing else) for a frame of the wrong size
+    or chunk, contributors that are not ``senders``, or a bad blob header.
+    """
+    data = memoryview(_expect_frame(frame, "result frame")).cast("B")
+    header = _CHUNK_INDEX.size + mask_size(group_size)
+    if len(data) < header:
+        raise ProtocolError("result frame shorter than its header")
+    (index,) = _CHUNK_INDEX.unpack_from(data)
+    if index != expected_chunk:
+        raise ProtocolError(f"result chunk {index} out of order, expected {expected_chunk}")
+    mask = data[_CHUNK_INDEX.size : header]
+    contributors = frozenset(i for i in range(group_size) if mask[i // 8] >> (i % 8) & 1)
+    if not contributors <= senders:
+        raise ProtocolError("result names contributors that are not senders")
+    if not contributors:
+        if len(data) != header:
+            raise ProtocolError("a result without contributors carries no values")
+        return contributors, None, 0
+    blob_header = data[header:]
+    return contributors, blob_header, payload_size(blob_header, expected_length=expected_length)
 
 
 def _expect_frame(obj: Any, what: str) -> bytes | bytearray | memoryview:

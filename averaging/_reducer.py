@@ -16,6 +16,17 @@ alone, and that is how they are recorded.
 
 Because every sender delivers in order, finished chunks always form a prefix
 ``[0, completed)`` of the part.
+
+With ``aggregation=CenteredClip(...)`` (``_robust``) a chunk's result is the
+CenteredClip of its contributors' values instead of their weighted mean. It
+is applied per chunk, when the chunk finishes: the clipping radius bounds
+every Byzantine sender's pull on each chunk separately, so on every chunk
+(and so on every part) its influence is at most the bound of ``_robust``. The
+reducer must then keep each sender's copy of each unfinished chunk: at most
+``senders x part size`` float32 values (a sender can run ahead of the
+slowest one by the whole part), i.e. about one extra copy of the whole
+averaged vector for a group of equal members; each chunk's copies are freed
+as soon as it finishes.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import torch
 from swarm import ProtocolError
 
 from ._codecs import all_finite
+from ._robust import CenteredClip, centered_clip
 
 
 class PartReducer:
@@ -37,7 +49,8 @@ class PartReducer:
     finite number >= 0. A chunk whose contributors all have weight 0 (or that
     nobody delivered) has no result: every member keeps its local values there.
     ``buffer`` (float32, at least the part's size, any contents) is used as the
-    accumulator instead of new memory.
+    accumulator instead of new memory. ``aggregation``: None for the weighted
+    mean, or ``CenteredClip`` (see the module docstring).
     """
 
     def __init__(
@@ -46,6 +59,7 @@ class PartReducer:
         weights: Mapping[int, float],
         *,
         buffer: torch.Tensor | None = None,
+        aggregation: CenteredClip | None = None,
     ) -> None:
         for sender, w in weights.items():
             if not (math.isfinite(w) and w >= 0):
@@ -69,6 +83,9 @@ class PartReducer:
         self._delivered = dict.fromkeys(weights, 0)
         self._alive = set(weights)
         self._has_result = [False] * len(self.chunk_sizes)
+        self._aggregation = aggregation
+        #: CenteredClip only: each contributor's values of each unfinished chunk
+        self._held: dict[int, dict[int, torch.Tensor]] = {}
         #: Chunks ``[0, completed)`` are finished.
         self.completed = 0
         self._advance()
@@ -134,7 +151,10 @@ class PartReducer:
         start, end = self._offsets[chunk], self._offsets[chunk + 1]
         acc = self._acc[start:end]
         contributors = self._contributors[chunk]
-        if not contributors:
+        if self._aggregation is not None:
+            if w > 0:  # ``values`` may be the caller's scratch memory: keep a copy
+                self._held.setdefault(chunk, {})[sender] = values.reshape(-1).clone()
+        elif not contributors:
             # Kept unscaled: a chunk with one contributor is then exactly its
             # values, not values * w / w. Overwriting also spares zero-filling.
             acc.copy_(values.reshape(-1))
@@ -165,12 +185,31 @@ class PartReducer:
         ):
             c = self.completed
             total = self._weight_sum[c]
+            held = self._held.pop(c, {})
             if total > 0:
-                if len(self._contributors[c]) > 1:
+                if self._aggregation is not None:
+                    self._acc[self._offsets[c] : self._offsets[c + 1]].copy_(self._robust(held))
+                elif len(self._contributors[c]) > 1:
                     self._acc[self._offsets[c] : self._offsets[c + 1]].div_(total)
                 self._has_result[c] = True
             self.completed += 1
         return range(first, self.completed)
+
+    def _robust(self, held: Mapping[int, torch.Tensor]) -> torch.Tensor:
+        assert self._aggregation is not None
+        senders = sorted(held)  # the same order on every run: the same bits
+        if len(senders) == 1:
+            return held[senders[0]]
+        clip = self._aggregation
+        weights = torch.tensor(
+            [self._weights[s] if clip.use_weights else 1.0 for s in senders], dtype=torch.float32
+        )
+        values = torch.stack([held[s] for s in senders])
+        return centered_clip(values, weights, clip.tau, clip.iterations)
+
+    def held_values(self) -> int:
+        """Values kept for unfinished chunks (CenteredClip only; 0 otherwise)."""
+        return sum(t.numel() for chunk in self._held.values() for t in chunk.values())
 
     def result(self, chunk: int) -> torch.Tensor | None:
         """The weighted mean of a finished chunk (a view), or None if it has no result."""

@@ -4,7 +4,9 @@ Modules, from pure code up to the node:
 
 - ``_records``: record layout, owner signatures, validation and merge rules (pure)
 - ``_messages``: the signed datagram envelope (pure)
-- ``_storage``: kademlia ``IStorage`` holding validated records by key id
+- ``_storage``: kademlia ``IStorage`` holding validated records by key id, with
+  per-sender quotas (``StorageQuota``)
+- ``_ratelimit``: token buckets per source address and node id (``RequestRateLimit``)
 - ``_protocol``: kademlia's protocol subclass speaking signed datagrams and records
 - ``_routing``: ``NearestNodes``, a look-up's candidate heap with O(1) membership
 - ``_crawl``: a value look-up that merges the replies of the responsible nodes
@@ -14,6 +16,17 @@ Modules, from pure code up to the node:
 """
 
 from ._node import DHTConfig, DHTNode, DHTValue, open_dht_node
+from ._ratelimit import RequestRateLimit
 from ._records import RecordLimits, owner_marker
+from ._storage import StorageQuota
 
-__all__ = ["DHTConfig", "DHTNode", "DHTValue", "RecordLimits", "open_dht_node", "owner_marker"]
+__all__ = [
+    "DHTConfig",
+    "DHTNode",
+    "DHTValue",
+    "RecordLimits",
+    "RequestRateLimit",
+    "StorageQuota",
+    "open_dht_node",
+    "owner_marker",
+]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from swarm._identity import Identity, PeerID
 from ._aio import AsyncioLoop, open_asyncio_loop
 from ._crawl import RecordCrawl
 from ._messages import derive_proof_key
+from ._ratelimit import MonotonicClock, RequestRateLimit
 from ._records import (
     Record,
     RecordLimits,
@@ -42,6 +44,7 @@ from ._records import (
     validate,
 )
 from ._server import RecordServer
+from ._storage import StorageQuota
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +67,16 @@ class DHTConfig:
     #: how often expired records are swept from storage
     expiry_sweep_interval: float = 30.0
     limits: RecordLimits = field(default_factory=RecordLimits)
-    #: most records one node stores, across all keys
+    #: most records one node stores, across all keys; beyond it new records
+    #: are refused (nothing stored is evicted to make room)
     max_records: int = 100_000
     #: the pre-shared key of a private swarm (``swarm._swarm_key``): every
     #: datagram proves it, and datagrams that do not are dropped unanswered
     swarm_key: bytes | None = field(default=None, repr=False)
+    #: how much of this node's storage one node id / one host may hold
+    quota: StorageQuota = field(default_factory=StorageQuota)
+    #: datagrams per second one source address / one node id may send us
+    rate_limit: RequestRateLimit = field(default_factory=RequestRateLimit)
 
     def __post_init__(self) -> None:
         if self.ksize < 1 or self.alpha < 1:
@@ -85,6 +93,12 @@ class DHTConfig:
         if self.swarm_key is not None and len(self.swarm_key) < 16:
             raise ConfigError(
                 "DHTConfig: swarm_key must be at least 16 bytes (use 32 random bytes)"
+            )
+        if self.max_records < self.quota.max_records_per_host:
+            raise ConfigError(
+                f"DHTConfig: max_records ({self.max_records}) must be at least "
+                f"quota.max_records_per_host ({self.quota.max_records_per_host}), "
+                "or one host could fill the whole storage"
             )
 
 
@@ -245,6 +259,7 @@ class DHTNode:
 
     @property
     def dropped_datagrams(self) -> int:
+        """Datagrams dropped as malformed, unsigned or not a valid request."""
         return self._server.proto.dropped_datagrams
 
     @property
@@ -253,6 +268,11 @@ class DHTNode:
         bans = self._server.proto.bans
         assert bans is not None  # open_dht_node always passes one
         return bans
+
+    @property
+    def rate_limited_datagrams(self) -> int:
+        """Datagrams dropped because their source was over its ``RequestRateLimit``."""
+        return self._server.proto.rate_limited_datagrams
 
     # -- maintenance ----------------------------------------------------------
 
@@ -292,12 +312,14 @@ async def open_dht_node(
     config: DHTConfig | None = None,
     clock: WallClock = system_clock,
     bans: BanList | None = None,
+    rate_clock: MonotonicClock = time.monotonic,
 ) -> AsyncIterator[DHTNode]:
     """Run a DHT node listening on UDP ``host:port`` for the duration of the block.
 
     ``port=0`` picks a free port (see ``node.port``). With ``initial_peers`` the
     node bootstraps before the block starts and raises ``BootstrapError`` if none
-    answers. ``clock`` is the wall clock used for expiration times. ``bans``
+    answers. ``clock`` is the wall clock used for expiration times and
+    ``rate_clock`` the monotonic clock that refills request budgets. ``bans``
     (the peer facade shares one with its connections, see ``swarm._bans``) is
     consulted for every datagram and records offences; without it nobody is
     banned. On exit (or cancellation) maintenance stops and the socket is closed.
@@ -313,11 +335,14 @@ async def open_dht_node(
                 rpc_timeout=config.rpc_timeout,
                 limits=config.limits,
                 max_records=config.max_records,
+                quota=config.quota,
+                rate_limit=config.rate_limit,
                 clock=clock,
                 proof_key=(
                     None if config.swarm_key is None else derive_proof_key(config.swarm_key)
                 ),
                 bans=bans if bans is not None else BanList.disabled(),
+                rate_clock=rate_clock,
             )
             try:
                 bound = await loop.call(server.listen, port, host)

@@ -10,6 +10,14 @@ table and crawlers work unchanged, and replaces what kademlia gets wrong for us:
 - ``rpc_store`` validates before it stores, ``rpc_find_value`` returns the
   records of a key and the closest nodes together (a crawl can merge the replies
   of several nodes), bounded to one datagram;
+- every source UDP address and every proven node id has its own request
+  budget (``RequestRateLimit``, a token bucket each): a datagram over budget is
+  dropped before its signature is checked, so a flood from one source costs
+  little and leaves the other sources' budgets untouched; the reply bytes sent
+  to one address have a budget too, so a forged source address cannot turn
+  the node into an amplifier;
+- stored records are charged to the node id and host that sent them
+  (``StorageQuota`` in ``_storage``);
 - a node that sends us a request is not trusted into the routing table on its
   word: it is pinged back, and added when its signed answer arrives;
 - ``welcome_if_new`` pushes stored records, which passed validation, as records;
@@ -40,8 +48,9 @@ from swarm._identity import PEER_ID_SIZE, Identity, PeerID
 from swarm._wire import expect_bytes, expect_int, expect_list, expect_str, pack
 
 from . import _messages as messages
+from ._ratelimit import MonotonicClock, RateLimiter, RequestRateLimit
 from ._records import Record, RecordLimits
-from ._storage import RecordStorage
+from ._storage import RecordStorage, Source
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +85,20 @@ def decode_nodes(obj: Any) -> list[tuple[bytes, str, int]]:
     return nodes
 
 
+def decode_find_value_reply(
+    obj: Any, limits: RecordLimits
+) -> tuple[list[Record], list[tuple[bytes, str, int]], bool]:
+    """Decode ``[records, contacts, truncated]``; records are decoded, not validated.
+
+    Raises ``ProtocolError`` (and nothing else) if it is malformed.
+    """
+    records_wire, nodes, truncated = expect_list(obj, 3, "find_value reply")
+    if not isinstance(records_wire, list):
+        raise ProtocolError("find_value reply: records must be a list")
+    records = [Record.from_wire(w, limits) for w in records_wire]
+    return records, decode_nodes(nodes), bool(truncated)
+
+
 def _is_ip(text: str) -> bool:
     for family in (socket.AF_INET, socket.AF_INET6):
         try:
@@ -97,6 +120,8 @@ class SwarmProtocol(KademliaProtocol):
         limits: RecordLimits,
         rpc_timeout: float,
         clock: WallClock,
+        rate_limit: RequestRateLimit,
+        rate_clock: MonotonicClock,
         proof_key: bytes | None = None,
         bans: BanList | None = None,
     ) -> None:
@@ -113,7 +138,15 @@ class SwarmProtocol(KademliaProtocol):
         self._pinging: set[bytes] = set()
         self._failed: dict[bytes, float] = {}
         self._closed = False
+        self.received_datagrams = 0
         self.dropped_datagrams = 0
+        #: datagrams dropped because their source address or node id was over budget
+        self.rate_limited_datagrams = 0
+        self._by_address = RateLimiter.for_requests(rate_limit, rate_clock)
+        self._by_node = RateLimiter.for_requests(rate_limit, rate_clock)
+        self._reply_bytes = RateLimiter.for_reply_bytes(rate_limit, rate_clock)
+        #: replies not sent because their address was over its reply byte budget
+        self.unsent_replies = 0
         self._handlers: dict[str, Callable[[Node, list[Any]], Any]] = {
             "ping": self._rpc_ping,
             "find_node": self._rpc_find_node,
@@ -148,8 +181,12 @@ class SwarmProtocol(KademliaProtocol):
 
     def datagram_received(self, data: bytes, addr: Address) -> None:
         bans = self.bans
+        self.received_datagrams += 1
         if bans is not None and bans.is_banned((addr[0], addr[1])):
             self.dropped_datagrams += 1
+            return
+        if not self._by_address.allow((addr[0], addr[1])):
+            self.rate_limited_datagrams += 1
             return
         try:
             datagram = messages.decode(data, proof_key=self._proof_key)
@@ -163,6 +200,9 @@ class SwarmProtocol(KademliaProtocol):
             self.dropped_datagrams += 1
             return
         if datagram.kind is messages.Kind.REQUEST:
+            if not self._by_node.allow(bytes(datagram.sender)):
+                self.rate_limited_datagrams += 1
+                return
             self._answer(datagram, (addr[0], addr[1]))
         else:
             self._resolve(datagram, (addr[0], addr[1]))
@@ -180,7 +220,17 @@ class SwarmProtocol(KademliaProtocol):
             log.debug("malformed request from %s: %s", addr, e)
             self._offence(datagram.sender, f"malformed DHT request: {e}")
             return
-        self._send(messages.Kind.RESPONSE, datagram.msg_id, response, addr)
+        reply = messages.encode(
+            self._identity,
+            messages.Kind.RESPONSE,
+            datagram.msg_id,
+            response,
+            proof_key=self._proof_key,
+        )
+        if self._reply_bytes.allow((addr[0], addr[1]), len(reply)):
+            self._sendto(reply, addr)
+        else:
+            self.unsent_replies += 1
         if sender.id != self.source_node.id:
             self._ping_back_if_new(sender)
 
@@ -206,10 +256,13 @@ class SwarmProtocol(KademliaProtocol):
             log.info("banned DHT node %s for %.0f s: %s", sender.short(), period, reason)
 
     def _send(self, kind: messages.Kind, msg_id: bytes, body: Any, addr: Address) -> None:
+        datagram = messages.encode(self._identity, kind, msg_id, body, proof_key=self._proof_key)
+        self._sendto(datagram, addr)
+
+    def _sendto(self, data: bytes, addr: Address) -> None:
         if self.transport is None or self._closed:
             return
-        datagram = messages.encode(self._identity, kind, msg_id, body, proof_key=self._proof_key)
-        self.transport.sendto(datagram, addr)
+        self.transport.sendto(data, addr)
 
     def call(
         self, addr: Address, method: str, args: list[Any], expected: bytes | None = None
@@ -270,7 +323,7 @@ class SwarmProtocol(KademliaProtocol):
             log.debug("malformed record from %s: %s", sender, e)
             return [False, RejectReason.MALFORMED.name]
         try:
-            kept = self.storage.store(record)
+            kept = self.storage.store(record, Source(bytes(sender.id), sender.ip))
         except RecordRejectedError as e:
             log.debug("refused record from %s: %s", sender, e)
             if e.reason is RejectReason.FORGED:
@@ -311,11 +364,8 @@ class SwarmProtocol(KademliaProtocol):
         result: Result = (False, None)
         if ok:
             try:
-                records_wire, nodes, truncated = expect_list(answer[1], 3, "find_value reply")
-                if not isinstance(records_wire, list):
-                    raise ProtocolError("find_value reply: records must be a list")
-                records = [Record.from_wire(w, self._limits) for w in records_wire]
-                result = (True, (records, self._live(decode_nodes(nodes)), bool(truncated)))
+                records, nodes, truncated = decode_find_value_reply(answer[1], self._limits)
+                result = (True, (records, self._live(nodes), truncated))
             except ProtocolError as e:
                 log.debug("bad find_value reply from %s: %s", node_to_ask, e)
         return self.handle_call_response(result, node_to_ask)

@@ -28,8 +28,9 @@ from swarm._identity import Identity, PeerID
 
 from ._crawl import NodeCrawl, RecordCrawl
 from ._protocol import Address, SwarmProtocol
+from ._ratelimit import MonotonicClock, RequestRateLimit
 from ._records import Record, RecordLimits, merge, validate
-from ._storage import RecordStorage
+from ._storage import RecordStorage, StorageQuota
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +47,14 @@ class RecordServer(Server):
         rpc_timeout: float,
         limits: RecordLimits,
         max_records: int,
+        quota: StorageQuota,
+        rate_limit: RequestRateLimit,
         clock: WallClock,
+        rate_clock: MonotonicClock,
         proof_key: bytes | None = None,
         bans: BanList | None = None,
     ) -> None:
-        storage = RecordStorage(clock, limits, max_records)
+        storage = RecordStorage(clock, limits, max_records, quota)
         super().__init__(ksize=ksize, alpha=alpha, node_id=identity.peer_id, storage=storage)
         self.storage: RecordStorage = storage
         self.protocol: SwarmProtocol | None = None
@@ -60,6 +64,8 @@ class RecordServer(Server):
         self._clock = clock
         self._proof_key = proof_key
         self._bans = bans
+        self._rate_limit = rate_limit
+        self._rate_clock = rate_clock
 
     def _create_protocol(self) -> SwarmProtocol:
         return SwarmProtocol(
@@ -72,6 +78,8 @@ class RecordServer(Server):
             clock=self._clock,
             proof_key=self._proof_key,
             bans=self._bans,
+            rate_limit=self._rate_limit,
+            rate_clock=self._rate_clock,
         )
 
     @property

@@ -8,71 +8,240 @@ nothing expired is ever returned.
 Only validated records enter: ``store`` runs ``records.validate`` first, so
 everything this storage hands to the protocol (replies, pushes to new
 neighbours, republishing) passes validation at the time it was stored.
+
+Every stored record is charged to the ``Source`` that sent its current version
+(the proven node id and the host address of the store request; records this
+node stores itself are charged to no one). ``StorageQuota`` bounds what one
+node id and one host may hold, and the policy never lets one sender push out
+another's records:
+
+- a store that would take a sender over its quota is refused (``OVER_QUOTA``),
+  and a store when the whole storage is full is refused (``STORAGE_FULL``):
+  nothing already stored is evicted to make room;
+- when a key exceeds ``max_subkeys_per_key``, the evicted sub-key is the
+  soonest-expiring one of the source holding the most sub-keys of that key, so
+  flooding a key with sub-keys only evicts the flooder's own.
+
+Replacing a record with a newer version moves its charge to the new sender
+(records without an owner marker are writable by anyone; owned ones only by
+their owner).
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple, TypeVar
 
 from kademlia.storage import IStorage
 
 from swarm._clock import WallClock
-from swarm._errors import RecordRejectedError, RejectReason
+from swarm._errors import ConfigError, RecordRejectedError, RejectReason
 
-from ._records import Record, RecordLimits, merge, validate
+from ._records import Record, RecordLimits, newer, validate
+
+_A = TypeVar("_A", bytes, str)
+
+
+class Source(NamedTuple):
+    """Who sent a record: the proven node id and the host (IP) it came from."""
+
+    node_id: bytes
+    host: str
+
+
+@dataclass(frozen=True)
+class StorageQuota:
+    """How much of one node's storage one sender may hold.
+
+    With the default ``RecordLimits`` a record is at most about 4.7 kB, so one
+    node id can fill at most ``max_bytes_per_peer`` (2 MiB) and one host at
+    most ``max_bytes_per_host`` (16 MiB) of a node's memory. An honest peer
+    writes a few records per run; the per-peer count leaves room for a
+    neighbour pushing, or republishing, the records of others that a node is
+    responsible for (about ``k / N`` of all records in a swarm of ``N`` nodes).
+    """
+
+    #: most records one node id may hold on this node
+    max_records_per_peer: int = 2_000
+    #: most record bytes (key + sub-key + value + signature) one node id may hold
+    max_bytes_per_peer: int = 2 * 2**20
+    #: most records all node ids behind one host address may hold together:
+    #: node ids are free to make, addresses are not
+    max_records_per_host: int = 20_000
+    max_bytes_per_host: int = 16 * 2**20
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_records_per_peer",
+            "max_bytes_per_peer",
+            "max_records_per_host",
+            "max_bytes_per_host",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"StorageQuota.{name} must be at least 1")
+        if self.max_records_per_host < self.max_records_per_peer:
+            raise ConfigError(
+                "StorageQuota.max_records_per_host must be at least max_records_per_peer"
+            )
+        if self.max_bytes_per_host < self.max_bytes_per_peer:
+            raise ConfigError("StorageQuota.max_bytes_per_host must be at least max_bytes_per_peer")
+
+
+def record_size(record: Record) -> int:
+    """Bytes charged for ``record``: its key, sub-key, value, key and signature."""
+    return (
+        len(record.key)
+        + len(record.subkey or b"")
+        + len(record.value)
+        + len(record.public_key or b"")
+        + len(record.signature or b"")
+        + 8
+    )
 
 
 @dataclass
 class _Entry:
     records: dict[bytes | None, Record] = field(default_factory=dict)
+    #: who sent each record's current version (None: this node itself)
+    sources: dict[bytes | None, Source | None] = field(default_factory=dict)
     #: monotonic time of the last accepted write, for republishing
     updated: float = field(default_factory=time.monotonic)
+
+
+def _node_id(source: Source | None) -> bytes | None:
+    return None if source is None else source.node_id
+
+
+def _add(table: dict[_A, list[int]], account: _A, sign: int, size: int) -> None:
+    usage = table.setdefault(account, [0, 0])
+    usage[0] += sign
+    usage[1] += sign * size
+    if usage[0] <= 0:
+        del table[account]
 
 
 class RecordStorage(IStorage):
     """Validated records by key id. Not thread-safe; lives on the DHT's event loop."""
 
-    def __init__(self, clock: WallClock, limits: RecordLimits, max_records: int = 100_000) -> None:
+    def __init__(
+        self,
+        clock: WallClock,
+        limits: RecordLimits,
+        max_records: int = 100_000,
+        quota: StorageQuota | None = None,
+    ) -> None:
         self._clock = clock
         self._limits = limits
         self._max_records = max_records
+        self._quota = quota or StorageQuota()
         self._entries: dict[bytes, _Entry] = {}
         self._count = 0
+        # (records, bytes) charged to each node id and each host
+        self._by_peer: dict[bytes, list[int]] = {}
+        self._by_host: dict[str, list[int]] = {}
 
     # -- our interface -------------------------------------------------------
 
-    def store(self, record: Record) -> bool:
-        """Validate and merge ``record``. True if it is now the stored version.
+    def store(self, record: Record, source: Source | None = None) -> bool:
+        """Validate and merge ``record`` sent by ``source`` (None: this node).
 
-        Raises ``RecordRejectedError`` if validation fails or storage is full.
-        An older version than the stored one is not an error: it returns False.
+        True if it is now the stored version. An older version than the stored
+        one is not an error: it returns False. Raises ``RecordRejectedError`` if
+        validation fails (nothing changes), ``OVER_QUOTA`` if ``source`` would
+        exceed its ``StorageQuota`` and ``STORAGE_FULL`` if the node holds
+        ``max_records`` already.
         """
         validate(record, self._clock(), self._limits)
         dkey = record.key_id
         entry = self._live_entry(dkey)
-        if entry is None:
-            if self._count >= self._max_records:
-                self.cull()
-                if self._count >= self._max_records:
-                    raise RecordRejectedError(RejectReason.TOO_MANY_SUBKEYS, "storage is full")
-            entry = self._entries[dkey] = _Entry()
-        if entry.records and next(iter(entry.records.values())).key != record.key:
+        if entry is not None and next(iter(entry.records.values())).key != record.key:
             # sha1 collision or a crafted key: never mix two keys in one entry
             raise RecordRejectedError(RejectReason.MALFORMED, "key id collision")
-        is_new_subkey = record.subkey not in entry.records
-        if not merge(entry.records, record):
+        current = None if entry is None else entry.records.get(record.subkey)
+        if not newer(record, current):
             return False
-        entry.updated = time.monotonic()
-        if is_new_subkey:
+        if current is None and self._count >= self._max_records:
+            self.cull()
+            if self._count >= self._max_records:
+                raise RecordRejectedError(RejectReason.STORAGE_FULL)
+        old_source = None if entry is None else entry.sources.get(record.subkey)
+        if source is not None:
+            self._check_quota(record, current, old_source, source)
+        if entry is None:
+            entry = self._entries[dkey] = _Entry()
+        if current is not None:
+            self._uncharge(current, old_source)
+        else:
             self._count += 1
-            if len(entry.records) > self._limits.max_subkeys_per_key:
-                evict = min(entry.records.values(), key=Record.sort_key)
-                del entry.records[evict.subkey]
-                self._count -= 1
-                return evict is not record
+        entry.records[record.subkey] = record
+        entry.sources[record.subkey] = source
+        self._charge(record, source)
+        entry.updated = time.monotonic()
+        if len(entry.records) > self._limits.max_subkeys_per_key:
+            evicted = self._evict_from(entry)
+            return evicted is not record
         return True
+
+    def _check_quota(
+        self, record: Record, current: Record | None, old_source: Source | None, source: Source
+    ) -> None:
+        size = record_size(record)
+        replaced = record_size(current) if current is not None else 0
+        q = self._quota
+        for usage, same, max_records, max_bytes, who in (
+            (
+                self._by_peer.get(source.node_id, [0, 0]),
+                old_source is not None and old_source.node_id == source.node_id,
+                q.max_records_per_peer,
+                q.max_bytes_per_peer,
+                "node id",
+            ),
+            (
+                self._by_host.get(source.host, [0, 0]),
+                old_source is not None and old_source.host == source.host,
+                q.max_records_per_host,
+                q.max_bytes_per_host,
+                "host",
+            ),
+        ):
+            records = usage[0] + (0 if same else 1)
+            used = usage[1] + size - (replaced if same else 0)
+            if records > max_records or used > max_bytes:
+                raise RecordRejectedError(
+                    RejectReason.OVER_QUOTA,
+                    f"this {who} would hold {records} records / {used} bytes "
+                    f"(limits {max_records} / {max_bytes})",
+                )
+
+    def _charge(self, record: Record, source: Source | None, sign: int = 1) -> None:
+        if source is None:
+            return
+        size = record_size(record)
+        _add(self._by_peer, source.node_id, sign, size)
+        _add(self._by_host, source.host, sign, size)
+
+    def _uncharge(self, record: Record, source: Source | None) -> None:
+        self._charge(record, source, -1)
+
+    def _evict_from(self, entry: _Entry) -> Record:
+        """Drop the soonest-expiring record of the source holding most sub-keys."""
+        owners = {sk: _node_id(entry.sources.get(sk)) for sk in entry.records}
+        counts = Counter(owners.values())
+        # ties: a remote sender before this node's own records, then by id
+        biggest = max(counts, key=lambda n: (counts[n], n is not None, n or b""))
+        evict = min(
+            (r for sk, r in entry.records.items() if owners[sk] == biggest), key=Record.sort_key
+        )
+        self._drop(entry, evict.subkey)
+        return evict
+
+    def _drop(self, entry: _Entry, subkey: bytes | None) -> None:
+        record = entry.records.pop(subkey)
+        self._uncharge(record, entry.sources.pop(subkey, None))
+        self._count -= 1
 
     def records(self, dkey: bytes) -> list[Record]:
         """The live records under ``dkey``, newest first (empty if none)."""
@@ -93,15 +262,19 @@ class RecordStorage(IStorage):
     def record_count(self) -> int:
         return self._count
 
+    def usage(self, source: Source) -> tuple[int, int, int, int]:
+        """(records, bytes) charged to ``source``'s node id, then to its host."""
+        peer = self._by_peer.get(source.node_id, [0, 0])
+        host = self._by_host.get(source.host, [0, 0])
+        return peer[0], peer[1], host[0], host[1]
+
     def _live_entry(self, dkey: bytes) -> _Entry | None:
         entry = self._entries.get(dkey)
         if entry is None:
             return None
         now = self._clock()
-        expired = [sk for sk, r in entry.records.items() if r.expiration <= now]
-        for sk in expired:
-            del entry.records[sk]
-        self._count -= len(expired)
+        for sk in [sk for sk, r in entry.records.items() if r.expiration <= now]:
+            self._drop(entry, sk)
         if not entry.records:
             del self._entries[dkey]
             return None

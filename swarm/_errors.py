@@ -57,6 +57,8 @@ class RejectReason(enum.Enum):
     FORGED = "the key names an owner but the signature does not verify for that owner"
     NOT_OWNER = "the key names an owner other than the local peer, so it cannot be signed"
     TOO_MANY_SUBKEYS = "the key already holds the maximum number of sub-keys"
+    OVER_QUOTA = "the sender (node id or host) already holds its share of the storing node"
+    STORAGE_FULL = "the storing node holds its maximum number of records"
     NOT_STORED = "no node that is responsible for the key accepted the record"
 
 

@@ -113,6 +113,10 @@ class TensorSpec:
             raise ProtocolError(f"tensor spec: shape must be a list of at most {MAX_DIMS} sizes")
         shape = tuple(expect_int(n, "tensor spec size", lo=0, hi=2**62) for n in obj[1])
         spec = cls(DTYPES[name], shape)
+        # An empty tensor passes any byte limit, but torch refuses shapes whose
+        # strides overflow int64 (a RuntimeError, found by tests/test_fuzz.py).
+        if math.prod(max(size, 1) for size in shape) * spec.dtype.itemsize >= 2**62:
+            raise ProtocolError(f"tensor spec: shape {shape} is too large")
         if max_bytes is not None and spec.nbytes > max_bytes:
             raise ProtocolError(f"tensor of {spec.nbytes} bytes exceeds the limit of {max_bytes}")
         return spec

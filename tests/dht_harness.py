@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -72,6 +73,55 @@ class Swarm:
         running = next(r for r in self._running if r.node is node)
         running.stop.set()
         await running.stopped.wait()
+
+
+@asynccontextmanager
+async def open_pair(
+    config: DHTConfig, clock: WallClock, *, rate_clock: Callable[[], float] = time.monotonic
+) -> AsyncIterator[tuple[DHTNode, DHTNode]]:
+    """A target node (budgets refilled by ``rate_clock``) and a well-behaved node
+    joined through it, both on 127.0.0.1 with fixed identities."""
+    async with (
+        open_dht_node(
+            Identity.from_seed(b"T" * 32), config=config, clock=clock, rate_clock=rate_clock
+        ) as target,
+        open_dht_node(
+            Identity.from_seed(b"H" * 32),
+            initial_peers=[target.address],
+            config=config,
+            clock=clock,
+        ) as honest,
+    ):
+        yield target, honest
+
+
+async def send_datagrams(
+    node: DHTNode,
+    datagrams: list[bytes],
+    *,
+    batch: int = 64,
+    source: trio.socket.SocketType | None = None,
+) -> None:
+    """Send ``datagrams`` from ``source`` (or one fresh 127.0.0.1 socket) to ``node``,
+    as fast as it reads them: a batch at a time, so the kernel's socket buffer
+    never overflows and every datagram reaches the node (and so do other peers')."""
+    if source is None:
+        with trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM) as sock:
+            await sock.bind(("127.0.0.1", 0))
+            await send_datagrams(node, datagrams, batch=batch, source=sock)
+        return
+    proto = node._server.proto
+    for start in range(0, len(datagrams), batch):
+        before = proto.received_datagrams
+        chunk = datagrams[start : start + batch]
+        for data in chunk:
+            await source.sendto(data, ("127.0.0.1", node.port))
+        for _ in range(10_000):  # bounded: 10 s at most
+            if proto.received_datagrams >= before + len(chunk):
+                break
+            await trio.sleep(0.001)
+        else:
+            raise AssertionError("the node stopped reading datagrams")
 
 
 @asynccontextmanager

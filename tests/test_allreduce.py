@@ -96,6 +96,7 @@ async def run_round(
     plan: FaultPlan | None = None,
     inputs: list[torch.Tensor] | None = None,
     scopes: dict[int, trio.CancelScope] | None = None,
+    config: AllReduceConfig = CONFIG,
 ) -> Outcome:
     n = len(nets)
     inputs = inputs or [member_data(i) for i in range(n)]
@@ -113,7 +114,7 @@ async def run_round(
                     tensors[i],
                     weight=weights[i],
                     codec=codec,
-                    config=CONFIG,
+                    config=config,
                     fault_plan=plan,
                 )
             except InjectedFault as e:
