@@ -13,24 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from cli_harness import CLIProcess, free_udp_port, run_cli, run_to_completion
-
-THROTTLED_TASK = """
-import dataclasses
-import time
-
-from trainer import make_digits_task
-
-
-def make_task():
-    task = make_digits_task()
-
-    def loss(model, batch):
-        time.sleep({delay})  # a slow machine: the peers must wait for each other
-        return task.loss(model, batch)
-
-    return dataclasses.replace(task, loss=loss)
-"""
+from cli_harness import (
+    CLIProcess,
+    free_udp_port,
+    run_cli,
+    run_to_completion,
+    throttled_task_file,
+)
 
 FAST = (
     "--host", "127.0.0.1",
@@ -38,12 +27,6 @@ FAST = (
     "--matchmaking-time", "1",
     "--averaging-timeout", "6",
 )  # fmt: skip
-
-
-def _task_file(tmp_path: Path, delay: float) -> str:
-    path = tmp_path / f"throttled_{int(delay * 1000)}.py"
-    path.write_text(THROTTLED_TASK.format(delay=delay))
-    return f"{path}:make_task"
 
 
 async def _join_address(peer: CLIProcess) -> str:
@@ -68,7 +51,7 @@ async def test_three_peers_train_and_status_shows_them(tmp_path: Path) -> None:
     # 8 samples per 0.1 s: alone, an epoch of 600 samples takes 7.5 s; together ~3.5 s.
     train = (
         "train", *FAST,
-        "--task", _task_file(tmp_path, 0.1),
+        "--task", throttled_task_file(tmp_path, 0.1),
         "--run-id", "cli-test",
         "--target-batch-size", "600",
         "--batch-size", "8",
@@ -122,7 +105,7 @@ async def test_three_peers_train_and_status_shows_them(tmp_path: Path) -> None:
 async def test_sigterm_mid_run_leaves_cleanly(tmp_path: Path) -> None:
     train = (
         "train", *FAST,
-        "--task", _task_file(tmp_path, 0.02),
+        "--task", throttled_task_file(tmp_path, 0.02),
         "--target-batch-size", "32",
         "--batch-size", "8",
     )  # fmt: skip
