@@ -117,6 +117,17 @@ async def test_sigterm_mid_run_leaves_cleanly(tmp_path: Path) -> None:
         assert "accuracy" in line
 
 
+async def test_sigterm_while_waiting_for_min_peers_leaves_at_once(tmp_path: Path) -> None:
+    # Regression (chaos soak): the --min-peers wait slept through SIGTERM for up
+    # to its whole minute (TrainingConfig.min_peers_timeout).
+    train = ("train", *FAST, "--task", throttled_task_file(tmp_path, 0.02), "--min-peers", "3")
+    async with run_cli(*train) as peer:
+        await _join_address(peer)
+        assert await peer.stop(signal.SIGTERM, timeout=30) == 0  # well within the minute
+        line = await peer.read_line_containing("stopped at epoch 0", timeout=5)
+        assert "accuracy" in line
+
+
 async def test_bad_configuration_exits_2_with_one_line(tmp_path: Path) -> None:
     nobody = f"127.0.0.1:{await free_udp_port()}"
     cases = {
