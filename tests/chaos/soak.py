@@ -29,7 +29,7 @@ import trio  # noqa: E402
 from chaos_harness import ChaosConfig, run_chaos  # noqa: E402
 
 #: The soak's run: one more peer, twice the kills and freezes, a longer run.
-SOAK = {"peers": 4, "kills": 2, "freezes": 2, "joiners": 1, "max_epochs": 50}
+SOAK = {"peers": 4, "kills": 2, "freezes": 2, "joiners": 1, "max_epochs": 60, "quiet_epochs": 25}
 
 
 def _seeds(text: str) -> range:
@@ -57,8 +57,10 @@ def main() -> int:
         try:
             report = trio.run(run_chaos, config, directory)
         except BaseException as e:  # a whole run is the boundary: report it, go on
-            if isinstance(e, KeyboardInterrupt):
-                raise
+            if isinstance(e, KeyboardInterrupt) or (
+                isinstance(e, BaseExceptionGroup) and e.subgroup(KeyboardInterrupt) is not None
+            ):
+                raise  # Ctrl-C: the harness has reaped every process on the way out
             traceback.print_exc()
             failed.append(seed)
             print(f"seed {seed}: FAILED; logs in {directory}", flush=True)
