@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -47,6 +48,9 @@ def main() -> int:
     )
     parser.add_argument("--keep", action="store_true", help="keep passing runs' directories too")
     args = parser.parse_args()
+    # Ctrl-C (SIGINT) ends the soak cleanly, also when a shell started it in the
+    # background with SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     seeds = args.seeds if args.seeds is not None else [args.seed]
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in args.config.items()}
     failed: list[int] = []
