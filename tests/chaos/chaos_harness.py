@@ -432,7 +432,7 @@ async def run_chaos(config: ChaosConfig, directory: Path) -> ChaosReport:
         for fault in schedule:
             await swarm.wait_for(
                 f"the swarm reaches epoch {fault.epoch} (for {fault})",
-                lambda f=fault: swarm.epoch >= f.epoch,  # type: ignore[misc]
+                lambda f=fault: swarm.epoch >= f.epoch,
                 config.epoch_bound * max(1, fault.epoch - swarm.epoch + 1),
             )
             print(f"applying {fault} (swarm at epoch {swarm.epoch})", flush=True)
@@ -530,6 +530,7 @@ async def _restart(swarm: ChaosSwarm, fault: Fault) -> None:
     target = swarm.epoch
     await swarm.start_trainer(peer.name)
     assert peer.peer_id == old_id, "a restart with the same --identity keeps the peer id"
+    await _advances(swarm, fault, target)
 
     async def catches_up() -> None:
         if saved is not None:
@@ -558,6 +559,7 @@ async def _catches_up(swarm: ChaosSwarm, peer: ChaosPeer, target: int, since: in
 async def _join(swarm: ChaosSwarm, fault: Fault) -> None:
     target = swarm.epoch
     peer = await swarm.start_trainer(fault.peer)
+    await _advances(swarm, fault, target)
     swarm.check_soon(partial(_catches_up, swarm, peer, target, 0))
 
 
