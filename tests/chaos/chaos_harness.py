@@ -241,7 +241,7 @@ class ChaosSwarm:
         self._nursery = nursery
         self._stack = stack
         self._changed = trio.Event()
-        self._pending_checks = 0
+        self._pending_checks: Counter[str] = Counter()
 
     # -- observing ---------------------------------------------------------------------
 
@@ -308,21 +308,31 @@ class ChaosSwarm:
             peer.exit_codes.append(await cli.process.wait())
             self._notify()
 
-    def check_soon(self, check: Callable[[], Awaitable[None]]) -> None:
-        """Run ``check`` beside the next faults; a failure fails the run at once.
-        ``checks_done`` waits for every check."""
-        self._pending_checks += 1
+    def check_soon(self, check: Callable[[], Awaitable[None]], peer: str = "") -> None:
+        """Run ``check`` (about ``peer``) beside the next faults; a failure fails the
+        run at once. ``checks_done`` waits for the checks (of one peer)."""
+        self._pending_checks[peer] += 1
 
         async def run() -> None:
             await check()
-            self._pending_checks -= 1
+            self._pending_checks[peer] -= 1
             self._notify()
 
         self._nursery.start_soon(run)
 
-    async def checks_done(self, timeout: float) -> None:
+    async def checks_done(self, timeout: float, peer: str | None = None) -> None:
+        """Wait for the checks begun after faults: all of them, or ``peer``'s (a
+        fault that stops a peer first lets the checks of its recovery finish)."""
         await self.wait_for(
-            "the checks begun after faults", lambda: not self._pending_checks, timeout
+            f"the checks begun after faults{'' if peer is None else ' about ' + peer}",
+            lambda: (
+                not (
+                    sum(self._pending_checks.values())
+                    if peer is None
+                    else self._pending_checks[peer]
+                )
+            ),
+            timeout,
         )
 
     # -- starting and faults -----------------------------------------------------------
@@ -463,6 +473,7 @@ async def _advances(swarm: ChaosSwarm, fault: Fault, since: int) -> None:
 
 async def _kill(swarm: ChaosSwarm, fault: Fault) -> None:
     peer = swarm.peers[fault.peer]
+    await swarm.checks_done(swarm.config.epoch_bound + STARTUP_TIMEOUT, peer.name)
     since = swarm.epoch
     await swarm.kill(peer)
     await _advances(swarm, fault, since)
@@ -473,6 +484,7 @@ async def _freeze(swarm: ChaosSwarm, fault: Fault) -> None:
     others have taken two steps without it; after SIGCONT the peer must download
     the state before it averages anything (checked in the background)."""
     peer = swarm.peers[fault.peer]
+    await swarm.checks_done(swarm.config.epoch_bound + STARTUP_TIMEOUT, peer.name)
     assert peer.cli is not None and peer.running
     behind = peer.epoch
     peer.cli.process.send_signal(signal.SIGSTOP)
@@ -517,7 +529,7 @@ async def _freeze(swarm: ChaosSwarm, fault: Fault) -> None:
         epoch = int(peer.stderr[loaded].split("loaded the state of epoch ")[1].split()[0])
         assert epoch >= swarm_epoch, (peer.name, epoch, swarm_epoch)
 
-    swarm.check_soon(resynchronises)
+    swarm.check_soon(resynchronises, peer.name)
 
 
 async def _restart(swarm: ChaosSwarm, fault: Fault) -> None:
@@ -542,7 +554,7 @@ async def _restart(swarm: ChaosSwarm, fault: Fault) -> None:
             )
         await _catches_up(swarm, peer, target, since)
 
-    swarm.check_soon(catches_up)
+    swarm.check_soon(catches_up, peer.name)
 
 
 async def _catches_up(swarm: ChaosSwarm, peer: ChaosPeer, target: int, since: int) -> None:
@@ -560,7 +572,7 @@ async def _join(swarm: ChaosSwarm, fault: Fault) -> None:
     target = swarm.epoch
     peer = await swarm.start_trainer(fault.peer)
     await _advances(swarm, fault, target)
-    swarm.check_soon(partial(_catches_up, swarm, peer, target, 0))
+    swarm.check_soon(partial(_catches_up, swarm, peer, target, 0), peer.name)
 
 
 async def _kill_bootstrap(swarm: ChaosSwarm, fault: Fault) -> None:
