@@ -294,6 +294,10 @@ class DonorRefused(SwarmError):
     """The donor will not upload to us (protocol version, our byte limit)."""
 
 
+class DonorTooOld(SwarmError):
+    """The donor's state is older than the newcomer can use (``min_version``)."""
+
+
 def encode_header(
     version: int, metadata: dict[str, Any], flat: FlatState
 ) -> tuple[bytes, list[bytes]]:
@@ -646,18 +650,21 @@ async def load_state_from_peers(
 ) -> LoadedState | None:
     """Download and verify the newest state that the donors of ``prefix`` offer.
 
-    Donors are read from the DHT (this peer excluded; those announcing less
-    than ``min_version`` skipped) and tried newest first, equally new ones in
-    this peer's own shuffled order. A donor that is unreachable, breaks or
-    resets the stream, stalls more than ``config.chunk_timeout`` on a chunk,
-    sends more than ``max_bytes`` of tensors or ``config.max_header_bytes`` of
-    header, or sends a state that fails verification (a NaN or Inf; with
-    ``template``, see ``check_template``) is dropped for this call and the
-    next is tried at once. A busy donor is tried again after a backoff, so
-    when the newest donors are busy an older one may deliver: pass
-    ``min_version`` to refuse states older than the caller can use.
-    Buffers for the announced tensors (at most ``max_bytes``) are allocated
-    when the header arrives.
+    Donors are read from the DHT (this peer excluded) and tried newest
+    announced first, equally new ones in this peer's own shuffled order. A
+    donor re-announces only every ``announce_interval``, so its announced
+    version may lag its state by many steps: ``min_version`` is checked
+    against the version in the donor's header, and a donor whose state is
+    older is dropped for this call before any tensor is sent. A donor that
+    is unreachable, breaks or resets the stream, stalls more than
+    ``config.chunk_timeout`` on a chunk, sends more than ``max_bytes`` of
+    tensors or ``config.max_header_bytes`` of header, or sends a state that
+    fails verification (a NaN or Inf; with ``template``, see
+    ``check_template``) is dropped for this call and the next is tried at
+    once. A busy donor is tried again after a backoff, so when the newest
+    donors are busy an older one may deliver: pass ``min_version`` to refuse
+    states older than the caller can use. Buffers for the announced tensors
+    (at most ``max_bytes``) are allocated when the header arrives.
 
     Returns the first state that arrives whole and verified, or None (the
     reasons are logged) when no donor is announced, every donor failed, or
@@ -674,19 +681,16 @@ async def load_state_from_peers(
         while True:
             entry = await peer.dht.get(state_key(prefix), latest=True)
             announced = parse_donors(None if entry is None else entry.value, exclude=peer.peer_id)
-            donors = [
-                donor
-                for donor in announced
-                if donor.peer_id not in failures
-                and (min_version is None or donor.version >= min_version)
-            ]
+            donors = [donor for donor in announced if donor.peer_id not in failures]
             if not donors:
                 _log_failure(prefix, failures, "no donor is announced")
                 return None
             busy = 0
             for donor in order_donors(donors, rng):
                 try:
-                    return await _download(peer, prefix, donor, template, max_bytes, config)
+                    return await _download(
+                        peer, prefix, donor, template, max_bytes, config, min_version
+                    )
                 except DonorBusy as e:
                     busy += 1
                     logger.debug("donor %s is busy: %s", donor.peer_id.short(), e)
@@ -719,11 +723,14 @@ async def _download(
     template: Any,
     max_bytes: int,
     config: StateTransferConfig,
+    min_version: int | None = None,
 ) -> LoadedState:
     """Download and verify the state of one donor.
 
-    Raises ``DonorBusy``/``DonorRefused``, ``ProtocolError`` (malformed,
-    oversized, or failing verification), ``DeadlineError`` (a frame took longer
+    Raises ``DonorBusy``/``DonorRefused``, ``DonorTooOld`` (the header's version
+    is below ``min_version``: the stream is closed before any tensor),
+    ``ProtocolError`` (malformed, oversized, or failing verification),
+    ``DeadlineError`` (a frame took longer
     than ``chunk_timeout``; connecting is bounded by the connection config),
     and the errors of ``open_stream`` and ``Stream.receive``.
     """
@@ -736,6 +743,8 @@ async def _download(
             max_header_bytes=config.max_header_bytes,
             max_bytes=max_bytes,
         )
+        if min_version is not None and header.version < min_version:
+            raise DonorTooOld(f"it offers version {header.version}, below {min_version}")
         assembler = StateAssembler(header.specs)
         while not assembler.done:
             assembler.feed(await _receive_within(stream, config.chunk_timeout))

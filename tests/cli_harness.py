@@ -8,8 +8,35 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import trio
+
+#: A copy of the built-in digits task that sleeps in every loss: unthrottled, the
+#: first peer would finish all its epochs alone before the others import torch.
+THROTTLED_TASK = """
+import dataclasses
+import time
+
+from trainer import make_digits_task
+
+
+def make_task():
+    task = make_digits_task()
+
+    def loss(model, batch):
+        time.sleep({delay})  # a slow machine: the peers must wait for each other
+        return task.loss(model, batch)
+
+    return dataclasses.replace(task, loss=loss)
+"""
+
+
+def throttled_task_file(directory: Path, delay: float) -> str:
+    """Write the throttled digits task into ``directory``; returns its ``--task`` value."""
+    path = directory / f"throttled_{int(delay * 1000)}.py"
+    path.write_text(THROTTLED_TASK.format(delay=delay))
+    return f"{path}:make_task"
 
 
 async def free_udp_port() -> int:
@@ -52,6 +79,9 @@ class CLIProcess:
 
 @asynccontextmanager
 async def run_cli(*args: str, capture_stderr: bool = False) -> AsyncIterator[CLIProcess]:
+    """Run ``swarm *args`` with stdout (and with ``capture_stderr`` stderr) piped.
+
+    On exit the process is killed if it still runs, and always reaped."""
     process = await trio.lowlevel.open_process(
         [sys.executable, "-m", "swarm.cli", *args],
         stdout=subprocess.PIPE,

@@ -15,26 +15,15 @@ from typing import Any
 
 import pytest
 import trio
-from cli_harness import CLIProcess, free_udp_port, run_cli, run_to_completion
+from cli_harness import (
+    CLIProcess,
+    free_udp_port,
+    run_cli,
+    run_to_completion,
+    throttled_task_file,
+)
 
 from swarm import ConfigError
-
-THROTTLED_TASK = """
-import dataclasses
-import time
-
-from trainer import make_digits_task
-
-
-def make_task():
-    task = make_digits_task()
-
-    def loss(model, batch):
-        time.sleep({delay})  # a slow machine: the peers must wait for each other
-        return task.loss(model, batch)
-
-    return dataclasses.replace(task, loss=loss)
-"""
 
 FAST = (
     "--host", "127.0.0.1",
@@ -42,12 +31,6 @@ FAST = (
     "--matchmaking-time", "1",
     "--averaging-timeout", "6",
 )  # fmt: skip
-
-
-def _task_file(tmp_path: Path, delay: float) -> str:
-    path = tmp_path / f"throttled_{int(delay * 1000)}.py"
-    path.write_text(THROTTLED_TASK.format(delay=delay))
-    return f"{path}:make_task"
 
 
 async def _join_address(peer: CLIProcess) -> str:
@@ -72,7 +55,7 @@ async def test_three_peers_train_and_status_shows_them(tmp_path: Path) -> None:
     # 8 samples per 0.1 s: alone, an epoch of 600 samples takes 7.5 s; together ~3.5 s.
     train = (
         "train", *FAST,
-        "--task", _task_file(tmp_path, 0.1),
+        "--task", throttled_task_file(tmp_path, 0.1),
         "--run-id", "cli-test",
         "--target-batch-size", "600",
         "--batch-size", "8",
@@ -126,7 +109,7 @@ async def test_three_peers_train_and_status_shows_them(tmp_path: Path) -> None:
 async def test_sigterm_mid_run_leaves_cleanly(tmp_path: Path) -> None:
     train = (
         "train", *FAST,
-        "--task", _task_file(tmp_path, 0.02),
+        "--task", throttled_task_file(tmp_path, 0.02),
         "--target-batch-size", "32",
         "--batch-size", "8",
     )  # fmt: skip
@@ -135,6 +118,17 @@ async def test_sigterm_mid_run_leaves_cleanly(tmp_path: Path) -> None:
         assert await peer.stop(signal.SIGTERM) == 0
         assert any(line.startswith("epoch ") for line in peer.output)
         line = await peer.read_line_containing("stopped at epoch", timeout=5)
+        assert "accuracy" in line
+
+
+async def test_sigterm_while_waiting_for_min_peers_leaves_at_once(tmp_path: Path) -> None:
+    # Regression (chaos soak): the --min-peers wait slept through SIGTERM for up
+    # to its whole minute (TrainingConfig.min_peers_timeout).
+    train = ("train", *FAST, "--task", throttled_task_file(tmp_path, 0.02), "--min-peers", "3")
+    async with run_cli(*train) as peer:
+        await _join_address(peer)
+        assert await peer.stop(signal.SIGTERM, timeout=30) == 0  # well within the minute
+        line = await peer.read_line_containing("stopped at epoch 0", timeout=5)
         assert "accuracy" in line
 
 

@@ -197,6 +197,26 @@ async def test_newest_donor_is_preferred_and_min_version_skips_old_ones() -> Non
     assert too_new is None
 
 
+async def test_min_version_is_checked_against_the_state_not_the_stale_announcement() -> None:
+    # Regression (chaos run): a donor re-announces only every announce_interval,
+    # so a peer that fell behind saw every announcement below the swarm's epoch,
+    # skipped every donor ("no donor is announced") and never caught up.
+    state = make_state()
+    version = [1]
+    with trio.fail_after(5):
+        async with open_swarm() as (nursery, bootstrap):
+            donor = await start_donor(
+                nursery, bootstrap, 2, state, {"epoch": 1}, get_version=lambda: version[0]
+            )
+            version[0] = 5  # the donor stepped on; its announcement still says 1
+            async with open_newcomers(bootstrap, 10) as (newcomer,):
+                loaded = await load(newcomer, min_version=3)
+                version[0] = 2
+                too_old = await load(newcomer, min_version=3)
+    assert loaded is not None and loaded.donor == donor.peer.peer_id and loaded.version == 5
+    assert too_old is None
+
+
 async def test_busy_donor_sends_the_newcomer_elsewhere() -> None:
     state = make_state()
     uploading, release = trio.Event(), trio.Event()

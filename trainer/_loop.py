@@ -96,8 +96,10 @@ def train(
         load_state=config.load_state,
         compute_clock=compute_clock,
     ) as opt:
-        if config.min_peers > 1 and not opt.wait_for_peers(
-            config.min_peers, config.min_peers_timeout
+        if (
+            config.min_peers > 1
+            and not opt.wait_for_peers(config.min_peers, config.min_peers_timeout, stop=stop)
+            and not (stop is not None and stop.is_set())
         ):
             log.warning(
                 "fewer than %d peers after %gs: training anyway",

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -438,20 +439,24 @@ class CollaborativeOptimizer:
         self.accuracy = accuracy
         self._poke()
 
-    def wait_for_peers(self, count: int, timeout: float) -> bool:
+    def wait_for_peers(
+        self, count: int, timeout: float, *, stop: threading.Event | None = None
+    ) -> bool:
         """Block until ``count`` peers (this one included) are in the run, or
-        ``timeout`` seconds pass; True if they are. For starting a run together."""
+        ``timeout`` seconds pass, or ``stop`` is set (within one
+        ``progress_interval``); True if they are. For starting a run together."""
         deadline = time.monotonic() + timeout
+        stop = stop if stop is not None else threading.Event()
         while True:
             reading = self._reading
             if reading is not None and reading.swarm.num_peers >= count:
                 self._begin_compute()  # waiting is not compute
                 return True
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or stop.is_set():
                 self._begin_compute()
                 return False
             self._refresh_now(time.monotonic(), force=True)
-            time.sleep(self.config.progress_interval)
+            stop.wait(self.config.progress_interval)
 
     def swarm_progress(self) -> SwarmProgress:
         """The swarm's progress as last read from the DHT."""
