@@ -471,27 +471,39 @@ class CollaborativeOptimizer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
         }
-        if self._ef21m is not None:
-            state["ef21m"] = self._ef21m.state_dict()
-        if self._diloco is not None:
-            state["diloco"] = self._diloco.state_dict()
-        return state
+        return state | self._mode_state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         def load() -> None:
             self.optimizer.load_state_dict(state["optimizer"])
             if self.scheduler is not None and state.get("scheduler") is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
-            if self._diloco is not None:
-                if "diloco" in state:
-                    self._diloco.load_state_dict(state["diloco"])
-                else:
-                    self._diloco.resync()
+            self._load_mode_state(state)
             self.epoch = int(state["epoch"])
-            if self._ef21m is not None and "ef21m" in state:
-                self._ef21m.load_state_dict(state["ef21m"])
 
         self.peer.run_sync(load)
+
+    def _mode_state(self) -> dict[str, Any]:
+        """The state of the optional modes in use, by name ("ef21m", "diloco"):
+        the tensors themselves, for ``state_dict`` and checkpoints."""
+        state: dict[str, Any] = {}
+        if self._ef21m is not None:
+            state["ef21m"] = self._ef21m.state_dict()
+        if self._diloco is not None:
+            state["diloco"] = self._diloco.state_dict()
+        return state
+
+    def _load_mode_state(self, state: dict[str, Any]) -> None:
+        """Load ``_mode_state()`` output (on the trio thread). A mode missing from
+        ``state`` (saved by a run without it): DiLoCo resyncs from the parameters,
+        EF21M keeps its own state. Raises what the modes raise for a misfit."""
+        if self._diloco is not None:
+            if "diloco" in state:
+                self._diloco.load_state_dict(state["diloco"])
+            else:
+                self._diloco.resync()
+        if self._ef21m is not None and "ef21m" in state:
+            self._ef21m.load_state_dict(state["ef21m"])
 
     def close(self) -> None:
         """Save a final checkpoint, stop serving state and leave the progress table."""
@@ -917,20 +929,15 @@ class CollaborativeOptimizer:
                 optimizer=self.optimizer.state_dict(),
                 scheduler=None if self.scheduler is None else self.scheduler.state_dict(),
                 extra={"run_id": self.run_id}
-                | self._ef21m_extra()
-                | ({} if self._diloco is None else {"diloco": self._diloco.state_dict()}),
+                | {
+                    mode: {name: [t.clone() for t in tensors] for name, tensors in state.items()}
+                    for mode, state in self._mode_state().items()
+                },
             )
 
         checkpoint = self.peer.run_sync(capture)
         path = self._checkpoints.save(checkpoint)
         log.info("saved checkpoint %s", path)
-
-    def _ef21m_extra(self) -> dict[str, Any]:
-        """A copy of the EF21M state for a checkpoint (on the trio thread)."""
-        if self._ef21m is None:
-            return {}
-        state = self._ef21m.state_dict()
-        return {"ef21m": {name: [t.clone() for t in ts] for name, ts in state.items()}}
 
     def _resume_from_checkpoint(self) -> None:
         assert self._checkpoints is not None
@@ -947,15 +954,8 @@ class CollaborativeOptimizer:
             self.optimizer.load_state_dict(checkpoint.optimizer)
             if self.scheduler is not None and checkpoint.scheduler is not None:
                 self.scheduler.load_state_dict(checkpoint.scheduler)
-            if self._diloco is not None:
-                diloco_state = checkpoint.extra.get("diloco")
-                if diloco_state is None:
-                    self._diloco.resync()  # a checkpoint of a run without DiLoCo
-                else:
-                    self._diloco.load_state_dict(diloco_state)
+            self._load_mode_state(checkpoint.extra)
             self.epoch = checkpoint.epoch
-            if self._ef21m is not None and "ef21m" in checkpoint.extra:
-                self._ef21m.load_state_dict(checkpoint.extra["ef21m"])
 
         try:
             self.peer.run_sync(apply)
