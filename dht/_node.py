@@ -77,6 +77,12 @@ class DHTConfig:
     quota: StorageQuota = field(default_factory=StorageQuota)
     #: datagrams per second one source address / one node id may send us
     rate_limit: RequestRateLimit = field(default_factory=RequestRateLimit)
+    #: a client only asks: it answers no requests, stores no records for
+    #: others, and flags its requests so that no node pings it back or adds it
+    #: to a routing table (hivemind's ``client_mode``). For processes that
+    #: live briefly (``swarm status``) or cannot be reached (behind NAT); a
+    #: swarm of clients alone cannot store anything.
+    client_mode: bool = False
 
     def __post_init__(self) -> None:
         if self.ksize < 1 or self.alpha < 1:
@@ -171,14 +177,20 @@ class DHTNode:
         addrs = [a for a in addrs if a != (self.host, self.port)]
         if not addrs:
             return
+        deadline = trio.current_time() + self.config.bootstrap_timeout
         answered: list[Any] = []
-        with trio.move_on_after(self.config.bootstrap_timeout):
-            answered = await self._loop.call(self._server.bootstrap, addrs)
+        with trio.move_on_at(deadline):
+            answered = await self._loop.call(self._server.ping_initial, addrs)
         if not answered:
             shown = ", ".join(format_address(*a) for a in addrs)
             raise BootstrapError(
                 f"no initial peer answered ({shown}); check the address and that a peer runs there"
             )
+        # An initial peer answered: we are in. The crawl only fills the routing
+        # table, and one through contacts that have died since may outlast the
+        # deadline; what it found so far stays in the table.
+        with trio.move_on_at(deadline):
+            await self._loop.call(self._server.crawl_self, answered)
         log.info(
             "joined through %d of %d initial peers; %d contacts",
             len(answered),
@@ -343,6 +355,7 @@ async def open_dht_node(
                 ),
                 bans=bans if bans is not None else BanList.disabled(),
                 rate_clock=rate_clock,
+                client_mode=config.client_mode,
             )
             try:
                 bound = await loop.call(server.listen, port, host)

@@ -20,6 +20,10 @@ table and crawlers work unchanged, and replaces what kademlia gets wrong for us:
   (``StorageQuota`` in ``_storage``);
 - a node that sends us a request is not trusted into the routing table on its
   word: it is pinged back, and added when its signed answer arrives;
+- a node in client mode answers no requests and flags its own (the optional
+  third element of a request body), so nobody pings it back or adds it to a
+  routing table: short-lived processes (``swarm status``) and peers behind NAT
+  leave no dead contacts behind;
 - ``welcome_if_new`` pushes stored records, which passed validation, as records;
 - in a private swarm every datagram proves the swarm key (``_messages``), and
   datagrams that do not are dropped without a reply;
@@ -58,6 +62,8 @@ log = logging.getLogger(__name__)
 _REPLY_OVERHEAD = 4096
 #: Most contacts we accept in one find_node/find_value reply.
 _MAX_NODES_PER_REPLY = 64
+#: The flag a client-mode node appends to its requests' ``[method, args]``.
+CLIENT_FLAG = 1
 #: Most concurrent ping-backs of unknown request senders.
 _MAX_PENDING_PINGS = 64
 #: How long a node that failed to answer is left out of look-ups when other
@@ -99,6 +105,16 @@ def decode_find_value_reply(
     return records, decode_nodes(nodes), bool(truncated)
 
 
+def parse_request(body: Any) -> tuple[Any, Any, bool]:
+    """Split a request body ``[method, args]`` or ``[method, args, CLIENT_FLAG]``
+    into ``(method, args, from_client)``; raises ``ProtocolError`` otherwise."""
+    if not isinstance(body, list) or len(body) not in (2, 3):
+        raise ProtocolError("request: expected [method, args] or [method, args, flag]")
+    if len(body) == 3 and body[2] != CLIENT_FLAG:
+        raise ProtocolError(f"request: unknown flag {body[2]!r}")
+    return body[0], body[1], len(body) == 3
+
+
 def _is_ip(text: str) -> bool:
     for family in (socket.AF_INET, socket.AF_INET6):
         try:
@@ -124,8 +140,10 @@ class SwarmProtocol(KademliaProtocol):
         rate_clock: MonotonicClock,
         proof_key: bytes | None = None,
         bans: BanList | None = None,
+        client_mode: bool = False,
     ) -> None:
         super().__init__(source_node, storage, ksize)
+        self.client_mode = client_mode
         self._proof_key = proof_key
         self.bans = bans
         self.storage: RecordStorage = storage
@@ -140,6 +158,8 @@ class SwarmProtocol(KademliaProtocol):
         self._closed = False
         self.received_datagrams = 0
         self.dropped_datagrams = 0
+        #: requests a client-mode node left unanswered
+        self.ignored_requests = 0
         #: datagrams dropped because their source address or node id was over budget
         self.rate_limited_datagrams = 0
         self._by_address = RateLimiter.for_requests(rate_limit, rate_clock)
@@ -200,6 +220,9 @@ class SwarmProtocol(KademliaProtocol):
             self.dropped_datagrams += 1
             return
         if datagram.kind is messages.Kind.REQUEST:
+            if self.client_mode:
+                self.ignored_requests += 1
+                return
             if not self._by_node.allow(bytes(datagram.sender)):
                 self.rate_limited_datagrams += 1
                 return
@@ -210,7 +233,7 @@ class SwarmProtocol(KademliaProtocol):
     def _answer(self, datagram: messages.Datagram, addr: Address) -> None:
         sender = Node(datagram.sender, addr[0], addr[1])
         try:
-            method, args = expect_list(datagram.body, 2, "request")
+            method, args, from_client = parse_request(datagram.body)
             handler = self._handlers.get(expect_str(method, "method", max_size=32))
             if handler is None or not isinstance(args, list):
                 raise ProtocolError(f"unknown method {method!r}")
@@ -231,7 +254,7 @@ class SwarmProtocol(KademliaProtocol):
             self._sendto(reply, addr)
         else:
             self.unsent_replies += 1
-        if sender.id != self.source_node.id:
+        if sender.id != self.source_node.id and not from_client:
             self._ping_back_if_new(sender)
 
     def _resolve(self, datagram: messages.Datagram, addr: Address) -> None:
@@ -278,7 +301,8 @@ class SwarmProtocol(KademliaProtocol):
         msg_id = messages.new_msg_id()
         timer = loop.call_later(self._wait_timeout, self._expire, msg_id)
         self._outstanding[msg_id] = (future, timer, (addr, expected))
-        self._send(messages.Kind.REQUEST, msg_id, [method, args], addr)
+        body = [method, args, CLIENT_FLAG] if self.client_mode else [method, args]
+        self._send(messages.Kind.REQUEST, msg_id, body, addr)
         return future
 
     def _expire(self, msg_id: bytes) -> None:

@@ -53,6 +53,7 @@ class RecordServer(Server):
         rate_clock: MonotonicClock,
         proof_key: bytes | None = None,
         bans: BanList | None = None,
+        client_mode: bool = False,
     ) -> None:
         storage = RecordStorage(clock, limits, max_records, quota)
         super().__init__(ksize=ksize, alpha=alpha, node_id=identity.peer_id, storage=storage)
@@ -66,6 +67,7 @@ class RecordServer(Server):
         self._bans = bans
         self._rate_limit = rate_limit
         self._rate_clock = rate_clock
+        self.client_mode = client_mode
 
     def _create_protocol(self) -> SwarmProtocol:
         return SwarmProtocol(
@@ -80,6 +82,7 @@ class RecordServer(Server):
             bans=self._bans,
             rate_limit=self._rate_limit,
             rate_clock=self._rate_clock,
+            client_mode=self.client_mode,
         )
 
     @property
@@ -102,17 +105,14 @@ class RecordServer(Server):
             self.protocol.close()
         super().stop()
 
-    async def bootstrap(self, addrs: list[Address]) -> list[Node]:
-        """Ping every address, then look up our own id through those that answered.
-
-        Returns the nodes that answered the ping (empty if none did).
-        """
+    async def ping_initial(self, addrs: list[Address]) -> list[Node]:
+        """Ping every address; returns the nodes that answered (maybe none)."""
         answered = await asyncio.gather(*(self.proto.ping_address(a) for a in addrs))
-        nodes = [Node(pid, a[0], a[1]) for pid, a in zip(answered, addrs, strict=True) if pid]
-        if nodes:
-            spider = NodeCrawl(self.proto, self.node, nodes, self.ksize, self.alpha)
-            await spider.find()
-        return nodes
+        return [Node(pid, a[0], a[1]) for pid, a in zip(answered, addrs, strict=True) if pid]
+
+    async def crawl_self(self, nodes: list[Node]) -> None:
+        """Look up our own id through ``nodes``, filling the routing table."""
+        await NodeCrawl(self.proto, self.node, nodes, self.ksize, self.alpha).find()
 
     async def _closest_nodes(self, dkey: bytes) -> list[Node]:
         target = Node(dkey)
@@ -127,15 +127,17 @@ class RecordServer(Server):
         """Store ``record`` on the k closest nodes; returns how many kept it.
 
         This node counts when it is among the k closest (or knows fewer than k
-        nodes). Raises ``RecordRejectedError`` if the record is invalid here:
+        nodes), unless it is in client mode: nobody asks a client for records.
+        Raises ``RecordRejectedError`` if the record is invalid here:
         then nothing is sent.
         """
         dkey = record.key_id
         nodes = await self._closest_nodes(dkey)
         target = Node(dkey)
         kept = 0
-        if len(nodes) < self.ksize or self.node.distance_to(target) < max(
-            n.distance_to(target) for n in nodes
+        if not self.client_mode and (
+            len(nodes) < self.ksize
+            or self.node.distance_to(target) < max(n.distance_to(target) for n in nodes)
         ):
             kept += self.storage.store(record)
         else:

@@ -39,7 +39,8 @@ class PeerConfig:
     ``host`` is the address to listen on; ``announce`` (``HOST:PORT``) is the
     address others are told to dial, when it differs (NAT, 0.0.0.0).
     ``client_mode`` peers accept no incoming connections for averaging: they
-    connect out only (peers behind NAT).
+    connect out only (peers behind NAT); their DHT node is a client too
+    (``DHTConfig.client_mode``), so nobody keeps it as a contact.
 
     ``swarm_key`` (``swarm._swarm_key``) makes the peer a member of a private
     swarm: it is copied into ``connections`` and ``dht``, so every handshake
@@ -71,6 +72,8 @@ class PeerConfig:
                 self, "connections", replace(self.connections, swarm_key=self.swarm_key)
             )
             object.__setattr__(self, "dht", replace(self.dht, swarm_key=self.swarm_key))
+        if self.client_mode and not self.dht.client_mode:
+            object.__setattr__(self, "dht", replace(self.dht, client_mode=True))
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port {self.port} is outside 0-65535")
         if isinstance(self.initial_peers, str):

@@ -592,7 +592,9 @@ async def _run_status(args: argparse.Namespace) -> int:
     from dht import DHTConfig, open_dht_node
     from trainer import estimate, parse_progress, progress_key
 
-    config = DHTConfig(swarm_key=_swarm_key(args))
+    # A client: this process lives for one query, so it must not be left
+    # behind as a dead contact in the routing tables of the peers it asked.
+    config = DHTConfig(swarm_key=_swarm_key(args), client_mode=True)
     host = args.host
     if host is None:
         host = "127.0.0.1" if all(h.startswith("127.") for h, _ in initial) else "0.0.0.0"

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import os
 import random
+from dataclasses import replace
 
 import pytest
 import trio
 from dht_harness import TEST_CONFIG, open_swarm
+from kademlia.node import Node
 
 from dht import DHTConfig, DHTValue, open_dht_node, owner_marker
 from dht._records import Record, make_record
@@ -249,6 +251,51 @@ async def test_dead_bootstrap_peer_does_not_matter_once_joined() -> None:
         await late.store("after", "ok", NOW + 50)
         for result in await _get_everywhere(swarm.nodes, "after"):
             assert result == DHTValue("ok", NOW + 50)
+
+
+async def test_bootstrap_succeeds_when_the_initial_peer_answers_but_its_contacts_are_dead() -> None:
+    # The initial peer lists 20 contacts that never answer (frozen or gone
+    # processes): crawling through them outlasts bootstrap_timeout, but the
+    # initial peer did answer, so joining must succeed.
+    config = DHTConfig(rpc_timeout=0.2, bootstrap_timeout=0.4)
+    silent = [trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM) for _ in range(20)]
+    try:
+        async with open_dht_node(Identity.from_seed(b"S" * 32), config=config) as seed_node:
+            for i, sock in enumerate(silent):
+                await sock.bind(("127.0.0.1", 0))
+                contact = Identity.from_seed(bytes([i]) * 32).peer_id
+                seed_node._server.proto.router.add_contact(
+                    Node(bytes(contact), "127.0.0.1", sock.getsockname()[1])
+                )
+            async with open_dht_node(initial_peers=[seed_node.address], config=config) as late:
+                assert seed_node.peer_id in {c[0] for c in late.contacts()}
+    finally:
+        for sock in silent:
+            sock.close()
+
+
+async def test_a_client_node_reads_and_writes_but_is_never_kept_as_a_contact() -> None:
+    clock = ManualClock(NOW)
+    async with open_swarm(8, clock, seed=9) as swarm:
+        await swarm.nodes[5].store("from-server", "s", NOW + 50)
+        client_config = replace(TEST_CONFIG, client_mode=True)
+        async with open_dht_node(
+            initial_peers=[swarm.nodes[0].address], config=client_config, clock=clock
+        ) as client:
+            assert await client.store("from-client", "c", NOW + 50)
+            assert await client.get("from-server") == DHTValue("s", NOW + 50)
+            for result in await _get_everywhere(swarm.nodes, "from-client"):
+                assert result == DHTValue("c", NOW + 50)
+            assert client.stored_key_count() == 0  # nobody would ask it
+            # It answers no request: a ping times out (and by then, any ping-back
+            # that its own requests had caused would long have added it).
+            server = swarm.nodes[0]
+            answer = await server._loop.call(
+                server._server.proto.ping_address, (client.host, client.port)
+            )
+            assert answer is None and client._server.proto.ignored_requests == 1
+            for node in swarm.nodes:
+                assert client.peer_id not in {c[0] for c in node.contacts()}
 
 
 def test_config_validation_says_what_to_change() -> None:

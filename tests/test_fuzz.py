@@ -145,6 +145,7 @@ def _decode_record(data: bytes) -> None:
 
 _BODIES: list[Any] = [
     ["ping", []],
+    ["ping", [], 1],  # from a client-mode node
     ["find_node", [bytes(BOB.peer_id)]],
     ["find_value", [_records()[0].key_id]],
     *(["store", [r.to_wire()]] for r in _records()),
