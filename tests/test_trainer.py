@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -164,15 +166,30 @@ def test_the_others_train_on_when_a_peer_is_killed() -> None:
         assert max(gaps) < bound, gaps
 
 
-def test_a_restarted_peer_resumes_from_its_checkpoint(tmp_path: object) -> None:
+def test_a_restarted_peer_resumes_from_its_checkpoint(
+    tmp_path: object, caplog: pytest.LogCaptureFixture
+) -> None:
     torch.set_num_threads(1)
     directory = f"{tmp_path}/checkpoints"
+    caplog.set_level(logging.INFO, logger="trainer")
     with training_peers(1) as (_, peers):
-        config = training_config(0, max_epochs=3, min_peers=1, checkpoint_dir=directory)
+        config = training_config(
+            0,
+            max_epochs=3,
+            eval_every=3,
+            min_peers=1,
+            checkpoint_dir=directory,
+            optimizer=replace(FAST, checkpoint_every=1),
+        )
         first = TrainingPeer(peers[0], config)
         saved: list[list[torch.Tensor]] = []
         first.start(on_epoch=lambda opt, report: saved.append(_fingerprint(opt)))
         assert first.join().epochs == 3
+    # Epochs 1 to 3 are each saved once and evaluated once: closing at epoch 3
+    # neither writes that checkpoint again nor evaluates the same model twice.
+    messages = [r.getMessage() for r in caplog.records]
+    assert len([m for m in messages if m.startswith("saved checkpoint")]) == 3
+    assert len([m for m in messages if m.startswith("epoch 3: ")]) == 1
     with training_peers(1) as (_, peers):
         resumed = join_run(peers[0], FAST, seed=99, checkpoint_dir=directory)
         try:

@@ -83,6 +83,7 @@ def train(
     report = TrainingReport()
     started = time.monotonic()
     batches = task.batches(config.data_seed, batch_size)
+    evaluated_at: int | None = None
     with CollaborativeOptimizer(
         peer,
         run_id=config.run_id,
@@ -125,11 +126,14 @@ def train(
                 report.groups[step.epoch] = len(members)
             if config.eval_every and opt.epoch % config.eval_every == 0:
                 report.metrics = _evaluate(task, model, opt)
+                evaluated_at = opt.epoch
             report.epochs = opt.epoch
             if on_epoch is not None:
                 on_epoch(opt, report)
         report.epochs = opt.epoch
-        report.metrics = _evaluate(task, model, opt)
+        # DiLoCo moves the model between outer steps: evaluate what it is now.
+        if evaluated_at != opt.epoch or config.optimizer.diloco is not None:
+            report.metrics = _evaluate(task, model, opt)
     report.wall_seconds = time.monotonic() - started
     return report
 

@@ -244,6 +244,8 @@ class CollaborativeOptimizer:
         self._prematch: _Prematch | None = None
         self._prematch_epoch = -1
         self._checkpoints = CheckpointDir(Path(checkpoint_dir)) if checkpoint_dir else None
+        #: the epoch of the last checkpoint written (None: none yet)
+        self._checkpointed_epoch: int | None = None
         self._grad_averager = self._make_grad_averager()
         drop = self.config.drop_compute
         self._budget = None if drop is None else ComputeBudget(drop, compute_clock)
@@ -510,7 +512,10 @@ class CollaborativeOptimizer:
         if self._closed:
             return
         self._closed = True
-        if self._checkpoints is not None:
+        # Outside DiLoCo the state changes only at global steps, so a checkpoint
+        # already written at this epoch is the final one.
+        unchanged = self._checkpointed_epoch == self.epoch and self._diloco is None
+        if self._checkpoints is not None and not unchanged:
             self._save_checkpoint()
         try:
             self.peer.run_sync(self._donor.cancel)
@@ -937,6 +942,7 @@ class CollaborativeOptimizer:
 
         checkpoint = self.peer.run_sync(capture)
         path = self._checkpoints.save(checkpoint)
+        self._checkpointed_epoch = checkpoint.epoch
         log.info("saved checkpoint %s", path)
 
     def _resume_from_checkpoint(self) -> None:
