@@ -11,9 +11,15 @@ import trio
 
 from dht import DHTConfig
 from dht._aio import open_asyncio_loop
-from swarm import AsyncPeer, Identity, PeerConfig, open_peer
+from swarm import AsyncPeer, Identity, PeerConfig, WallClock, open_peer, system_clock
 
 TEST_DHT = DHTConfig(rpc_timeout=0.5, bootstrap_timeout=5.0)
+
+
+def trio_wall_clock() -> float:
+    """A wall clock that follows trio's clock: with a ``MockClock``, DHT
+    expiration times and matchmaking deadlines move with virtual time."""
+    return 1_700_000_000.0 + trio.current_time()
 
 
 @dataclass(eq=False)
@@ -24,8 +30,9 @@ class _Running:
 
 
 class Peers:
-    def __init__(self, nursery: trio.Nursery, seed: int) -> None:
+    def __init__(self, nursery: trio.Nursery, seed: int, clock: WallClock) -> None:
         self._nursery = nursery
+        self._clock = clock
         self._random = random.Random(seed)
         self._running: list[_Running] = []
 
@@ -56,7 +63,7 @@ class Peers:
         with trio.CancelScope() as scope:
             running: _Running | None = None
             try:
-                async with open_peer(identity, config) as peer:
+                async with open_peer(identity, config, clock=self._clock) as peer:
                     running = _Running(peer, scope)
                     task_status.started(running)
                     await trio.sleep_forever()
@@ -76,9 +83,11 @@ class Peers:
 
 
 @asynccontextmanager
-async def open_peers(count: int, *, seed: int = 0) -> AsyncIterator[Peers]:
+async def open_peers(
+    count: int, *, seed: int = 0, clock: WallClock = system_clock
+) -> AsyncIterator[Peers]:
     async with open_asyncio_loop(), trio.open_nursery() as nursery:
-        peers = Peers(nursery, seed)
+        peers = Peers(nursery, seed, clock)
         for _ in range(count):
             await peers.add()
         yield peers

@@ -11,7 +11,8 @@ import pytest
 import torch
 import trio
 import trio.lowlevel
-from peer_harness import open_peers
+import trio.testing
+from peer_harness import open_peers, trio_wall_clock
 
 from averaging._allreduce import AllReduceConfig
 from averaging._averager import Averager, AveragerConfig, StepInProgressError, StepResult
@@ -32,6 +33,15 @@ CONFIG = AveragerConfig(
 )
 #: a step never takes longer than this (matchmaking bound + all-reduce deadline)
 STEP_BOUND = CONFIG.step_bound + 1.0
+
+
+@pytest.fixture
+def idle_clock() -> trio.testing.MockClock:
+    """Virtual time that moves only when the whole process has been idle for
+    50 ms: every peer of a test lives in this process and their packets are on
+    loopback, so idleness means everyone waits for a timer. Deadlines then hold
+    however loaded the machine is, and waiting out a timer costs 50 ms."""
+    return trio.testing.MockClock(autojump_threshold=0.05)
 
 
 async def _step_all(
@@ -59,9 +69,11 @@ async def _step_all(
     return results
 
 
-async def test_16_peers_on_a_4x4_grid_hold_the_global_mean_after_2_rounds() -> None:
+async def test_16_peers_on_a_4x4_grid_hold_the_global_mean_after_2_rounds(
+    idle_clock: trio.testing.MockClock,
+) -> None:
     grid = MoshpitGrid(2, 4)
-    async with open_peers(16, seed=1) as peers:
+    async with open_peers(16, seed=1, clock=trio_wall_clock) as peers:
         gen = torch.Generator().manual_seed(1)
         values = [torch.randn(3000, generator=gen) for _ in range(16)]
         mean = torch.stack(values).mean(0)
@@ -85,9 +97,11 @@ async def test_16_peers_on_a_4x4_grid_hold_the_global_mean_after_2_rounds() -> N
             torch.testing.assert_close(v, mean, atol=1e-5, rtol=0)
 
 
-async def test_peers_killed_during_a_round_do_not_stop_the_others() -> None:
+async def test_peers_killed_during_a_round_do_not_stop_the_others(
+    idle_clock: trio.testing.MockClock,
+) -> None:
     grid = MoshpitGrid(2, 4)
-    async with open_peers(16, seed=2) as peers:
+    async with open_peers(16, seed=2, clock=trio_wall_clock) as peers:
         gen = torch.Generator().manual_seed(2)
         values = [torch.randn(2000, generator=gen) for _ in range(16)]
         alive = peers.alive
@@ -126,10 +140,12 @@ async def test_peers_killed_during_a_round_do_not_stop_the_others() -> None:
         assert all(later <= earlier * 1.0001 for earlier, later in itertools.pairwise(spreads))
 
 
-async def test_every_member_of_a_group_agrees_on_its_id_and_members() -> None:
+async def test_every_member_of_a_group_agrees_on_its_id_and_members(
+    idle_clock: trio.testing.MockClock,
+) -> None:
     grid = MoshpitGrid(1, 1)  # one key for everyone: groups must split and merge
     rng = random.Random(3)
-    async with open_peers(10, seed=3) as peers:
+    async with open_peers(10, seed=3, clock=trio_wall_clock) as peers:
         averagers = [
             Averager(p, [torch.full((64,), float(i))], prefix="agree", config=CONFIG, grid=grid)
             for i, p in enumerate(peers.alive)
@@ -187,8 +203,9 @@ async def test_followers_of_a_dead_leader_still_average() -> None:
             lobby = await leader._matchmaker.wait_lobby()
             for i in range(1, 5):
                 nursery.start_soon(follower, i)
-            while not lobby.slots:
-                await lobby.changed.wait()
+            with trio.fail_after(STEP_BOUND):  # fail, never hang, if nobody joins
+                while not lobby.slots:
+                    await lobby.changed.wait()
             await peers.kill(alive[0])
         groups = {res.group_id for res in results[1:] if res is not None}
         assert all(res is not None and res.group is not None for res in results[1:])
@@ -196,7 +213,7 @@ async def test_followers_of_a_dead_leader_still_average() -> None:
         assert len(groups) <= 2
 
 
-async def test_concurrent_steps_are_refused() -> None:
+async def test_concurrent_steps_are_refused(idle_clock: trio.testing.MockClock) -> None:
     async with open_peers(1) as peers:
         averager = Averager(
             peers.alive[0], [torch.zeros(4)], prefix="busy", config=CONFIG, grid=MoshpitGrid(1, 1)
@@ -210,7 +227,9 @@ async def test_concurrent_steps_are_refused() -> None:
             nursery.cancel_scope.cancel()
 
 
-async def test_alone_a_peer_finds_no_group_and_keeps_its_values() -> None:
+async def test_alone_a_peer_finds_no_group_and_keeps_its_values(
+    idle_clock: trio.testing.MockClock,
+) -> None:
     async with open_peers(1) as peers:
         tensor = torch.arange(5.0)
         averager = Averager(
