@@ -13,8 +13,9 @@ same data streams.
     python benchmarks/arctopk_digits.py --epochs 60 --json
 
 Per method: value elements each peer all-reduces per step (sketch plus
-values; bytes are 4 per element in float32), and the test accuracy after
-``--epochs`` global steps, mean/min/max over ``--seeds`` data seeds.
+values), their bytes (float32 for dense, the ArcTopK codec, float16 by
+default, for the rest) and the share of dense's bytes, and the test accuracy
+after ``--epochs`` global steps, mean/min/max over ``--seeds`` data seeds.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def _accuracy(compression: ArcTopK | None, *, epochs: int, peers: int, seed: int
                 seed=projection_seed(b"benchmark", epoch),
                 rho=compression.rho,
                 rank=compression.rank,
+                codec=compression.codec,
             )
             for ef, c in zip(efs, own, strict=True):
                 ef._own = c  # what EF21M.average records from the value round
@@ -93,6 +95,7 @@ def main() -> None:
     rows = []
     for name, compression in methods:
         elements = dense if compression is None else sum(compression.payload_elements(shapes))
+        size = 4 * dense if compression is None else compression.payload_bytes(shapes)
         accuracies = [
             _accuracy(compression, epochs=args.epochs, peers=args.peers, seed=s + 1)
             for s in range(args.seeds)
@@ -101,8 +104,8 @@ def main() -> None:
             {
                 "method": name,
                 "elements_per_step": elements,
-                "bytes_per_step": 4 * elements,
-                "share_of_dense": elements / dense,
+                "bytes_per_step": size,
+                "share_of_dense": size / (4 * dense),
                 "accuracy_mean": statistics.fmean(accuracies),
                 "accuracy_min": min(accuracies),
                 "accuracy_max": max(accuracies),

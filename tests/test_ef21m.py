@@ -16,6 +16,7 @@ from trainer_harness import (
     training_peers,
 )
 
+from averaging import UINT8
 from averaging._arctopk import exact_group_round, projection_seed
 from swarm import ConfigError
 from trainer import ArcTopK, CollaborativeConfig, CollaborativeOptimizer, DiLoCo
@@ -127,9 +128,16 @@ def test_state_round_trips_and_a_newcomer_adopts_the_swarms_estimate() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"rho": 0.0}, {"rho": 1.2}, {"rank": 0}, {"warmup_steps": -1}, {"momentum": 0.0}],
+    [
+        {"rho": 0.0},
+        {"rho": 1.2},
+        {"rank": 0},
+        {"warmup_steps": -1},
+        {"momentum": 0.0},
+        {"codec": UINT8},
+    ],
 )
-def test_bad_settings_are_refused(kwargs: dict[str, float]) -> None:
+def test_bad_settings_are_refused(kwargs: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         ArcTopK(**kwargs)  # type: ignore[arg-type]
 

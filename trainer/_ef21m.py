@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
-from averaging import ArcTopKRound, Averager, Group, StepResult
-from averaging._arctopk import check_parameters, payload_elements
+from averaging import FLOAT16, ArcTopKRound, Averager, Codec, Group, StepResult
+from averaging._arctopk import check_codec, check_parameters, payload_elements
 from swarm import ConfigError
 
 
@@ -77,9 +77,17 @@ class ArcTopK:
     #: momentum of their own: on digits with Adam, eta 0.3 and 0.5 trained
     #: worse than 1 in 25 epochs. Use eta < 1 with plain SGD, as the paper does.
     momentum: float = 1.0
+    #: codec of the sketch and the selected values on the wire: NONE or FLOAT16
+    #: (element-wise, so error feedback knows the exact c it sent). FLOAT16 by
+    #: default: it halves the bytes, and its rounding (2**-11 relative) is far
+    #: below what the compression itself leaves for later steps. Every member
+    #: decodes the same averaged sketch bits, so all still select the same
+    #: rows. The dense warm-up steps use the averaging's own codec.
+    codec: Codec = FLOAT16
 
     def __post_init__(self) -> None:
         check_parameters(self.rho, self.rank)
+        check_codec(self.codec)
         if isinstance(self.warmup_steps, bool) or not (
             isinstance(self.warmup_steps, int) and self.warmup_steps >= 0
         ):
@@ -94,6 +102,12 @@ class ArcTopK:
         """``(sketch, values)`` elements a compressed step all-reduces for
         parameters of ``shapes`` (a dense step: their total)."""
         return payload_elements(shapes, self.rho, self.rank)
+
+    def payload_bytes(self, shapes: Sequence[Sequence[int]]) -> int:
+        """Bytes of sketch and values a compressed step all-reduces per
+        member, in ``codec`` (4 per element for NONE, 2 for FLOAT16)."""
+        per_element = 2 if self.codec == FLOAT16 else 4
+        return per_element * sum(self.payload_elements(shapes))
 
     def compresses(self, epoch: int) -> bool:
         """Is the step that ends ``epoch`` compressed (past the warm-up)?"""
@@ -139,7 +153,7 @@ class EF21M:
         """ARC-Top-K all-reduce of the differences in ``grads`` with ``group``
         (``ArcTopKRound.run``): ``grads`` end as ``mean_group(c)``, and this
         peer's own ``c`` is recorded for ``finish``, also if cancelled."""
-        exchange = ArcTopKRound(grads, self.config.rho, self.config.rank)
+        exchange = ArcTopKRound(grads, self.config.rho, self.config.rank, self.config.codec)
         try:
             return await exchange.run(averager, group, weight, step)
         finally:
