@@ -9,7 +9,8 @@ weights, for the same number of epochs (global steps, DESIGN.md):
   of the swarm or more (peers compute on until they learn that the target
   was reached, which on this tiny model is many batches);
 - ARC-Top-K with EF21M (rho 0.1 and 0.2): gradient averaging in two rounds,
-  row sketches then the selected rows (``ArcTopK``), epochs as for dense;
+  row sketches then the selected rows (``ArcTopK``, float16 on the wire, its
+  default), epochs as for dense; the first epoch is its dense warm-up;
 - DiLoCo with H = 10 and 50: an epoch is one outer step, H local steps of
   ``--batch-size`` on every peer, then float16 pseudo-gradients averaged once.
 
@@ -21,7 +22,7 @@ traffic is not counted. Wall time is the training time of the slowest peer;
 accuracy the mean final test accuracy of the peers.
 
     python benchmarks/compression.py                    # all methods, 20 epochs
-    python benchmarks/compression.py --epochs 40 --json
+    python benchmarks/compression.py --epochs 40 --json # JSON on stdout, table on stderr
 
 Targets, against dense measured in the same run: 8-bit within 0.5 accuracy
 points at a quarter of the bytes or less; ARC-Top-K (rho 0.1) within 1 point
@@ -35,12 +36,13 @@ import json
 import logging
 import os
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
@@ -169,6 +171,16 @@ def _verdicts(results: list[Result]) -> list[str]:
         return []
     lines = []
     targets = [("8-bit", 0.005, 4), ("arc-topk-0.1", 0.01, 10)]
+    model, _, _ = load_task("digits").build(seed=0)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    dense_bytes = 4 * sum(p.numel() for p in model.parameters())
+    for name, rho in (("arc-topk-0.1", 0.1), ("arc-topk-0.2", 0.2)):
+        if any(r.method == name for r in results):
+            share = ArcTopK(rho=rho).payload_bytes(shapes) / dense_bytes
+            lines.append(
+                f"      {name}: sketch and values of a compressed step, from the shapes: "
+                f"{share:.1%} of dense float32 gradient bytes (1/{1 / share:.2f})"
+            )
     for method, points, factor in targets:
         row = next((r for r in results if r.method == method), None)
         if row is None:
@@ -204,18 +216,24 @@ def main() -> None:
     results = [
         _run(name, factories[name](BASE), args, run) for run, name in enumerate(args.methods)
     ]
+    out = sys.stderr if args.json else sys.stdout
     if args.json:
         print(json.dumps([r.public() for r in results]))
-        return
+    _table(results, args, time.monotonic() - started, out)
+
+
+def _table(results: list[Result], args: argparse.Namespace, seconds: float, out: TextIO) -> None:
     print(
         f"digits, {args.peers} peers in one process, target batch {args.target_batch_size}, "
         f"local batch {args.batch_size}, {args.epochs} epochs, {os.cpu_count()} cores "
-        f"({time.monotonic() - started:.0f}s)"
+        f"({seconds:.0f}s)",
+        file=out,
     )
     dense = next((r for r in results if r.method == "dense"), results[0])
     print(
         f"{'method':<12} {'epochs':>6} {'samples/peer':>12} {'bytes/peer/epoch':>16} "
-        f"{'vs dense':>8} {'bytes/1k samples':>16} {'wall s':>7} {'accuracy':>8}"
+        f"{'vs dense':>8} {'bytes/1k samples':>16} {'wall s':>7} {'accuracy':>8}",
+        file=out,
     )
     for r in results:
         ratio = r.bytes_per_peer_epoch / max(1.0, dense.bytes_per_peer_epoch)
@@ -223,10 +241,11 @@ def main() -> None:
         print(
             f"{r.method:<12} {r.steps:>6} {r.samples_per_peer:>12.0f} "
             f"{r.bytes_per_peer_epoch:>16,.0f} {ratio:>8.3f} {per_sample:>16,.0f} "
-            f"{r.wall_s:>7.1f} {r.accuracy:>8.3f}"
+            f"{r.wall_s:>7.1f} {r.accuracy:>8.3f}",
+            file=out,
         )
     for line in _verdicts(results):
-        print(line)
+        print(line, file=out)
 
 
 if __name__ == "__main__":
