@@ -19,8 +19,13 @@ of the ``g_i``. Compression only delays what it leaves out: the difference
 
 The cases that break "always the whole swarm", and what happens:
 
-- Dense warm-up (``warmup_steps``): ``C`` is the identity, so after the first
-  step every ``g_i`` equals its ``v_i``; compression starts from there.
+- Dense warm-up (``warmup_steps``): ``C`` is the identity (up to the
+  codec's rounding: ``C`` is then the rounding), so after the first step
+  every ``g_i`` equals its ``v_i`` as rounded; compression starts from there.
+
+Everything a peer sends goes through ``ArcTopK.codec`` (float16 by default),
+and its own ``c_i`` is the rounded value the others decode, so ``g_i`` adds
+exactly what the group averaged.
 - No group (alone, or matchmaking failed): nothing travels, so nothing is
   compressed: ``c_i = v_i - g_i`` stays local and ``g_bar += c_i``.
 - A partly failed all-reduce: ``mean_group(c)`` is, chunk by chunk, what the
@@ -46,8 +51,11 @@ from typing import Any
 import torch
 
 from averaging import FLOAT16, ArcTopKRound, Averager, Codec, Group, StepResult
-from averaging._arctopk import check_codec, check_parameters, payload_elements
+from averaging._arctopk import check_codec, check_parameters, on_the_wire, payload_elements
 from swarm import ConfigError
+
+#: Sub-round tag of a dense warm-up step (``EF21M.average_dense``), then the codec.
+DENSE_TAG = b"ef21m.dense."
 
 
 @dataclass(frozen=True)
@@ -82,7 +90,7 @@ class ArcTopK:
     #: default: it halves the bytes, and its rounding (2**-11 relative) is far
     #: below what the compression itself leaves for later steps. Every member
     #: decodes the same averaged sketch bits, so all still select the same
-    #: rows. The dense warm-up steps use the averaging's own codec.
+    #: rows. The dense warm-up steps travel in it too.
     codec: Codec = FLOAT16
 
     def __post_init__(self) -> None:
@@ -158,6 +166,22 @@ class EF21M:
             return await exchange.run(averager, group, weight, step)
         finally:
             self._own = exchange.local
+
+    async def average_dense(
+        self, averager: Averager, group: Group, grads: list[torch.Tensor], weight: float
+    ) -> StepResult:
+        """A dense (warm-up) all-reduce of the differences in ``grads`` with
+        ``group``, in ``codec``: each difference is first rounded as the codec
+        delivers it, and that rounded difference is this peer's own ``c``.
+        ``grads`` end as ``mean_group(c)``, chunk by chunk as the all-reduce
+        delivered it (local where it failed, also if cancelled)."""
+        codec = self.config.codec
+        with torch.no_grad():
+            for grad in grads:
+                grad.copy_(on_the_wire(grad, codec))
+        self._own = [grad.detach().clone() for grad in grads]
+        tag = DENSE_TAG + bytes([codec.kind])
+        return await averager.average_with(group, grads, weight, tag=tag, last=True, codec=codec)
 
     def finish(self, averaged: Sequence[torch.Tensor]) -> None:
         """``g += own c``, ``g_bar += averaged`` (the group's mean of the c's),
