@@ -27,12 +27,14 @@ import statistics
 import torch
 
 from averaging._arctopk import exact_group_round, projection_seed
-from trainer import ArcTopK, load_task
+from trainer import ArcTopK, make_digits_task
 from trainer._ef21m import EF21M
 
 
-def _accuracy(compression: ArcTopK | None, *, epochs: int, peers: int, seed: int) -> float:
-    task = load_task("digits")
+def _accuracy(
+    compression: ArcTopK | None, *, epochs: int, peers: int, seed: int, hidden: int
+) -> float:
+    task = make_digits_task(hidden=hidden)
     model, inner, _ = task.build(seed=0)
     params = list(model.parameters())
     streams = [task.batches(seed * 100 + i, 32) for i in range(peers)]
@@ -81,10 +83,11 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--peers", type=int, default=3)
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=128, help="width of the digits MLP")
     parser.add_argument("--json", action="store_true", help="print one JSON list")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model, _, _ = load_task("digits").build(seed=0)
+    model, _, _ = make_digits_task(hidden=args.hidden).build(seed=0)
     shapes = [tuple(p.shape) for p in model.parameters()]
     dense = sum(p.numel() for p in model.parameters())
     methods: list[tuple[str, ArcTopK | None]] = [
@@ -97,7 +100,9 @@ def main() -> None:
         elements = dense if compression is None else sum(compression.payload_elements(shapes))
         size = 4 * dense if compression is None else compression.payload_bytes(shapes)
         accuracies = [
-            _accuracy(compression, epochs=args.epochs, peers=args.peers, seed=s + 1)
+            _accuracy(
+                compression, epochs=args.epochs, peers=args.peers, seed=s + 1, hidden=args.hidden
+            )
             for s in range(args.seeds)
         ]
         rows.append(
@@ -114,7 +119,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows))
         return
-    print(f"digits, {args.peers} peers, {args.epochs} epochs, {args.seeds} data seeds")
+    print(
+        f"digits (hidden {args.hidden}), {args.peers} peers, {args.epochs} epochs, "
+        f"{args.seeds} data seeds"
+    )
     header = ("method", "bytes/step", "of dense", "acc mean", "min", "max")
     print("{:<18} {:>10} {:>9} {:>9} {:>6} {:>6}".format(*header))
     for r in rows:
