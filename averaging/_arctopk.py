@@ -17,9 +17,10 @@ every member of a group keep the *same* rows:
    go dense. Rows along the longer side make the selection finer: a
    classifier head of 10 x 128 keeps, at ``rho = 0.1``, 13 of its 128 input
    columns rather than 1 of its 10 classes (the whole head for one class per
-   step). On digits (``benchmarks/arctopk_digits.py``, rho 0.1) this raised
-   the accuracy from 0.820 to 0.863 after 30 epochs and from 0.921 to 0.942
-   after 100 (dense: 0.943, 0.980); always transposing did worse (0.796).
+   step). On digits (``benchmarks/arctopk_digits.py``, rho 0.1, 5 seeds) this
+   raised the accuracy from 0.820 to 0.861 after 30 epochs and from 0.921 to
+   0.944 after 100 (dense: 0.943, 0.979); always transposing did worse
+   (0.796 after 30).
    The sketch costs ``n * r`` elements, so this orientation sends more sketch
    for a wide, short matrix (512 instead of 40 for that head at ``r = 4``).
 2. Every member draws the same Gaussian projection ``V`` (``m x r``, ``r``
