@@ -11,6 +11,7 @@ same data streams.
 
     python benchmarks/arctopk_digits.py                    # 3 peers, 30 epochs, 5 seeds
     python benchmarks/arctopk_digits.py --epochs 60 --json
+    python benchmarks/arctopk_digits.py --peers 4 --target 4096 --epochs 20  # as compression.py
 
 Per method: value elements each peer all-reduces per step (sketch plus
 values), their bytes (float32 for dense, the ArcTopK codec, float16 by
@@ -32,13 +33,13 @@ from trainer._ef21m import EF21M
 
 
 def _accuracy(
-    compression: ArcTopK | None, *, epochs: int, peers: int, seed: int, hidden: int
+    compression: ArcTopK | None, *, epochs: int, peers: int, seed: int, hidden: int, target: int
 ) -> float:
     task = make_digits_task(hidden=hidden)
     model, inner, _ = task.build(seed=0)
     params = list(model.parameters())
     streams = [task.batches(seed * 100 + i, 32) for i in range(peers)]
-    steps_per_peer = max(1, 192 // (32 * peers))
+    steps_per_peer = max(1, target // (32 * peers))
     efs = [EF21M(params, compression) for _ in range(peers)] if compression else []
     for epoch in range(epochs):
         grads = []
@@ -82,6 +83,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--peers", type=int, default=3)
+    parser.add_argument(
+        "--target", type=int, default=192, help="samples of a global step, over all peers"
+    )
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=128, help="width of the digits MLP")
     parser.add_argument("--json", action="store_true", help="print one JSON list")
@@ -101,7 +105,12 @@ def main() -> None:
         size = 4 * dense if compression is None else compression.payload_bytes(shapes)
         accuracies = [
             _accuracy(
-                compression, epochs=args.epochs, peers=args.peers, seed=s + 1, hidden=args.hidden
+                compression,
+                epochs=args.epochs,
+                peers=args.peers,
+                seed=s + 1,
+                hidden=args.hidden,
+                target=args.target,
             )
             for s in range(args.seeds)
         ]
@@ -120,7 +129,8 @@ def main() -> None:
         print(json.dumps(rows))
         return
     print(
-        f"digits (hidden {args.hidden}), {args.peers} peers, {args.epochs} epochs, "
+        f"digits (hidden {args.hidden}), {args.peers} peers, {args.target} samples a step, "
+        f"{args.epochs} epochs, "
         f"{args.seeds} data seeds"
     )
     header = ("method", "bytes/step", "of dense", "acc mean", "min", "max")
