@@ -33,10 +33,19 @@ from trainer._ef21m import EF21M
 
 
 def _accuracy(
-    compression: ArcTopK | None, *, epochs: int, peers: int, seed: int, hidden: int, target: int
+    compression: ArcTopK | None,
+    *,
+    epochs: int,
+    peers: int,
+    seed: int,
+    hidden: int,
+    target: int,
+    lr: float | None,
 ) -> float:
     task = make_digits_task(hidden=hidden)
     model, inner, _ = task.build(seed=0)
+    for group in inner.param_groups:
+        group["lr"] = group["lr"] if lr is None else lr
     params = list(model.parameters())
     streams = [task.batches(seed * 100 + i, 32) for i in range(peers)]
     steps_per_peer = max(1, target // (32 * peers))
@@ -88,6 +97,7 @@ def main() -> None:
     )
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=128, help="width of the digits MLP")
+    parser.add_argument("--lr", type=float, help="inner learning rate (default: the task's)")
     parser.add_argument("--json", action="store_true", help="print one JSON list")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -110,6 +120,7 @@ def main() -> None:
                 peers=args.peers,
                 seed=s + 1,
                 hidden=args.hidden,
+                lr=args.lr,
                 target=args.target,
             )
             for s in range(args.seeds)
