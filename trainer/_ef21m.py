@@ -75,8 +75,8 @@ class ArcTopK:
     Step size. The shared estimate lags the gradient by a number of steps
     that grows as ``rho`` shrinks, and EF21's step-size bound shrinks with the
     compressor's contraction (Richtarik, Sokolov, Fatkhullin 2021, "EF21",
-    Theorem 1: ``gamma <= 1 / (L + L~ sqrt(beta / theta))``, about 19 times
-    below dense's ``1 / L`` at alpha = 0.1 and 8 times at 0.2). A learning
+    Theorem 1: ``gamma <= 1 / (L + L~ sqrt(beta / theta))``, about 20 times
+    below dense's ``1 / L`` at alpha = 0.1 and 9 times at 0.2). A learning
     rate tuned for dense training can therefore oscillate under strong
     compression: on digits with 4 peers, 1,024 samples a step and 80 steps
     (``benchmarks/arctopk_digits.py --peers 4 --target 1024 --epochs 80``),
