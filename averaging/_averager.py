@@ -240,6 +240,7 @@ class Averager:
         *,
         tag: bytes,
         last: bool = False,
+        codec: Codec | None = None,
     ) -> StepResult:
         """All-reduce other ``tensors`` with ``group`` (from ``find_group``), in place.
 
@@ -250,10 +251,14 @@ class Averager:
         and the same tensor sizes. The averager's own tensors are untouched.
         With ``last`` the averager then moves to the next round's grid cell,
         as ``average`` does; several sub-rounds may run before the last.
-        Returns within the all-reduce's round deadline; on cancellation the
-        tensors hold whole chunks, each averaged or local.
+        ``codec`` replaces the configured codec for this all-reduce (every
+        member must pass the same). Returns within the all-reduce's round
+        deadline; on cancellation the tensors hold whole chunks, each
+        averaged or local.
         """
-        return await self._all_reduce(group, group.sub_round(tag), tensors, weight, last=last)
+        return await self._all_reduce(
+            group, group.sub_round(tag), tensors, weight, last=last, codec=codec
+        )
 
     async def _all_reduce(
         self,
@@ -263,6 +268,7 @@ class Averager:
         weight: float,
         *,
         last: bool,
+        codec: Codec | None = None,
     ) -> StepResult:
         if not (math.isfinite(weight) and weight >= 0):
             raise ConfigError(f"weight must be a finite number >= 0, got {weight}")
@@ -274,7 +280,7 @@ class Averager:
                 round_group,
                 tensors,
                 weight=weight,
-                codec=self.config.codec,
+                codec=self.config.codec if codec is None else codec,
                 config=self.config.allreduce,
                 fault_plan=self.fault_plan,
             )

@@ -11,10 +11,12 @@ same data streams.
 
     python benchmarks/arctopk_digits.py                    # 3 peers, 30 epochs, 5 seeds
     python benchmarks/arctopk_digits.py --epochs 60 --json
+    python benchmarks/arctopk_digits.py --peers 4 --target 4096 --epochs 20  # as compression.py
 
 Per method: value elements each peer all-reduces per step (sketch plus
-values; bytes are 4 per element in float32), and the test accuracy after
-``--epochs`` global steps, mean/min/max over ``--seeds`` data seeds.
+values), their bytes (float32 for dense, the ArcTopK codec, float16 by
+default, for the rest) and the share of dense's bytes, and the test accuracy
+after ``--epochs`` global steps, mean/min/max over ``--seeds`` data seeds.
 """
 
 from __future__ import annotations
@@ -26,16 +28,27 @@ import statistics
 import torch
 
 from averaging._arctopk import exact_group_round, projection_seed
-from trainer import ArcTopK, load_task
+from trainer import ArcTopK, make_digits_task
 from trainer._ef21m import EF21M
 
 
-def _accuracy(compression: ArcTopK | None, *, epochs: int, peers: int, seed: int) -> float:
-    task = load_task("digits")
+def _accuracy(
+    compression: ArcTopK | None,
+    *,
+    epochs: int,
+    peers: int,
+    seed: int,
+    hidden: int,
+    target: int,
+    lr: float | None,
+) -> float:
+    task = make_digits_task(hidden=hidden)
     model, inner, _ = task.build(seed=0)
+    for group in inner.param_groups:
+        group["lr"] = group["lr"] if lr is None else lr
     params = list(model.parameters())
     streams = [task.batches(seed * 100 + i, 32) for i in range(peers)]
-    steps_per_peer = max(1, 192 // (32 * peers))
+    steps_per_peer = max(1, target // (32 * peers))
     efs = [EF21M(params, compression) for _ in range(peers)] if compression else []
     for epoch in range(epochs):
         grads = []
@@ -58,6 +71,7 @@ def _accuracy(compression: ArcTopK | None, *, epochs: int, peers: int, seed: int
                 seed=projection_seed(b"benchmark", epoch),
                 rho=compression.rho,
                 rank=compression.rank,
+                codec=compression.codec,
             )
             for ef, c in zip(efs, own, strict=True):
                 ef._own = c  # what EF21M.average records from the value round
@@ -78,11 +92,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--peers", type=int, default=3)
+    parser.add_argument(
+        "--target", type=int, default=192, help="samples of a global step, over all peers"
+    )
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=128, help="width of the digits MLP")
+    parser.add_argument("--lr", type=float, help="inner learning rate (default: the task's)")
     parser.add_argument("--json", action="store_true", help="print one JSON list")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model, _, _ = load_task("digits").build(seed=0)
+    model, _, _ = make_digits_task(hidden=args.hidden).build(seed=0)
     shapes = [tuple(p.shape) for p in model.parameters()]
     dense = sum(p.numel() for p in model.parameters())
     methods: list[tuple[str, ArcTopK | None]] = [
@@ -93,16 +112,25 @@ def main() -> None:
     rows = []
     for name, compression in methods:
         elements = dense if compression is None else sum(compression.payload_elements(shapes))
+        size = 4 * dense if compression is None else compression.payload_bytes(shapes)
         accuracies = [
-            _accuracy(compression, epochs=args.epochs, peers=args.peers, seed=s + 1)
+            _accuracy(
+                compression,
+                epochs=args.epochs,
+                peers=args.peers,
+                seed=s + 1,
+                hidden=args.hidden,
+                lr=args.lr,
+                target=args.target,
+            )
             for s in range(args.seeds)
         ]
         rows.append(
             {
                 "method": name,
                 "elements_per_step": elements,
-                "bytes_per_step": 4 * elements,
-                "share_of_dense": elements / dense,
+                "bytes_per_step": size,
+                "share_of_dense": size / (4 * dense),
                 "accuracy_mean": statistics.fmean(accuracies),
                 "accuracy_min": min(accuracies),
                 "accuracy_max": max(accuracies),
@@ -111,7 +139,11 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows))
         return
-    print(f"digits, {args.peers} peers, {args.epochs} epochs, {args.seeds} data seeds")
+    print(
+        f"digits (hidden {args.hidden}), {args.peers} peers, {args.target} samples a step, "
+        f"{args.epochs} epochs, "
+        f"{args.seeds} data seeds"
+    )
     header = ("method", "bytes/step", "of dense", "acc mean", "min", "max")
     print("{:<18} {:>10} {:>9} {:>9} {:>6} {:>6}".format(*header))
     for r in rows:

@@ -10,9 +10,13 @@ import trio
 from peer_harness import open_peers
 
 from averaging import (
+    FLOAT16,
+    NONE,
+    UINT8,
     ArcTopKRound,
     Averager,
     AveragerConfig,
+    Codec,
     Group,
     GroupMember,
     RowSelection,
@@ -22,8 +26,11 @@ from averaging import (
 )
 from averaging._allreduce import AllReduceConfig
 from averaging._arctopk import (
+    as_matrix,
     exact_group_round,
     kept_rows,
+    matrix_shape,
+    on_the_wire,
     payload_elements,
     projection_seed,
     projections,
@@ -86,9 +93,12 @@ def test_payload_sizes_follow_from_the_shapes() -> None:
     # the digits model: 64-128-10
     digits = [(128, 64), (128,), (10, 128), (10,)]
     assert sum(math.prod(s) for s in digits) == 9610
-    assert payload_elements(digits, 0.2, 4) == (552, 26 * 64 + 128 + 2 * 128 + 10)
-    assert payload_elements(digits, 0.1, 4) == (552, 13 * 64 + 128 + 1 * 128 + 10)
-    assert payload_elements(digits, 1.0, 4) == (552, 9610)
+    # rows along the longer side: the 10 x 128 head is sketched as 128 x 10
+    assert matrix_shape((10, 128)) == (128, 10) and matrix_shape((128, 64)) == (128, 64)
+    assert matrix_shape((16, 3, 3, 3)) == (27, 16) and matrix_shape((64, 3, 3, 3)) == (64, 27)
+    assert payload_elements(digits, 0.2, 4) == (1024, 26 * 64 + 128 + 26 * 10 + 10)
+    assert payload_elements(digits, 0.1, 4) == (1024, 13 * 64 + 128 + 13 * 10 + 10)
+    assert payload_elements(digits, 1.0, 4) == (1024, 9610)
     gen = torch.Generator().manual_seed(9)
     x = _random_tensors(gen)
     _, selection = arc_topk_compress(x, seed=1, rho=0.3, rank=3)
@@ -180,9 +190,9 @@ def test_the_compressor_is_contractive_with_the_alpha_it_claims() -> None:
             for t, c, v in zip(x, out, projections(shapes, trial, rank), strict=True):
                 if v is None:
                     continue
-                n = t.shape[0]
-                p = t.reshape(n, -1).double() @ v.double()
-                q = (t - c).reshape(n, -1).double() @ v.double()
+                n = as_matrix(t).shape[0]
+                p = as_matrix(t).double() @ v.double()
+                q = as_matrix(t - c).double() @ v.double()
                 k = kept_rows(rho, n)
                 assert float(q.pow(2).sum()) <= (1 - k / n) * float(p.pow(2).sum()) * (1 + 1e-6)
     # the bound is not vacuous: it is positive on every input
@@ -234,7 +244,21 @@ async def _groups(averagers: list[Averager]) -> list[Group]:
     return [g for g in groups if g is not None]
 
 
-async def test_a_group_of_three_averages_the_same_rows_over_the_network() -> None:
+def test_only_element_wise_codecs_and_float16_saturates() -> None:
+    x = torch.tensor([1.0 / 3.0, -1e6, 7e4, 2.0, float("nan")])
+    wire = on_the_wire(x, FLOAT16)
+    assert wire.dtype == torch.float32 and wire[3] == 2.0 and wire[0] != x[0]
+    assert wire[1] == -65504.0 and wire[2] == 65504.0  # clamped, not Inf
+    assert torch.equal(on_the_wire(wire[:4], FLOAT16), wire[:4])  # exact the second time
+    assert torch.equal(on_the_wire(x[:4], NONE), x[:4])
+    with pytest.raises(ConfigError, match="NONE or FLOAT16"):
+        on_the_wire(x, UINT8)
+    with pytest.raises(ConfigError):
+        ArcTopKRound([x], 0.5, 4, UINT8)
+
+
+@pytest.mark.parametrize("codec", [NONE, FLOAT16], ids=["float32", "float16"])
+async def test_a_group_of_three_averages_the_same_rows_over_the_network(codec: Codec) -> None:
     gen = torch.Generator().manual_seed(3)
     peers_x = [_random_tensors(gen, scale=i + 1.0) for i in range(3)]
     weights = [64.0, 128.0, 32.0]
@@ -244,13 +268,13 @@ async def test_a_group_of_three_averages_the_same_rows_over_the_network() -> Non
             for p in peers.alive
         ]
         groups = await _groups(averagers)
-        rounds = [ArcTopKRound([t.clone() for t in x], 0.2, 4) for x in peers_x]
+        rounds = [ArcTopKRound([t.clone() for t in x], 0.2, 4, codec) for x in peers_x]
         dense = [[t.clone() for t in x] for x in peers_x]
 
         async def run(i: int) -> None:
             await rounds[i].run(averagers[i], groups[i], weights[i], step=9)
             # rho = 1 in the same group (another step: its own sub-rounds)
-            await ArcTopKRound(dense[i], 1.0, 4).run(averagers[i], groups[i], weights[i], 10)
+            await ArcTopKRound(dense[i], 1.0, 4, codec).run(averagers[i], groups[i], weights[i], 10)
 
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
@@ -269,7 +293,9 @@ async def test_a_group_of_three_averages_the_same_rows_over_the_network() -> Non
         assert r.values_result.contributors == frozenset(r.values_result.members)
         digests.add(r.selection.digest())
     assert len(digests) == 1
-    # every member ends with the same bits: C of the weighted mean
+    # every member ends with the same bits: C of the weighted mean (up to
+    # half precision: float16 keeps 11 significant bits)
+    tolerance = 1e-5 if codec == NONE else 2e-2
     mean = _mean(peers_x, weights)
     expected, _ = arc_topk_compress(
         mean, seed=projection_seed(groups[0].group_id, 9), rho=0.2, rank=4
@@ -277,18 +303,18 @@ async def test_a_group_of_three_averages_the_same_rows_over_the_network() -> Non
     for r in rounds:
         for a, b, c in zip(r.tensors, rounds[0].tensors, expected, strict=True):
             assert torch.equal(a, b)
-            torch.testing.assert_close(a, c, atol=1e-5, rtol=0)
-    # each member's own c is C(x_i) under the shared selection
+            torch.testing.assert_close(a, c, atol=tolerance, rtol=0)
+    # each member's own c is C(x_i) under the shared selection, as sent
     selection = rounds[0].selection
     assert selection is not None
     for r, x in zip(rounds, peers_x, strict=True):
         own = [torch.empty(t.shape) for t in x]
-        selection.scatter(selection.gather(x), own)
+        selection.scatter(on_the_wire(selection.gather(x), codec), own)
         assert all(torch.equal(a, b) for a, b in zip(r.local, own, strict=True))
     # rho = 1 is the dense weighted mean
     for d in dense:
         for a, b in zip(d, mean, strict=True):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+            torch.testing.assert_close(a, b, atol=tolerance, rtol=0)
 
 
 async def test_members_that_selected_other_rows_never_mix_values() -> None:

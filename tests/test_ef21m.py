@@ -16,6 +16,7 @@ from trainer_harness import (
     training_peers,
 )
 
+from averaging import NONE, UINT8
 from averaging._arctopk import exact_group_round, projection_seed
 from swarm import ConfigError
 from trainer import ArcTopK, CollaborativeConfig, CollaborativeOptimizer, DiLoCo
@@ -127,11 +128,26 @@ def test_state_round_trips_and_a_newcomer_adopts_the_swarms_estimate() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"rho": 0.0}, {"rho": 1.2}, {"rank": 0}, {"warmup_steps": -1}, {"momentum": 0.0}],
+    [
+        {"rho": 0.0},
+        {"rho": 1.2},
+        {"rank": 0},
+        {"warmup_steps": -1},
+        {"momentum": 0.0},
+        {"codec": UINT8},
+    ],
 )
-def test_bad_settings_are_refused(kwargs: dict[str, float]) -> None:
+def test_bad_settings_are_refused(kwargs: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         ArcTopK(**kwargs)  # type: ignore[arg-type]
+
+
+def test_payload_bytes_follow_the_codec() -> None:
+    digits = [(128, 64), (128,), (10, 128), (10,)]  # sketch 2 * 128 * 4, values 13 * 74 + 138
+    elements = 1024 + 1100
+    assert ArcTopK(rho=0.1).payload_elements(digits) == (1024, 1100)
+    assert ArcTopK(rho=0.1).payload_bytes(digits) == 2 * elements  # float16 by default
+    assert ArcTopK(rho=0.1, codec=NONE).payload_bytes(digits) == 4 * elements
 
 
 def test_only_an_arctopk_selects_compression() -> None:

@@ -9,7 +9,7 @@ import torch
 
 from swarm import ConfigError
 from trainer._task import Task, builtin_task_names, load_task, shuffled_batches
-from trainer._tasks_digits import digits_split
+from trainer._tasks_digits import digits_split, make_digits_task
 
 torch.set_num_threads(1)
 
@@ -45,6 +45,17 @@ def test_digits_split_is_fixed_stratified_and_complete() -> None:
         assert 0.18 < share < 0.22
     task = load_task("digits")
     assert task.train_size == len(train_y)
+
+
+def test_the_digits_width_is_an_option_with_its_own_name() -> None:
+    task = load_task("digits")
+    assert task.name == "digits" and task.make_model()[0].out_features == 128
+    wide = make_digits_task(hidden=512)
+    model = wide.make_model()
+    assert wide.name == "digits-h512" and model[0].out_features == model[2].in_features == 512
+    for bad in (0, -3, 1 << 17, 2.0, True):
+        with pytest.raises(ConfigError, match="hidden"):
+            make_digits_task(hidden=bad)  # type: ignore[arg-type]
 
 
 def test_digits_streams_are_seeded_and_each_pass_covers_the_training_set() -> None:

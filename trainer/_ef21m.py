@@ -19,8 +19,13 @@ of the ``g_i``. Compression only delays what it leaves out: the difference
 
 The cases that break "always the whole swarm", and what happens:
 
-- Dense warm-up (``warmup_steps``): ``C`` is the identity, so after the first
-  step every ``g_i`` equals its ``v_i``; compression starts from there.
+- Dense warm-up (``warmup_steps``): ``C`` is the identity (up to the
+  codec's rounding: ``C`` is then the rounding), so after the first step
+  every ``g_i`` equals its ``v_i`` as rounded; compression starts from there.
+
+Everything a peer sends goes through ``ArcTopK.codec`` (float16 by default),
+and its own ``c_i`` is the rounded value the others decode, so ``g_i`` adds
+exactly what the group averaged.
 - No group (alone, or matchmaking failed): nothing travels, so nothing is
   compressed: ``c_i = v_i - g_i`` stays local and ``g_bar += c_i``.
 - A partly failed all-reduce: ``mean_group(c)`` is, chunk by chunk, what the
@@ -45,9 +50,12 @@ from typing import Any
 
 import torch
 
-from averaging import ArcTopKRound, Averager, Group, StepResult
-from averaging._arctopk import check_parameters, payload_elements
+from averaging import FLOAT16, ArcTopKRound, Averager, Codec, Group, StepResult
+from averaging._arctopk import check_codec, check_parameters, on_the_wire, payload_elements
 from swarm import ConfigError
+
+#: Sub-round tag of a dense warm-up step (``EF21M.average_dense``), then the codec.
+DENSE_TAG = b"ef21m.dense."
 
 
 @dataclass(frozen=True)
@@ -57,11 +65,24 @@ class ArcTopK:
     Select it with ``CollaborativeConfig(gradient_compression=ArcTopK(...))``.
     Each global step then sends, instead of every gradient value, a sketch of
     ``rank`` columns per matrix and ``rho`` of its rows (1-D tensors whole):
-    for a linear layer with ``n x m`` weights, ``n * rank + ceil(rho * n) * m``
-    values instead of ``n * m``. Use it on slow links (home connections) with
-    models whose gradients are mostly large matrices; see
-    ``averaging._arctopk`` for what it costs and guarantees. Every peer of a
-    run must use the same setting: members that differ never average together.
+    for a linear layer with ``n x m`` weights (``n >= m``: rows along the
+    longer side), ``n * rank + ceil(rho * n) * m`` values instead of ``n * m``.
+    Use it on slow links (home connections) with models whose gradients are
+    mostly large matrices; see ``averaging._arctopk`` for what it costs and
+    guarantees. Every peer of a run must use the same setting: members that
+    differ never average together.
+
+    Step size. The shared estimate lags the gradient by a number of steps
+    that grows as ``rho`` shrinks, and EF21's step-size bound shrinks with the
+    compressor's contraction (Richtarik, Sokolov, Fatkhullin 2021, "EF21",
+    Theorem 1: ``gamma <= 1 / (L + L~ sqrt(beta / theta))``, about 20 times
+    below dense's ``1 / L`` at alpha = 0.1 and 9 times at 0.2). A learning
+    rate tuned for dense training can therefore oscillate under strong
+    compression: on digits with 4 peers, 1,024 samples a step and 80 steps
+    (``benchmarks/arctopk_digits.py --peers 4 --target 1024 --epochs 80``),
+    rho 0.1 plateaued at 0.871 with the task's Adam lr 1e-2 (dense 0.985) and
+    reached 0.918 with lr 3e-3 (dense 0.969); rho 0.2 reached 0.961 and
+    0.950. Lower the inner learning rate, or raise ``rho``, when rho is small.
     """
 
     #: fraction of each matrix's rows sent per step (0 < rho <= 1)
@@ -77,9 +98,17 @@ class ArcTopK:
     #: momentum of their own: on digits with Adam, eta 0.3 and 0.5 trained
     #: worse than 1 in 25 epochs. Use eta < 1 with plain SGD, as the paper does.
     momentum: float = 1.0
+    #: codec of the sketch and the selected values on the wire: NONE or FLOAT16
+    #: (element-wise, so error feedback knows the exact c it sent). FLOAT16 by
+    #: default: it halves the bytes, and its rounding (2**-11 relative) is far
+    #: below what the compression itself leaves for later steps. Every member
+    #: decodes the same averaged sketch bits, so all still select the same
+    #: rows. The dense warm-up steps travel in it too.
+    codec: Codec = FLOAT16
 
     def __post_init__(self) -> None:
         check_parameters(self.rho, self.rank)
+        check_codec(self.codec)
         if isinstance(self.warmup_steps, bool) or not (
             isinstance(self.warmup_steps, int) and self.warmup_steps >= 0
         ):
@@ -94,6 +123,12 @@ class ArcTopK:
         """``(sketch, values)`` elements a compressed step all-reduces for
         parameters of ``shapes`` (a dense step: their total)."""
         return payload_elements(shapes, self.rho, self.rank)
+
+    def payload_bytes(self, shapes: Sequence[Sequence[int]]) -> int:
+        """Bytes of sketch and values a compressed step all-reduces per
+        member, in ``codec`` (4 per element for NONE, 2 for FLOAT16)."""
+        per_element = 2 if self.codec == FLOAT16 else 4
+        return per_element * sum(self.payload_elements(shapes))
 
     def compresses(self, epoch: int) -> bool:
         """Is the step that ends ``epoch`` compressed (past the warm-up)?"""
@@ -139,11 +174,27 @@ class EF21M:
         """ARC-Top-K all-reduce of the differences in ``grads`` with ``group``
         (``ArcTopKRound.run``): ``grads`` end as ``mean_group(c)``, and this
         peer's own ``c`` is recorded for ``finish``, also if cancelled."""
-        exchange = ArcTopKRound(grads, self.config.rho, self.config.rank)
+        exchange = ArcTopKRound(grads, self.config.rho, self.config.rank, self.config.codec)
         try:
             return await exchange.run(averager, group, weight, step)
         finally:
             self._own = exchange.local
+
+    async def average_dense(
+        self, averager: Averager, group: Group, grads: list[torch.Tensor], weight: float
+    ) -> StepResult:
+        """A dense (warm-up) all-reduce of the differences in ``grads`` with
+        ``group``, in ``codec``: each difference is first rounded as the codec
+        delivers it, and that rounded difference is this peer's own ``c``.
+        ``grads`` end as ``mean_group(c)``, chunk by chunk as the all-reduce
+        delivered it (local where it failed, also if cancelled)."""
+        codec = self.config.codec
+        with torch.no_grad():
+            for grad in grads:
+                grad.copy_(on_the_wire(grad, codec))
+        self._own = [grad.detach().clone() for grad in grads]
+        tag = DENSE_TAG + bytes([codec.kind])
+        return await averager.average_with(group, grads, weight, tag=tag, last=True, codec=codec)
 
     def finish(self, averaged: Sequence[torch.Tensor]) -> None:
         """``g += own c``, ``g_bar += averaged`` (the group's mean of the c's),

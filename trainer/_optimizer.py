@@ -607,6 +607,8 @@ class CollaborativeOptimizer:
         ef = self._ef21m
         if ef is not None and ef.config.compresses(self.epoch):
             return await ef.average(self._grad_averager, group, self._grads, weight, self.epoch)
+        if ef is not None:  # the warm-up: dense, in ArcTopK's codec
+            return await ef.average_dense(self._grad_averager, group, self._grads, weight)
         return await self._grad_averager.average(group, weight)
 
     def _refresh_now(self, now: float, *, force: bool = False) -> bool:

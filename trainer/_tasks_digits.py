@@ -5,7 +5,10 @@ package, so nothing is downloaded. Pixels are scaled to [0, 1]. The split into
 training and test sets is stratified and fixed by ``SPLIT_SEED``, so every peer
 of a run holds the same test set; each peer then reads the training set in
 its own seeded random order. The network (64-128-10) trains in a few seconds
-on one CPU core, which is what tests and benchmarks of the swarm need.
+on one CPU core, which is what tests and benchmarks of the swarm need;
+``make_digits_task(hidden=...)`` widens it, for benchmarks whose per-step
+overhead should weigh less against the gradient (``benchmarks/compression.py
+--hidden``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.optim.optimizer import ParamsT
+
+from swarm import ConfigError
 
 from ._task import Task, shuffled_batches
 
@@ -54,8 +59,12 @@ def digits_split() -> tuple[DigitsBatch, DigitsBatch]:
     return (features[train], labels[train]), (features[test], labels[test])
 
 
-def _make_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(64, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 10))
+#: Widest hidden layer ``make_digits_task`` accepts.
+MAX_HIDDEN = 1 << 16
+
+
+def _make_model(hidden: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
 
 def _make_optimizer(params: ParamsT) -> torch.optim.Optimizer:
@@ -82,12 +91,19 @@ def _evaluate(model: nn.Module) -> dict[str, float]:
     return {"accuracy": accuracy, "loss": loss}
 
 
-def make_digits_task() -> Task[DigitsBatch]:
-    """The ``digits`` task: 64-128-10 MLP, Adam (lr 1e-2), batches of 64."""
+def make_digits_task(hidden: int = HIDDEN) -> Task[DigitsBatch]:
+    """The ``digits`` task: 64-``hidden``-10 MLP, Adam (lr 1e-2), batches of 64.
+
+    ``hidden`` defaults to 128 (the task ``load_task("digits")`` returns);
+    another width names the task ``digits-h<hidden>``, so peers of different
+    widths never share a run. ``ConfigError`` unless 1 <= hidden <= 65536.
+    """
+    if isinstance(hidden, bool) or not isinstance(hidden, int) or not 1 <= hidden <= MAX_HIDDEN:
+        raise ConfigError(f"hidden={hidden!r} must be an integer in [1, {MAX_HIDDEN}]")
     (_, train_labels), _ = digits_split()
     return Task(
-        name="digits",
-        make_model=_make_model,
+        name="digits" if hidden == HIDDEN else f"digits-h{hidden}",
+        make_model=functools.partial(_make_model, hidden),
         batches=_batches,
         loss=_loss,
         evaluate=_evaluate,
