@@ -20,12 +20,13 @@ every member of a group keep the *same* rows:
    step). On digits (``benchmarks/arctopk_digits.py``, rho 0.1, 5 seeds) this
    raised the accuracy from 0.820 to 0.861 after 30 epochs and from 0.921 to
    0.944 after 100 (dense: 0.943, 0.979); always transposing did worse
-   (0.796 after 30).
+   (0.796 after 30). (Measured before the cap of step 2.)
    The sketch costs ``n * r`` elements, so this orientation sends more sketch
-   for a wide, short matrix (512 instead of 40 for that head at ``r = 4``).
+   for a wide, short matrix; step 2 caps ``r`` for such matrices.
 2. Every member draws the same Gaussian projection ``V`` (``m x r``, ``r``
-   small) from a ``torch.Generator`` seeded by the group id and the step
-   (``projection_seed``; never the global generator), and sketches ``P = X V``.
+   small: ``sketch_rank``, the configured rank capped at ``rho * m``) from a
+   ``torch.Generator`` seeded by the group id and the step (``projection_seed``;
+   never the global generator), and sketches ``P = X V``.
 3. The group all-reduces the sketches (``n x r`` each: small). By linearity
    the mean of the sketches is the sketch of the mean, ``mean(X) V``.
 4. Every member ranks rows by the squared norm of the *averaged* sketch and
@@ -35,6 +36,26 @@ every member of a group keep the *same* rows:
 5. The values of those rows, plus the dense tensors, travel through a second
    all-reduce, with no indices, and are scattered back into place
    (``RowSelection``); all other rows of the compressed tensor are zero.
+
+Bytes. A matrix ``n x m`` sends ``n * r`` sketch and ``k * m`` value
+elements (``payload_elements``). With ``r <= rho * m`` (``sketch_rank``) the
+sketch is never larger than the values, so a compressed step sends at most
+``2 * k * m``, about ``2 * rho`` of the matrix, and in FLOAT16 about ``rho``
+of its dense float32 bytes: "rho 0.1 sends a tenth of the bytes" holds for
+every matrix up to the rounding of ``k``, whatever its shape. Without the
+cap a wide, short matrix pays for its fine selection in sketch: the digits
+head (10 x 128, rows along the 128 side) at ``rho = 0.1`` and rank 4 sent
+512 sketch for 130 values, and the step 11.1% of dense's bytes instead of
+9.1% (``benchmarks/arctopk_digits.py``). The cap only touches matrices with
+fewer than ``rank / rho`` columns; their rows are short, so a rank as small
+as 1 still ranks them, if less sharply (the selection is exact Top-K in the
+sketch space and the contraction bound below holds for every ``V``). What
+that cost on digits (``--peers 4 --target 4096 --epochs 20 --seeds 5``, the
+setting of ``benchmarks/compression.py``): rho 0.1 reached 0.841 with the
+cap (head rank 1, 9.1% of dense's bytes), 0.855 with rank 2 for the head
+(9.7%) and 0.867 uncapped (11.1%); rho 0.2 reached 0.906 with the cap (head
+rank 2, 14.7%) and 0.897 uncapped (16.1%); dense 0.945. The seeds spread
+over about 0.06, so these differences are within two spreads.
 
 Both all-reduces may use an element-wise codec (``ArcTopKRound.codec``: NONE
 or FLOAT16; ``trainer.ArcTopK`` defaults to FLOAT16). The reducer of each
@@ -192,7 +213,7 @@ def payload_elements(shapes: Sequence[Sequence[int]], rho: float, rank: int) -> 
     """``(sketch, values)``: the elements each member contributes to the sketch
     all-reduce and to the value all-reduce for tensors of ``shapes``.
 
-    A matrix ``n x m`` costs ``n * rank`` sketch and ``kept_rows(rho, n) * m``
+    A matrix ``n x m`` costs ``n * sketch_rank(rho, rank, m)`` sketch and ``kept_rows(rho, n) * m``
     value elements, a dense tensor all its elements; the dense all-reduce
     would carry ``sum(n * m)``. Exact, from the shapes alone.
     """
@@ -203,7 +224,7 @@ def payload_elements(shapes: Sequence[Sequence[int]], rho: float, rank: int) -> 
         if view is None:
             values += math.prod(int(s) for s in shape)
         else:
-            sketched += view[0] * rank
+            sketched += view[0] * sketch_rank(rho, rank, view[1])
             values += kept_rows(rho, view[0]) * view[1]
     return sketched, values
 
@@ -216,9 +237,25 @@ def projection_seed(group_id: bytes, step: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def projections(shapes: Sequence[Sequence[int]], seed: int, rank: int) -> list[torch.Tensor | None]:
-    """One Gaussian ``m x rank`` float32 projection per matrix tensor (None for
-    dense ones), all drawn in order from one generator seeded with ``seed``."""
+def sketch_rank(rho: float, rank: int, columns: int) -> int:
+    """Columns of the projection of a matrix with ``columns`` columns:
+    ``min(rank, floor(rho * columns))``, at least 1.
+
+    The sketch (``n x r``) then never holds more elements than the values the
+    selection keeps (about ``rho * n * m``), so a compressed matrix costs at
+    most about ``2 * rho`` of its dense elements, and in FLOAT16 about ``rho``
+    of its dense float32 bytes (module docstring, "Bytes"). ``rho * columns``
+    is rounded to 9 decimals first, so that ``0.1 * 10`` gives 1.
+    """
+    return max(1, min(rank, math.floor(round(rho * columns, 9))))
+
+
+def projections(
+    shapes: Sequence[Sequence[int]], seed: int, rank: int, rho: float
+) -> list[torch.Tensor | None]:
+    """One Gaussian ``m x sketch_rank(rho, rank, m)`` float32 projection per
+    matrix tensor (None for dense ones), all drawn in order from one
+    generator seeded with ``seed``."""
     generator = torch.Generator().manual_seed(seed)
     result: list[torch.Tensor | None] = []
     for shape in shapes:
@@ -226,7 +263,8 @@ def projections(shapes: Sequence[Sequence[int]], seed: int, rank: int) -> list[t
         if view is None:
             result.append(None)
         else:
-            result.append(torch.randn(view[1], rank, generator=generator, dtype=torch.float32))
+            r = sketch_rank(rho, rank, view[1])
+            result.append(torch.randn(view[1], r, generator=generator, dtype=torch.float32))
     return result
 
 
@@ -373,7 +411,7 @@ def arc_topk_compress(
     averaged sketch instead; this is the same rule applied to one member."""
     check_parameters(rho, rank)
     shapes = [t.shape for t in tensors]
-    selection = select_rows(shapes, sketch(tensors, projections(shapes, seed, rank)), rho)
+    selection = select_rows(shapes, sketch(tensors, projections(shapes, seed, rank, rho)), rho)
     out = [torch.empty(t.shape, dtype=torch.float32) for t in tensors]
     selection.scatter(selection.gather(tensors), out)
     return out, selection
@@ -403,7 +441,7 @@ def exact_group_round(
     if not xs or len(xs) != len(weights) or total <= 0:
         raise ValueError("one weight per member, and a positive total weight")
     shapes = [t.shape for t in xs[0]]
-    projected = projections(shapes, seed, rank)
+    projected = projections(shapes, seed, rank, rho)
     sketches = [[on_the_wire(p, codec) for p in sketch(x, projected)] for x in xs]
     averaged = [
         on_the_wire(
@@ -438,7 +476,7 @@ def contraction_bound(
     check_parameters(rho, rank)
     shapes = [t.shape for t in tensors]
     alpha = 1.0
-    for t, v in zip(tensors, projections(shapes, seed, rank), strict=True):
+    for t, v in zip(tensors, projections(shapes, seed, rank, rho), strict=True):
         view = matrix_shape(t.shape)
         if v is None or view is None:
             continue
@@ -514,12 +552,21 @@ class ArcTopKRound:
         sketches = [
             on_the_wire(p, codec)
             for p in sketch(
-                self.tensors, projections(shapes, projection_seed(group.group_id, step), self.rank)
+                self.tensors,
+                projections(shapes, projection_seed(group.group_id, step), self.rank, self.rho),
             )
         ]
-        # Members with another rank or codec must not average with us: both are in the tags.
+        # Members whose sketches are laid out otherwise (another sketch_rank
+        # for some matrix) or in another codec must not average with us:
+        # both are in the tags.
         settings = struct.pack("<B", codec.kind)
-        tag = SKETCH_TAG + struct.pack("<HQ", self.rank, step) + settings
+        layout = b"".join(struct.pack("<H", p.shape[1]) for p in sketches)
+        tag = (
+            SKETCH_TAG
+            + struct.pack("<HQ", self.rank, step)
+            + settings
+            + hashlib.blake2b(layout, digest_size=8).digest()
+        )
         if sketches:
             self.sketch_result = await averager.average_with(
                 group, sketches, weight, tag=tag, codec=codec

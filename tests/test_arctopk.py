@@ -35,6 +35,7 @@ from averaging._arctopk import (
     projection_seed,
     projections,
     sketch,
+    sketch_rank,
 )
 from averaging._matchmaking import MatchmakingConfig
 from averaging._moshpit import MoshpitGrid
@@ -96,14 +97,31 @@ def test_payload_sizes_follow_from_the_shapes() -> None:
     # rows along the longer side: the 10 x 128 head is sketched as 128 x 10
     assert matrix_shape((10, 128)) == (128, 10) and matrix_shape((128, 64)) == (128, 64)
     assert matrix_shape((16, 3, 3, 3)) == (27, 16) and matrix_shape((64, 3, 3, 3)) == (64, 27)
-    assert payload_elements(digits, 0.2, 4) == (1024, 26 * 64 + 128 + 26 * 10 + 10)
-    assert payload_elements(digits, 0.1, 4) == (1024, 13 * 64 + 128 + 13 * 10 + 10)
+    # the head's sketch rank is capped at rho * 10 columns (sketch_rank): 2, then 1
+    assert payload_elements(digits, 0.2, 4) == (512 + 256, 26 * 64 + 128 + 26 * 10 + 10)
+    assert payload_elements(digits, 0.1, 4) == (512 + 128, 13 * 64 + 128 + 13 * 10 + 10)
     assert payload_elements(digits, 1.0, 4) == (1024, 9610)
     gen = torch.Generator().manual_seed(9)
     x = _random_tensors(gen)
     _, selection = arc_topk_compress(x, seed=1, rho=0.3, rank=3)
-    sketched = sum(v.shape[0] * 3 for v in sketch(x, projections([t.shape for t in x], 1, 3)))
+    sketched = sum(v.numel() for v in sketch(x, projections([t.shape for t in x], 1, 3, 0.3)))
     assert payload_elements(SHAPES, 0.3, 3) == (sketched, selection.numel())
+
+
+def test_the_sketch_is_never_larger_than_the_values_it_selects() -> None:
+    assert [sketch_rank(0.1, 4, m) for m in (1, 9, 10, 19, 20, 40, 64)] == [1, 1, 1, 1, 2, 4, 4]
+    assert sketch_rank(0.3, 4, 10) == 3 and sketch_rank(1.0, 4, 2) == 2
+    for rho in (0.05, 0.1, 0.2, 0.5, 1.0):
+        for n, m in ((128, 10), (128, 64), (27, 16), (1000, 3), (50, 50)):
+            r = sketch_rank(rho, 4, m)
+            assert 1 <= r <= 4
+            # n * r <= k * m unless r is the floor of 1 (fewer than 1 / rho columns)
+            assert n * r <= kept_rows(rho, n) * m or r == 1
+            sketched, values = payload_elements([(n, m)], rho, 4)
+            assert (sketched, values) == (n * r, kept_rows(rho, n) * m)
+    # digits at rho 0.1 in float16: under a tenth of dense float32's bytes
+    digits = [(128, 64), (128,), (10, 128), (10,)]
+    assert 2 * sum(payload_elements(digits, 0.1, 4)) <= 0.1 * 4 * 9610
 
 
 def test_peers_with_different_gradients_select_identical_rows() -> None:
@@ -113,7 +131,7 @@ def test_peers_with_different_gradients_select_identical_rows() -> None:
     shapes = [torch.Size(s) for s in SHAPES]
     seed = projection_seed(b"group-7", 12)
     # each peer sketches its own gradient with the shared projection ...
-    local = [sketch(p, projections(shapes, seed, 4)) for p in peers]
+    local = [sketch(p, projections(shapes, seed, 4, 0.2)) for p in peers]
     # ... alone, they would keep different rows
     alone = {select_rows(shapes, s, 0.2).digest() for s in local}
     assert len(alone) > 1
@@ -125,7 +143,7 @@ def test_peers_with_different_gradients_select_identical_rows() -> None:
         assert all(r is None for r in rows) or all(torch.equal(r, rows[0]) for r in rows)
     # by linearity, that is the selection for the sketch of the mean itself
     mean = _mean(peers, weights)
-    direct = select_rows(shapes, sketch(mean, projections(shapes, seed, 4)), 0.2)
+    direct = select_rows(shapes, sketch(mean, projections(shapes, seed, 4, 0.2)), 0.2)
     assert direct.digest() == selections[0].digest()
     # the averaged values under that selection are exactly C(mean)
     values = _mean([[selections[0].gather(p)] for p in peers], weights)[0]
@@ -147,11 +165,11 @@ def test_peers_with_different_gradients_select_identical_rows() -> None:
 
 def test_the_projection_depends_on_group_and_step_only() -> None:
     shapes = [torch.Size(s) for s in SHAPES]
-    a = projections(shapes, projection_seed(b"g", 3), 4)
-    b = projections(shapes, projection_seed(b"g", 3), 4)
-    c = projections(shapes, projection_seed(b"g", 4), 4)
+    a = projections(shapes, projection_seed(b"g", 3), 4, 0.2)
+    b = projections(shapes, projection_seed(b"g", 3), 4, 0.2)
+    c = projections(shapes, projection_seed(b"g", 4), 4, 0.2)
     torch.manual_seed(123)  # the global generator plays no part
-    d = projections(shapes, projection_seed(b"g", 3), 4)
+    d = projections(shapes, projection_seed(b"g", 3), 4, 0.2)
     for x, y, z, w in zip(a, b, c, d, strict=True):
         if x is None:
             assert y is None and z is None and w is None
@@ -187,7 +205,7 @@ def test_the_compressor_is_contractive_with_the_alpha_it_claims() -> None:
             alphas.append(alpha)
             # in the sketch space the choice is exact Top-K: at least k/n of the energy
             shapes = [t.shape for t in x]
-            for t, c, v in zip(x, out, projections(shapes, trial, rank), strict=True):
+            for t, c, v in zip(x, out, projections(shapes, trial, rank, rho), strict=True):
                 if v is None:
                     continue
                 n = as_matrix(t).shape[0]
@@ -327,10 +345,11 @@ async def test_members_that_selected_other_rows_never_mix_values() -> None:
         ]
         groups = await _groups(averagers)
         # member 2 keeps more rows (a misconfigured or out-of-sync peer): its
-        # value vector is laid out differently from the others'
+        # value vector is laid out differently from the others', its sketch
+        # alike (the same sketch_rank for every matrix at rho 0.2 and 0.24)
         rounds = [
             ArcTopKRound([t.clone() for t in x], rho, 4)
-            for x, rho in zip(xs, [0.2, 0.2, 0.5], strict=True)
+            for x, rho in zip(xs, [0.2, 0.2, 0.24], strict=True)
         ]
 
         async def run(i: int) -> None:

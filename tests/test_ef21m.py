@@ -143,9 +143,9 @@ def test_bad_settings_are_refused(kwargs: dict[str, object]) -> None:
 
 
 def test_payload_bytes_follow_the_codec() -> None:
-    digits = [(128, 64), (128,), (10, 128), (10,)]  # sketch 2 * 128 * 4, values 13 * 74 + 138
-    elements = 1024 + 1100
-    assert ArcTopK(rho=0.1).payload_elements(digits) == (1024, 1100)
+    digits = [(128, 64), (128,), (10, 128), (10,)]  # sketch 128 * 4 + 128 * 1, values 13 * 74 + 138
+    elements = 640 + 1100
+    assert ArcTopK(rho=0.1).payload_elements(digits) == (640, 1100)
     assert ArcTopK(rho=0.1).payload_bytes(digits) == 2 * elements  # float16 by default
     assert ArcTopK(rho=0.1, codec=NONE).payload_bytes(digits) == 4 * elements
 

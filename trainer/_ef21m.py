@@ -64,9 +64,12 @@ class ArcTopK:
 
     Select it with ``CollaborativeConfig(gradient_compression=ArcTopK(...))``.
     Each global step then sends, instead of every gradient value, a sketch of
-    ``rank`` columns per matrix and ``rho`` of its rows (1-D tensors whole):
+    ``r`` columns per matrix and ``rho`` of its rows (1-D tensors whole):
     for a linear layer with ``n x m`` weights (``n >= m``: rows along the
-    longer side), ``n * rank + ceil(rho * n) * m`` values instead of ``n * m``.
+    longer side), ``n * r + ceil(rho * n) * m`` values instead of ``n * m``,
+    where ``r = min(rank, floor(rho * m))``, at least 1 (``sketch_rank``: the
+    sketch never outweighs the values, so in FLOAT16 a matrix costs about
+    ``rho`` of its float32 bytes).
     Use it on slow links (home connections) with models whose gradients are
     mostly large matrices; see ``averaging._arctopk`` for what it costs and
     guarantees. Every peer of a run must use the same setting: members that
@@ -87,7 +90,8 @@ class ArcTopK:
 
     #: fraction of each matrix's rows sent per step (0 < rho <= 1)
     rho: float = 0.2
-    #: columns of the random projection that ranks the rows
+    #: columns of the random projection that ranks the rows (capped per
+    #: matrix at ``rho`` times its columns: ``averaging._arctopk.sketch_rank``)
     rank: int = 4
     #: global steps averaged dense (uncompressed) before compression starts;
     #: one dense step already sets every peer's estimate g to its momentum v,
