@@ -86,6 +86,17 @@ class ArcTopK:
     rho 0.1 plateaued at 0.871 with the task's Adam lr 1e-2 (dense 0.985) and
     reached 0.918 with lr 3e-3 (dense 0.969); rho 0.2 reached 0.961 and
     0.950. Lower the inner learning rate, or raise ``rho``, when rho is small.
+
+    Not adopted, measured at the setting of ``benchmarks/compression.py``
+    (4 peers, 4,096 samples a step, 20 steps, 3 seeds; rho 0.1 0.861, dense
+    0.944 with the uncapped sketch): freezing Adam's second moment after a
+    dense warm-up, as 1-bit Adam does (Tang et al. 2021, section 3) because
+    error feedback corrupts the variance estimate: 0.220, 0.749 and 0.862
+    after 1, 3 and 5 dense steps (twenty steps leave no time for the
+    variance to settle; the paper warms up for 15-25% of training, and even
+    dense training dropped to 0.903 with a freeze after 3 steps). Adam's
+    ``eps`` 1e-2 instead of 1e-8 (with the capped sketch): 0.873 against
+    0.84, while dense dropped to 0.929 with ``eps`` 1e-3 already.
     """
 
     #: fraction of each matrix's rows sent per step (0 < rho <= 1)
