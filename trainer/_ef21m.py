@@ -96,7 +96,7 @@ class ArcTopK:
     variance to settle; the paper warms up for 15-25% of training, and even
     dense training dropped to 0.903 with a freeze after 3 steps). Adam's
     ``eps`` 1e-2 instead of 1e-8 (with the capped sketch): 0.873 against
-    0.84, while dense dropped to 0.929 with ``eps`` 1e-3 already.
+    0.836, while dense dropped to 0.929 with ``eps`` 1e-3 already.
     """
 
     #: fraction of each matrix's rows sent per step (0 < rho <= 1)
