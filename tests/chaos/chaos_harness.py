@@ -624,8 +624,12 @@ def _check_checkpoints(swarm: ChaosSwarm, report: ChaosReport) -> None:
                 final[p.name] = checkpoint.model
     assert set(final) == set(report.accuracies), (sorted(final), sorted(report.accuracies))
     # "epoch <max>: averaged parameters with N peers": the logs say how big each
-    # finisher's last group was, not who was in it. N peers that said N were one
-    # group; more than N that said N were several, each of exactly N members.
+    # finisher's last group was, not who was in it. The finishers that said N
+    # were in ceil(count / N) groups at least, and each group's members hold one
+    # set of parameters. A group may hold fewer finishers than N: a member that
+    # the leader counted but that never heard of the group (its own matchmaking
+    # timed out) says "0 peers" and keeps its own values, as the all-reduce's
+    # fault tolerance intends (seed 18 of the soak).
     sizes: dict[int, list[str]] = {}
     said = f"epoch {c.max_epochs}: averaged parameters with "
     for name in final:
@@ -644,7 +648,8 @@ def _check_checkpoints(swarm: ChaosSwarm, report: ChaosReport) -> None:
                     break
             else:
                 classes.append([name])
-        assert all(len(members) == size for members in classes), (
+        groups = -(-len(names) // size)
+        assert len(classes) <= groups and all(len(m) <= size for m in classes), (
             f"finishers that averaged parameters in groups of {size} differ: {classes}"
         )
         report.identical = max([report.identical, *classes], key=len)
