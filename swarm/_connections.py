@@ -110,13 +110,6 @@ _COALESCE = 64 * 1024
 _SOCKET_BUFFER = 4 * 2**20
 #: Most buffers one gathering send passes to the kernel (IOV_MAX is 1024).
 _MAX_GATHER = 512
-#: While a large payload is due, the socket counts as readable only once this
-#: much more of it has arrived (SO_RCVLOWAT): a reader woken for every few
-#: hundred KiB spends more CPU in the event loop than in copying. On loopback
-#: this cut the CPU per byte of 2 MiB frames by about a quarter on both ends.
-#: Linux still wakes the reader when its receive window is full, so a value
-#: above what the window holds cannot stall a connection.
-_LOW_WATER = 1 << 20
 #: How long a listener spends telling a dialer why its stream was reset.
 _RESET_GRACE = 1.0
 
@@ -249,7 +242,6 @@ class _Connection:
         self.closed = False
         self._send_lock = trio.StrictFIFOLock()
         self._receiving = False
-        self._low_water = 1  # SO_RCVLOWAT
         for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             with suppress(OSError):
                 self.socket.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
@@ -400,9 +392,6 @@ class _Connection:
                 if read_ahead:
                     buffer.release()
                     buffer = memoryview(self._read_ahead)
-                    self._set_low_water(1)
-                else:
-                    self._set_low_water(min(buffer.nbytes, _LOW_WATER))
                 try:
                     count = await self.socket.recv_into(buffer)
                 except trio.ClosedResourceError as e:
@@ -426,17 +415,8 @@ class _Connection:
                         return frame
         finally:
             self._receiving = False
-            self._set_low_water(1)  # others wait on the socket too (the pool watcher)
             if into is not None:
                 self._decoder.release(into)
-
-    def _set_low_water(self, size: int) -> None:
-        """Let the kernel report the socket readable only once ``size`` bytes
-        have arrived (or the connection ended, or its receive window is full)."""
-        if size != self._low_water:
-            self._low_water = size
-            with suppress(OSError):
-                self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, size)
 
     def _decode(self, step: Callable[[], _T]) -> _T:
         try:

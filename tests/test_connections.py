@@ -546,34 +546,6 @@ async def test_connection_is_reused_only_after_the_handler_returned() -> None:
         assert len(pooled) == 2 and all(entry.ready for entry in pooled)
 
 
-@pytest.mark.parametrize("config", MODES)
-async def test_low_water_mark_is_reset_after_a_large_frame(config: ConnectionConfig) -> None:
-    """Receiving a large payload raises the socket's SO_RCVLOWAT; it is back to
-    1 once the frame is in, so the pool watcher still wakes for the small DONE
-    frame and the connection is pooled as ready."""
-    payload = random.Random(3).randbytes(2 * 2**20)  # encrypted: ends with a full chunk
-
-    async def send_big(stream: Stream) -> None:
-        await stream.receive()
-        await stream.send_bytes(payload)
-
-    async with two_peers(config, config) as (a, b):
-        b.set_handler("big", send_big)
-        async with a.open_stream(B.peer_id, address(b), "big") as stream:
-            await stream.send("go")
-            buffer = bytearray(len(payload))
-            assert await stream.receive_into(buffer) == len(payload)
-            assert buffer == payload
-            connection = stream._connection
-            assert connection.socket.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
-            with pytest.raises(EndOfStreamError):
-                await stream.receive()
-        await trio.testing.wait_all_tasks_blocked()
-        pooled = [entry for entries in a._pool.values() for entry in entries]
-        assert [entry.connection for entry in pooled] == [connection]
-        assert pooled[0].ready
-
-
 async def test_silent_listener_is_a_handshake_deadline() -> None:
     """A TCP listener that never answers the handshake: DeadlineError."""
     listeners = await trio.open_tcp_listeners(0, host=HOST)
