@@ -161,7 +161,8 @@ class PartReducer:
         else:
             if len(contributors) == 1:
                 (first,) = contributors
-                acc.mul_(self._weights[first])
+                if self._weights[first] != 1.0:  # x * 1.0 is x: spare a pass
+                    acc.mul_(self._weights[first])
             acc.add_(values.reshape(-1), alpha=w)
         self._weight_sum[chunk] += w
         self._contributors[chunk].add(sender)

@@ -105,7 +105,7 @@ def run_gloo(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
 def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     import trio
 
-    from averaging._allreduce import AllReduceConfig, all_reduce
+    from averaging._allreduce import AllReduceConfig, all_reduce, serve_allreduce
     from averaging._group import Group, GroupMember
     from swarm import Identity
     from swarm._connections import ConnectionConfig, open_connections
@@ -126,6 +126,9 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         nonlocal contributors_ok
         net_config = ConnectionConfig(encrypt=args.encrypt)
         async with open_connections(identities[args.rank], config=net_config) as net:
+            # Before anyone can enter a round: a peer that reaches round 0 first
+            # must not find the others without a handler (and exclude them).
+            serve_allreduce(net)
             (directory / f"port.{args.rank}.tmp").write_text(str(net.port))
             (directory / f"port.{args.rank}.tmp").rename(directory / f"port.{args.rank}")
             await trio.to_thread.run_sync(
