@@ -120,7 +120,7 @@ class NodeCrawl(LookupCrawl):
         return list(self.nearest)
 
     def _answered(self, peer: Node, answer: Any) -> None:
-        self.nearest.push([Node(*c) for c in answer])
+        self.nearest.push([Node(*c) for c in answer if c[0] not in self.nearest])
 
 
 class RecordCrawl(LookupCrawl):
@@ -169,7 +169,7 @@ class RecordCrawl(LookupCrawl):
         for record in kept.values():
             merge(self.merged, record)
         self.replies[peer.id] = (peer, kept, truncated)
-        self.nearest.push([Node(*c) for c in contacts])
+        self.nearest.push([Node(*c) for c in contacts if c[0] not in self.nearest])
 
     def _satisfied(self) -> bool:
         if self.latest:
