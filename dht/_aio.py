@@ -2,7 +2,9 @@
 
 Only this module imports ``trio_asyncio``. Everything asyncio (kademlia's
 server, crawlers and our protocol subclass) runs inside a loop opened here,
-and trio code reaches it only through ``AsyncioLoop.call``.
+and trio code reaches it only through ``AsyncioLoop.call``, with one
+exception: the trio task reading the UDP socket (``_udp``) calls the
+protocol's synchronous ``datagram_received`` directly.
 """
 
 from __future__ import annotations

@@ -31,7 +31,9 @@ table and crawlers work unchanged, and replaces what kademlia gets wrong for us:
   node that proved its id and then sent a malformed request or a forged record
   is banned.
 
-All methods run on the asyncio loop that ``trio_asyncio`` provides (see ``_aio``).
+All methods run on the asyncio loop that ``trio_asyncio`` provides (see ``_aio``),
+except ``datagram_received``, which the trio task reading the socket calls
+(``_udp``); there too ``asyncio.get_event_loop()`` is that loop.
 """
 
 from __future__ import annotations
