@@ -440,35 +440,45 @@ class SwarmProtocol(KademliaProtocol):
     ) -> None:
         """``call_find_node`` for look-ups: ``on_result`` gets its result (see ``request``)."""
 
-        def on_reply(reply: Result) -> None:
-            result: Result = (False, None)
-            if reply[0]:
-                try:
-                    result = (True, self._live(decode_nodes(reply[1][1])))
-                except ProtocolError as e:
-                    log.debug("bad find_node reply from %s: %s", node_to_ask, e)
-            on_result(self.handle_call_response(result, node_to_ask))
+        def decode(body: Any) -> Any:
+            return self._live(decode_nodes(body))
 
-        addr = (node_to_ask.ip, node_to_ask.port)
-        self.request(addr, "find_node", [node_to_find.id], node_to_ask.id, on_reply)
+        self._ask(node_to_ask, "find_node", node_to_find, decode, on_result)
 
     def request_find_value(
         self, node_to_ask: Node, node_to_find: Node, on_result: Callable[[Result], None]
     ) -> None:
         """``call_find_value`` for look-ups: ``on_result`` gets its result (see ``request``)."""
 
+        def decode(body: Any) -> Any:
+            records, nodes, truncated = decode_find_value_reply(body, self._limits)
+            return records, self._live(nodes), truncated
+
+        self._ask(node_to_ask, "find_value", node_to_find, decode, on_result)
+
+    def _ask(
+        self,
+        node_to_ask: Node,
+        method: str,
+        node_to_find: Node,
+        decode: Callable[[Any], Any],
+        on_result: Callable[[Result], None],
+    ) -> None:
+        """Send ``method`` about ``node_to_find``; after ``handle_call_response``,
+        ``on_result`` gets ``(True, decode(answer))``, or ``(False, None)`` if
+        there was no answer or ``decode`` raised ``ProtocolError``."""
+
         def on_reply(reply: Result) -> None:
             result: Result = (False, None)
             if reply[0]:
                 try:
-                    records, nodes, truncated = decode_find_value_reply(reply[1][1], self._limits)
-                    result = (True, (records, self._live(nodes), truncated))
+                    result = (True, decode(reply[1][1]))
                 except ProtocolError as e:
-                    log.debug("bad find_value reply from %s: %s", node_to_ask, e)
+                    log.debug("bad %s reply from %s: %s", method, node_to_ask, e)
             on_result(self.handle_call_response(result, node_to_ask))
 
         addr = (node_to_ask.ip, node_to_ask.port)
-        self.request(addr, "find_value", [node_to_find.id], node_to_ask.id, on_reply)
+        self.request(addr, method, [node_to_find.id], node_to_ask.id, on_reply)
 
     async def call_store(self, node_to_ask: Node, key: Any, value: Any = None) -> Result:
         """Store a ``Record`` (passed as ``key``; kademlia's signature is kept for
