@@ -33,7 +33,7 @@ table and crawlers work unchanged, and replaces what kademlia gets wrong for us:
 
 All methods run on the asyncio loop that ``trio_asyncio`` provides (see ``_aio``),
 except ``datagram_received``, which the trio task reading the socket calls
-(``_udp``); there too ``asyncio.get_event_loop()`` is that loop.
+(``_aio.DatagramSocket``); there too ``asyncio.get_event_loop()`` is that loop.
 """
 
 from __future__ import annotations

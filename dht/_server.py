@@ -26,12 +26,12 @@ from swarm._clock import WallClock
 from swarm._errors import RecordRejectedError
 from swarm._identity import Identity, PeerID
 
+from ._aio import DatagramSocket
 from ._crawl import NodeCrawl, RecordCrawl
 from ._protocol import Address, SwarmProtocol
 from ._ratelimit import MonotonicClock, RequestRateLimit
 from ._records import Record, RecordLimits, merge, validate
 from ._storage import RecordStorage, StorageQuota
-from ._udp import DatagramSocket
 
 log = logging.getLogger(__name__)
 
