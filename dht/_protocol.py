@@ -542,13 +542,10 @@ class SwarmProtocol(KademliaProtocol):
                 ok, _ = await self.call((node.ip, node.port), "ping", [], node.id)
             finally:
                 self._pinging.discard(node.id)
+            self.handle_call_response((ok, None), node)
             if ok:
                 self._unanswered_pings.pop(contact, None)
-                self.handle_call_response((True, None), node)
                 return
-            # Not recorded as a failure of the node id: the address came with
-            # a request anyone may have replayed, so the id's real contact
-            # must not be left out of look-ups because of it.
             self._unanswered_pings[contact] = now = asyncio.get_event_loop().time()
             if len(self._unanswered_pings) > _MAX_PENDING_PINGS * 64:
                 self._unanswered_pings = {

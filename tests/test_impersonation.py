@@ -55,10 +55,8 @@ async def test_a_replayed_request_does_not_put_the_claimed_id_at_the_replayers_a
                 encode(ALICE, Kind.RESPONSE, new_msg_id(), None), (HOST, node.port)
             )
             await _wait_until(lambda: not proto._pinging)  # the ping-back timed out
-            # That says nothing about Alice's real address: her id is not
-            # marked as failed (left out of look-ups), only this address is
-            # remembered, so another replay from it is answered, not pinged.
-            assert ALICE.peer_id not in proto._failed
+            # The unanswered address is remembered: another replay from it is
+            # answered, not pinged back again.
             await mallory.sendto(
                 encode(ALICE, Kind.REQUEST, new_msg_id(), ["ping", []]), (HOST, node.port)
             )
