@@ -183,8 +183,6 @@ class SwarmProtocol(KademliaProtocol):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pinging: set[bytes] = set()
         self._failed: dict[bytes, float] = {}
-        #: (node id, ip, port) -> when a ping-back there went unanswered
-        self._unanswered_pings: dict[tuple[bytes, str, int], float] = {}
         self._closed = False
         self.received_datagrams = 0
         self.dropped_datagrams = 0
@@ -517,53 +515,19 @@ class SwarmProtocol(KademliaProtocol):
         ]
 
     def _ping_back_if_new(self, node: Node) -> None:
-        """Ping back a request's sender that would enter the routing table; its
-        signed answer, from that address, is what adds it (``welcome_if_new``).
-
-        No ping-back when it could not lead to an insertion: the sender is known
-        already, its bucket is full and may not split (kademlia would only list
-        it as a replacement, section 4.1), or a ping-back to this id at this
-        address went unanswered within ``_FAILURE_MEMORY``. Most requests of a
-        look-up come from nodes of full buckets, and each ping-back costs a
-        round trip plus two signatures and two verifications.
-        """
         if not self.router.is_new_node(node) or node.id in self._pinging:
             return
-        if len(self._pinging) >= _MAX_PENDING_PINGS or not self._has_room_for(node):
-            return
-        contact = (node.id, node.ip, node.port)
-        now = asyncio.get_event_loop().time()
-        if now - self._unanswered_pings.get(contact, -_FAILURE_MEMORY) < _FAILURE_MEMORY:
+        if len(self._pinging) >= _MAX_PENDING_PINGS:
             return
         self._pinging.add(node.id)
 
         async def ping_back() -> None:
             try:
-                ok, _ = await self.call((node.ip, node.port), "ping", [], node.id)
+                await self.call_ping(node)
             finally:
                 self._pinging.discard(node.id)
-            self.handle_call_response((ok, None), node)
-            if ok:
-                self._unanswered_pings.pop(contact, None)
-                return
-            self._unanswered_pings[contact] = now = asyncio.get_event_loop().time()
-            if len(self._unanswered_pings) > _MAX_PENDING_PINGS * 64:
-                self._unanswered_pings = {
-                    c: t for c, t in self._unanswered_pings.items() if now - t < _FAILURE_MEMORY
-                }
 
         self.spawn(ping_back())
-
-    def _has_room_for(self, node: Node) -> bool:
-        """True if ``add_contact(node)`` would put ``node`` in its bucket: the
-        bucket has room or splits (Kademlia paper, section 4.2), rather than
-        listing it as a replacement."""
-        bucket = self.router.buckets[self.router.get_bucket_for(node)]
-        return bool(
-            len(bucket) < bucket.ksize
-            or bucket.has_in_range(self.source_node)
-            or bucket.depth() % 5 != 0
-        )
 
     def _closest_known(self, target: Node) -> bool:
         """True if no contact in the routing table is closer to ``target`` than
@@ -589,19 +553,9 @@ class SwarmProtocol(KademliaProtocol):
     def welcome_if_new(self, node: Node) -> None:
         """Add a node that answered us; push it the records it is now responsible for
         (Kademlia paper, section 2.5). Only validated records are ever stored, so
-        only validated records are pushed.
-
-        A new node whose bucket is full (and may not split) only becomes a
-        replacement contact, used once a contact of that bucket fails (section
-        4.1); kademlia would also ping the bucket's head and push records to a
-        node it does not keep. Such a node lies in a bucket far from this
-        node's id, so it is rarely among the k closest to a key stored here.
-        """
+        only validated records are pushed."""
         if not self.router.is_new_node(node):
             self.router.add_contact(node)  # refresh its position in the bucket
-            return
-        if not self._has_room_for(node):
-            self.router.buckets[self.router.get_bucket_for(node)].add_node(node)
             return
         for dkey in self.storage.key_ids():
             keynode = Node(dkey)
