@@ -11,7 +11,8 @@ Modules, from pure code up to the node:
 - ``_routing``: ``NearestNodes``, a look-up's candidate heap with O(1) membership
 - ``_crawl``: a value look-up that merges the replies of the responsible nodes
 - ``_server``: kademlia's ``Server`` subclass storing and finding records
-- ``_aio``: the one seam between trio and asyncio (trio-asyncio)
+- ``_aio``: the one seam between trio and asyncio (trio-asyncio), including
+  the UDP socket that a trio task reads for the protocol
 - ``_node``: ``DHTNode`` and ``open_dht_node``, the trio API
 """
 

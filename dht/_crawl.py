@@ -29,8 +29,9 @@ the caller can write the freshest records back to them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from kademlia.crawling import SpiderCrawl
@@ -44,7 +45,8 @@ from ._routing import NearestNodes
 
 log = logging.getLogger(__name__)
 
-RPC = Callable[[Node, Node], Awaitable[tuple[bool, Any]]]
+#: ``rpc(node_to_ask, target, on_result)`` (``SwarmProtocol.request_find_*``)
+RPC = Callable[[Node, Node, Callable[[tuple[bool, Any]], None]], None]
 
 
 class LookupCrawl(SpiderCrawl):
@@ -58,27 +60,49 @@ class LookupCrawl(SpiderCrawl):
         self.nearest.push(peers)
 
     async def _lookup(self, rpc: RPC) -> None:
-        pending: dict[asyncio.Future[tuple[bool, Any]], Node] = {}
-        try:
-            while True:
-                for peer in self.nearest.get_uncontacted():
-                    if len(pending) >= self.alpha:
-                        break
-                    self.nearest.mark_contacted(peer)
-                    pending[asyncio.ensure_future(rpc(peer, self.node))] = peer
-                if not pending or self._satisfied():
-                    return
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for future in done:
-                    peer = pending.pop(future)
-                    ok, answer = future.result()
-                    if ok:
-                        self._answered(peer, answer)
-                    else:
-                        self.nearest.remove([peer.id])
-        finally:
-            for future in pending:
-                future.cancel()
+        """Crawl until no candidate is left uncontacted or ``_satisfied()``.
+
+        Driven by the replies themselves: ``rpc`` reports each result to a
+        callback that handles it and sends the next request, so a request
+        costs no asyncio task and the look-up wakes up once, when it is done
+        (with all of trio-asyncio's loop rounds that saves). An exception
+        raised while handling a reply is raised here. On cancellation, replies
+        still in flight are ignored.
+        """
+        finished: asyncio.Future[None] = asyncio.get_event_loop().create_future()
+        in_flight = 0
+
+        def send() -> None:
+            nonlocal in_flight
+            if self._satisfied():
+                finished.set_result(None)
+                return
+            for peer in self.nearest.get_uncontacted():
+                if in_flight >= self.alpha:
+                    break
+                self.nearest.mark_contacted(peer)
+                in_flight += 1
+                rpc(peer, self.node, functools.partial(on_result, peer))
+            if not in_flight:
+                finished.set_result(None)
+
+        def on_result(peer: Node, result: tuple[bool, Any]) -> None:
+            nonlocal in_flight
+            if finished.done():
+                return
+            in_flight -= 1
+            try:
+                ok, answer = result
+                if ok:
+                    self._answered(peer, answer)
+                else:
+                    self.nearest.remove([peer.id])
+                send()
+            except Exception as e:  # raised in the awaiting look-up, not lost
+                finished.set_exception(e)
+
+        send()
+        await finished
 
     def _answered(self, peer: Node, answer: Any) -> None:
         raise NotImplementedError
@@ -92,11 +116,11 @@ class NodeCrawl(LookupCrawl):
     """Find the k closest live nodes to a key."""
 
     async def find(self) -> list[Node]:
-        await self._lookup(self.protocol.call_find_node)
+        await self._lookup(self.protocol.request_find_node)
         return list(self.nearest)
 
     def _answered(self, peer: Node, answer: Any) -> None:
-        self.nearest.push([Node(*c) for c in answer])
+        self.nearest.push([Node(*c) for c in answer if c[0] not in self.nearest])
 
 
 class RecordCrawl(LookupCrawl):
@@ -126,7 +150,7 @@ class RecordCrawl(LookupCrawl):
 
     async def find(self) -> dict[bytes | None, Record]:
         """Crawl and return the merged records by sub-key (empty if none found)."""
-        await self._lookup(self.protocol.call_find_value)
+        await self._lookup(self.protocol.request_find_value)
         return self.merged
 
     def _answered(self, peer: Node, answer: Any) -> None:
@@ -145,7 +169,7 @@ class RecordCrawl(LookupCrawl):
         for record in kept.values():
             merge(self.merged, record)
         self.replies[peer.id] = (peer, kept, truncated)
-        self.nearest.push([Node(*c) for c in contacts])
+        self.nearest.push([Node(*c) for c in contacts if c[0] not in self.nearest])
 
     def _satisfied(self) -> bool:
         if self.latest:

@@ -362,6 +362,8 @@ async def open_dht_node(
             except OSError as e:
                 raise ConfigError(f"cannot listen on UDP {format_address(host, port)}: {e}") from e
             node = DHTNode(server, loop, identity, host, bound, config, clock, nursery)
+            assert server.socket is not None  # listen bound it
+            nursery.start_soon(server.socket.serve_datagrams, server.proto)
             try:
                 if initial_peers:
                     await node.bootstrap(initial_peers)

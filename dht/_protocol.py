@@ -31,7 +31,9 @@ table and crawlers work unchanged, and replaces what kademlia gets wrong for us:
   node that proved its id and then sent a malformed request or a forged record
   is banned.
 
-All methods run on the asyncio loop that ``trio_asyncio`` provides (see ``_aio``).
+All methods run on the asyncio loop that ``trio_asyncio`` provides (see ``_aio``),
+except ``datagram_received``, which the trio task reading the socket calls
+(``_aio.DatagramSocket``); there too ``asyncio.get_event_loop()`` is that loop.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, NamedTuple
 
 from kademlia.node import Node
 from kademlia.protocol import KademliaProtocol
@@ -73,6 +75,16 @@ _FAILURE_MEMORY = 30.0
 
 Address = tuple[str, int]
 Result = tuple[bool, Any]
+
+
+class _Pending(NamedTuple):
+    """An outstanding request: its answer must come from ``addr`` (and from
+    node ``expected`` when given) before ``deadline`` (loop time)."""
+
+    on_reply: Callable[[Result], None]
+    addr: Address
+    expected: bytes | None
+    deadline: float
 
 
 def decode_nodes(obj: Any) -> list[tuple[bytes, str, int]]:
@@ -115,6 +127,18 @@ def parse_request(body: Any) -> tuple[Any, Any, bool]:
     return body[0], body[1], len(body) == 3
 
 
+def _awaitable(start: Callable[..., None], *args: Any) -> asyncio.Future[Result]:
+    """A future for the result that ``start(*args, on_result)`` reports."""
+    future: asyncio.Future[Result] = asyncio.get_event_loop().create_future()
+
+    def on_result(result: Result) -> None:
+        if not future.done():  # the awaiting caller may have been cancelled
+            future.set_result(result)
+
+    start(*args, on_result)
+    return future
+
+
 def _is_ip(text: str) -> bool:
     for family in (socket.AF_INET, socket.AF_INET6):
         try:
@@ -151,7 +175,11 @@ class SwarmProtocol(KademliaProtocol):
         self._limits = limits
         self._wait_timeout = rpc_timeout
         self._clock = clock
-        self._outstanding: dict[bytes, tuple[asyncio.Future[Result], asyncio.TimerHandle, Any]] = {}
+        #: msg_id -> what to call with the answer, whom it must come from, and
+        #: when to give up; in order of sending, so also in order of deadline
+        self._outstanding: dict[bytes, _Pending] = {}
+        #: the one timer that expires outstanding requests (armed for the oldest)
+        self._expiry: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pinging: set[bytes] = set()
         self._failed: dict[bytes, float] = {}
@@ -189,11 +217,12 @@ class SwarmProtocol(KademliaProtocol):
         self._closed = True
         for task in list(self._tasks):
             task.cancel()
-        for future, timer, _ in self._outstanding.values():
-            timer.cancel()
-            if not future.done():
-                future.set_result((False, None))
-        self._outstanding.clear()
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        pending, self._outstanding = list(self._outstanding.values()), {}
+        for request in pending:
+            request.on_reply((False, None))
         if self.transport is not None:
             self.transport.close()
 
@@ -261,14 +290,13 @@ class SwarmProtocol(KademliaProtocol):
         pending = self._outstanding.get(datagram.msg_id)
         if pending is None:
             return
-        future, timer, (expected_addr, expected_id) = pending
-        if addr != expected_addr or (expected_id is not None and datagram.sender != expected_id):
+        if addr != pending.addr or (
+            pending.expected is not None and datagram.sender != pending.expected
+        ):
             # someone else answered, or the address now belongs to another node
             return
         del self._outstanding[datagram.msg_id]
-        timer.cancel()
-        if not future.done():
-            future.set_result((True, (datagram.sender, datagram.body)))
+        pending.on_reply((True, (datagram.sender, datagram.body)))
 
     # -- sending ---------------------------------------------------------------
 
@@ -293,22 +321,50 @@ class SwarmProtocol(KademliaProtocol):
         """Send a request; the future resolves to ``(True, (sender, body))`` or
         ``(False, None)`` after ``rpc_timeout`` without a verified answer from
         ``addr`` (and from node ``expected`` when given)."""
+        return _awaitable(self.request, addr, method, args, expected)
+
+    def request(
+        self,
+        addr: Address,
+        method: str,
+        args: list[Any],
+        expected: bytes | None,
+        on_reply: Callable[[Result], None],
+    ) -> None:
+        """Send a request and call ``on_reply`` once with what ``call``'s future
+        would hold: from the datagram handler when the answer arrives, from the
+        expiry timer after ``rpc_timeout``, from ``close``, or soon (never from
+        within this call) if the protocol is closed already.
+
+        Costs no asyncio task and no timer of its own: one timer per protocol
+        expires every outstanding request (``_expire_due``), and each asyncio
+        callback is a round of trio-asyncio's loop.
+        """
         loop = asyncio.get_event_loop()
-        future: asyncio.Future[Result] = loop.create_future()
         if self._closed:
-            future.set_result((False, None))
-            return future
+            loop.call_soon(on_reply, (False, None))
+            return
         msg_id = messages.new_msg_id()
-        timer = loop.call_later(self._wait_timeout, self._expire, msg_id)
-        self._outstanding[msg_id] = (future, timer, (addr, expected))
+        deadline = loop.time() + self._wait_timeout
+        self._outstanding[msg_id] = _Pending(on_reply, addr, expected, deadline)
+        if self._expiry is None:
+            self._expiry = loop.call_at(deadline, self._expire_due)
         body = [method, args, CLIENT_FLAG] if self.client_mode else [method, args]
         self._send(messages.Kind.REQUEST, msg_id, body, addr)
-        return future
 
-    def _expire(self, msg_id: bytes) -> None:
-        pending = self._outstanding.pop(msg_id, None)
-        if pending is not None and not pending[0].done():
-            pending[0].set_result((False, None))
+    def _expire_due(self) -> None:
+        """Fail the requests past their deadline; re-arm for the oldest left."""
+        self._expiry = None
+        loop = asyncio.get_event_loop()
+        now = loop.time()
+        due = []
+        for msg_id, pending in self._outstanding.items():
+            if pending.deadline > now:
+                self._expiry = loop.call_at(pending.deadline, self._expire_due)
+                break
+            due.append(msg_id)
+        for msg_id in due:
+            self._outstanding.pop(msg_id).on_reply((False, None))
 
     # -- handlers (remote side) ------------------------------------------------
 
@@ -371,28 +427,56 @@ class SwarmProtocol(KademliaProtocol):
         return sender
 
     async def call_find_node(self, node_to_ask: Node, node_to_find: Node) -> Result:
-        addr = (node_to_ask.ip, node_to_ask.port)
-        ok, answer = await self.call(addr, "find_node", [node_to_find.id], node_to_ask.id)
-        result: Result = (False, None)
-        if ok:
-            try:
-                result = (True, self._live(decode_nodes(answer[1])))
-            except ProtocolError as e:
-                log.debug("bad find_node reply from %s: %s", node_to_ask, e)
-        return self.handle_call_response(result, node_to_ask)
+        return await _awaitable(self.request_find_node, node_to_ask, node_to_find)
 
     async def call_find_value(self, node_to_ask: Node, node_to_find: Node) -> Result:
         """``(True, (records, contacts, truncated))``; records are decoded, not validated."""
+        return await _awaitable(self.request_find_value, node_to_ask, node_to_find)
+
+    def request_find_node(
+        self, node_to_ask: Node, node_to_find: Node, on_result: Callable[[Result], None]
+    ) -> None:
+        """``call_find_node`` for look-ups: ``on_result`` gets its result (see ``request``)."""
+
+        def decode(body: Any) -> Any:
+            return self._live(decode_nodes(body))
+
+        self._ask(node_to_ask, "find_node", node_to_find, decode, on_result)
+
+    def request_find_value(
+        self, node_to_ask: Node, node_to_find: Node, on_result: Callable[[Result], None]
+    ) -> None:
+        """``call_find_value`` for look-ups: ``on_result`` gets its result (see ``request``)."""
+
+        def decode(body: Any) -> Any:
+            records, nodes, truncated = decode_find_value_reply(body, self._limits)
+            return records, self._live(nodes), truncated
+
+        self._ask(node_to_ask, "find_value", node_to_find, decode, on_result)
+
+    def _ask(
+        self,
+        node_to_ask: Node,
+        method: str,
+        node_to_find: Node,
+        decode: Callable[[Any], Any],
+        on_result: Callable[[Result], None],
+    ) -> None:
+        """Send ``method`` about ``node_to_find``; after ``handle_call_response``,
+        ``on_result`` gets ``(True, decode(answer))``, or ``(False, None)`` if
+        there was no answer or ``decode`` raised ``ProtocolError``."""
+
+        def on_reply(reply: Result) -> None:
+            result: Result = (False, None)
+            if reply[0]:
+                try:
+                    result = (True, decode(reply[1][1]))
+                except ProtocolError as e:
+                    log.debug("bad %s reply from %s: %s", method, node_to_ask, e)
+            on_result(self.handle_call_response(result, node_to_ask))
+
         addr = (node_to_ask.ip, node_to_ask.port)
-        ok, answer = await self.call(addr, "find_value", [node_to_find.id], node_to_ask.id)
-        result: Result = (False, None)
-        if ok:
-            try:
-                records, nodes, truncated = decode_find_value_reply(answer[1], self._limits)
-                result = (True, (records, self._live(nodes), truncated))
-            except ProtocolError as e:
-                log.debug("bad find_value reply from %s: %s", node_to_ask, e)
-        return self.handle_call_response(result, node_to_ask)
+        self.request(addr, method, [node_to_find.id], node_to_ask.id, on_reply)
 
     async def call_store(self, node_to_ask: Node, key: Any, value: Any = None) -> Result:
         """Store a ``Record`` (passed as ``key``; kademlia's signature is kept for
@@ -445,6 +529,27 @@ class SwarmProtocol(KademliaProtocol):
 
         self.spawn(ping_back())
 
+    def _closest_known(self, target: Node) -> bool:
+        """True if no contact in the routing table is closer to ``target`` than
+        this node is.
+
+        A contact closer than this node shares the target's bits above the
+        highest bit where this node differs from the target, so only the
+        buckets overlapping that range of ids are scanned (for a key stored
+        here, a few buckets next to this node's own).
+        """
+        mine = self.source_node.long_id ^ target.long_id
+        free_bits = mine.bit_length()
+        lo = (target.long_id >> free_bits) << free_bits
+        hi = lo | ((1 << free_bits) - 1)
+        for bucket in self.router.buckets:
+            if bucket.range[1] < lo or bucket.range[0] > hi:
+                continue
+            for contact in bucket.nodes.values():
+                if contact.long_id ^ target.long_id < mine and contact.id != target.id:
+                    return False
+        return True
+
     def welcome_if_new(self, node: Node) -> None:
         """Add a node that answered us; push it the records it is now responsible for
         (Kademlia paper, section 2.5). Only validated records are ever stored, so
@@ -452,15 +557,15 @@ class SwarmProtocol(KademliaProtocol):
         if not self.router.is_new_node(node):
             self.router.add_contact(node)  # refresh its position in the bucket
             return
-        for dkey, records in self.storage:
+        for dkey in self.storage.key_ids():
             keynode = Node(dkey)
+            # This node must be the closest it knows to the key; that test scans
+            # a few contacts, so the k-nearest search runs only for the few
+            # keys that pass it, not for every key stored.
+            if not self._closest_known(keynode):
+                continue
             neighbors = self.router.find_neighbors(keynode)
-            if neighbors:
-                last = neighbors[-1].distance_to(keynode)
-                new_node_close = node.distance_to(keynode) < last
-                first = neighbors[0].distance_to(keynode)
-                this_closest = self.source_node.distance_to(keynode) < first
-            if not neighbors or (new_node_close and this_closest):
-                for record in records:
+            if not neighbors or node.distance_to(keynode) < neighbors[-1].distance_to(keynode):
+                for record in self.storage.records(dkey):
                     self.spawn(self.call_store(node, record))
         self.router.add_contact(node)

@@ -36,5 +36,6 @@ class NearestNodes(NodeHeap):
             self._ids.discard(node.id)
         return node
 
-    def __contains__(self, node: Node) -> bool:
-        return node.id in self._ids
+    def __contains__(self, node: Node | bytes) -> bool:
+        """Whether a node (or a node id) is held."""
+        return (node if isinstance(node, bytes) else node.id) in self._ids

@@ -26,6 +26,7 @@ from swarm._clock import WallClock
 from swarm._errors import RecordRejectedError
 from swarm._identity import Identity, PeerID
 
+from ._aio import DatagramSocket
 from ._crawl import NodeCrawl, RecordCrawl
 from ._protocol import Address, SwarmProtocol
 from ._ratelimit import MonotonicClock, RequestRateLimit
@@ -59,6 +60,7 @@ class RecordServer(Server):
         super().__init__(ksize=ksize, alpha=alpha, node_id=identity.peer_id, storage=storage)
         self.storage: RecordStorage = storage
         self.protocol: SwarmProtocol | None = None
+        self.socket: DatagramSocket | None = None
         self._identity = identity
         self._limits = limits
         self._rpc_timeout = rpc_timeout
@@ -92,13 +94,17 @@ class RecordServer(Server):
         return self.protocol
 
     async def listen(self, port: int, interface: str = "0.0.0.0") -> int:
-        """Bind the UDP socket; returns the bound port (useful with port 0)."""
-        loop = asyncio.get_event_loop()
-        self.transport, self.protocol = await loop.create_datagram_endpoint(
-            self._create_protocol, local_addr=(interface, port)
-        )
-        bound: int = self.transport.get_extra_info("sockname")[1]
-        return bound
+        """Bind the UDP socket; returns the bound port (useful with port 0).
+
+        Nothing is received until the trio side runs
+        ``self.socket.serve_datagrams(self.proto)`` (``_node`` does). Raises
+        ``OSError`` if the address cannot be bound.
+        """
+        self.socket = DatagramSocket.bind(interface, port)
+        self.transport = self.socket
+        self.protocol = self._create_protocol()
+        self.protocol.connection_made(self.socket)
+        return self.socket.port
 
     def stop(self) -> None:
         if self.protocol is not None:

@@ -255,6 +255,11 @@ class RecordStorage(IStorage):
         for dkey in list(self._entries):
             self._live_entry(dkey)
 
+    def key_ids(self) -> list[bytes]:
+        """The key ids held, some of which may have just expired (``records``
+        of such a key is empty)."""
+        return list(self._entries)
+
     def key_count(self) -> int:
         self.cull()
         return len(self._entries)

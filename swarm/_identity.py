@@ -7,6 +7,7 @@ node can only sit where a key it owns hashes to.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from pathlib import Path
@@ -58,6 +59,14 @@ class PeerID(bytes):
         return self.hex()[:8]
 
 
+@functools.lru_cache(maxsize=4096)
+def _public_key(raw: bytes) -> Ed25519PublicKey:
+    """The parsed key, cached: a DHT node verifies datagrams from the same few
+    hundred peers again and again, and parsing costs a few microseconds. Raises
+    ``ValueError`` (not cached) for bytes that are not a valid key."""
+    return Ed25519PublicKey.from_public_bytes(raw)
+
+
 def verify_signature(public_key: bytes, signature: bytes, message: bytes) -> bool:
     """True when ``signature`` is a valid Ed25519 signature of ``message``.
 
@@ -66,7 +75,7 @@ def verify_signature(public_key: bytes, signature: bytes, message: bytes) -> boo
     if len(public_key) != PUBLIC_KEY_SIZE or len(signature) != SIGNATURE_SIZE:
         return False
     try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, message)
+        _public_key(bytes(public_key)).verify(signature, message)
     except (InvalidSignature, ValueError):
         return False
     return True

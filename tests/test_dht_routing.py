@@ -1,10 +1,14 @@
-"""``NearestNodes`` against kademlia's ``NodeHeap``: pure code, no network."""
+"""Routing code against plain scans and kademlia's own: pure code, no network."""
 
 import random
 
 from kademlia.node import Node, NodeHeap
 
+from dht import RecordLimits, RequestRateLimit
+from dht._protocol import SwarmProtocol
 from dht._routing import NearestNodes
+from dht._storage import RecordStorage
+from swarm import Identity, ManualClock
 
 
 def test_nearest_nodes_behaves_like_kademlias_node_heap() -> None:
@@ -43,3 +47,52 @@ def test_nearest_nodes_behaves_like_kademlias_node_heap() -> None:
             assert len(ours) == len(stock)
             probe = rng.choice(seen)
             assert (probe in ours) == (probe in stock)
+
+
+def _protocol(own: Identity) -> SwarmProtocol:
+    clock = ManualClock(0.0)
+    return SwarmProtocol(
+        Node(own.peer_id),
+        RecordStorage(clock, RecordLimits()),
+        20,
+        identity=own,
+        limits=RecordLimits(),
+        rpc_timeout=1.0,
+        clock=clock,
+        rate_limit=RequestRateLimit(),
+        rate_clock=ManualClock(0.0),
+    )
+
+
+def test_closest_known_agrees_with_a_scan_of_the_whole_routing_table() -> None:
+    rng = random.Random(11)
+    proto = _protocol(Identity.from_seed(b"r" * 32))
+    own = proto.source_node
+    answers = set()
+    for n in range(400):
+        contact = Node(_near(own.id, rng), "127.0.0.1", 1000 + n)
+        # a full bucket would ping its head; this node is never its own contact
+        bucket = proto.router.buckets[proto.router.get_bucket_for(contact)]
+        room = (
+            len(bucket) < bucket.ksize or bucket.has_in_range(own) or bucket.depth() % 5 != 0
+        )
+        if room and contact.id != own.id:
+            proto.router.add_contact(contact)
+        contacts = [c for b in proto.router.buckets for c in b.get_nodes()]
+        for target in (Node(_near(own.id, rng)), Node(rng.randbytes(20))):
+            # as in kademlia's find_neighbors, a contact with the key's own id is left out
+            scan = all(
+                c.distance_to(target) > own.distance_to(target)
+                for c in contacts
+                if c.id != target.id
+            )
+            assert proto._closest_known(target) == scan
+            answers.add(scan)
+    assert answers == {True, False}
+    assert len(proto.router.buckets) > 5  # the table did split
+
+
+def _near(node_id: bytes, rng: random.Random) -> bytes:
+    """An id at a random XOR distance from ``node_id``, of any length."""
+    distance = rng.getrandbits(rng.randrange(1, 161))
+    return (int.from_bytes(node_id, "big") ^ distance).to_bytes(20, "big")
