@@ -138,7 +138,8 @@ def matrix_shape(shape: Sequence[int]) -> tuple[int, int] | None:
 
 def _transposed(shape: Sequence[int]) -> bool:
     """Do the rows of the matrix view run along the flattened trailing dimensions?"""
-    return len(shape) >= 2 and int(shape[0]) < math.prod(int(s) for s in shape[1:])
+    view = matrix_shape(shape)
+    return view is not None and view[0] != int(shape[0])
 
 
 def as_matrix(t: torch.Tensor) -> torch.Tensor:
