@@ -58,6 +58,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import socket
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -108,6 +109,8 @@ _COALESCE = 64 * 1024
 #: net.core.wmem_max/rmem_max). With the default 16 KiB send buffer a 2 MiB
 #: frame leaves in dozens of partial sends, each a wait in trio's scheduler.
 _SOCKET_BUFFER = 4 * 2**20
+#: Most bytes of a large payload received with one system call.
+_RECEIVE_SLICE = 512 * 1024
 #: Most buffers one gathering send passes to the kernel (IOV_MAX is 1024).
 _MAX_GATHER = 512
 #: How long a listener spends telling a dialer why its stream was reset.
@@ -270,6 +273,7 @@ class _Connection:
         if self.send_broken:
             raise ClosedError("the stream is unusable: an earlier send did not complete")
         self.check_sizes(frames)
+        await trio.lowlevel.checkpoint_if_cancelled()
         try:
             self._send_lock.acquire_nowait()  # uncontended: no extra scheduling round
         except trio.WouldBlock:
@@ -291,18 +295,31 @@ class _Connection:
         except trio.ClosedResourceError as e:
             raise ClosedError("the connection was closed") from e
         except OSError as e:
+            if self.closed:
+                raise ClosedError("the connection was closed") from e
             raise PeerUnreachableError(f"connection to {self.remote.short()} lost: {e}") from e
         finally:
             self._send_lock.release()
             if not completed:
                 self.broken = self.send_broken = True
+        await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def _send_gathered(self, buffers: list[bytes | memoryview]) -> None:
         """Send ``buffers`` in order with as few (gathering) system calls as the
-        kernel's buffer allows."""
+        kernel's buffer allows.
+
+        It calls the kernel directly and waits only when the send buffer is
+        full: trio's ``sendmsg`` adds a scheduling round to every call that
+        succeeds, which for a large frame sent in pieces was most of the
+        per-frame cost. The caller provides the checkpoint.
+        """
         pending: list[bytes | memoryview] = [b for b in buffers if len(b)]
         while pending:
-            sent = await self.socket.sendmsg(pending)
+            try:
+                sent = os.writev(self.socket.fileno(), pending)
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(self.socket)
+                continue
             self._traffic.sent += sent
             done = 0
             while done < len(pending) and sent >= len(pending[done]):
@@ -311,6 +328,18 @@ class _Connection:
             del pending[:done]
             if sent:
                 pending[0] = memoryview(pending[0]).cast("B")[sent:]
+
+    async def _receive_into(self, buffer: memoryview) -> int:
+        """Receive at least one byte into ``buffer`` (0: the remote closed).
+
+        As ``_send_gathered``: one system call when data is waiting, a wait
+        only when none is; the caller provides the checkpoint.
+        """
+        while True:
+            try:
+                return os.readv(self.socket.fileno(), [buffer])
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self.socket)
 
     def check_sizes(self, frames: list[tuple[FrameKind, bytes | bytearray | memoryview]]) -> None:
         """``ValueError`` if a payload exceeds ``max_frame_size``."""
@@ -375,8 +404,9 @@ class _Connection:
             raise ClosedError("the connection was closed")
         if self._receiving:
             raise trio.BusyResourceError("another task is already receiving on this stream")
-        if self._ahead_start < self._ahead_end:
-            await trio.lowlevel.checkpoint()  # before anything is decoded: nothing is lost
+        # The one checkpoint of a frame that has arrived (``_receive_into``
+        # yields only to wait), before anything is decoded: nothing is lost.
+        await trio.lowlevel.checkpoint()
         self._receiving = True
         try:
             while True:
@@ -392,11 +422,18 @@ class _Connection:
                 if read_ahead:
                     buffer.release()
                     buffer = memoryview(self._read_ahead)
+                elif buffer.nbytes > _RECEIVE_SLICE:
+                    # In slices that stay in the CPU's cache until the decoder
+                    # has authenticated them (``FrameDecoder.advance``).
+                    whole, buffer = buffer, buffer[:_RECEIVE_SLICE]
+                    whole.release()
                 try:
-                    count = await self.socket.recv_into(buffer)
+                    count = await self._receive_into(buffer)
                 except trio.ClosedResourceError as e:
                     raise ClosedError("the connection was closed") from e
                 except OSError as e:
+                    if self.closed:
+                        raise ClosedError("the connection was closed") from e
                     self.broken = True
                     raise PeerUnreachableError(
                         f"connection to {self.remote.short()} lost: {e}"

@@ -89,6 +89,42 @@ def test_every_flipped_byte_is_refused(encrypt: bool) -> None:
 
 
 @pytest.mark.parametrize("encrypt", [True, False])
+def test_large_and_small_frames_alternate_in_one_session(encrypt: bool) -> None:
+    # Large plaintext payloads are authenticated piece by piece as they arrive,
+    # small ones in one pass: both must take their nonces in wire order.
+    rng = random.Random(7)
+    sent = [
+        Frame(FrameKind.BYTES, rng.randbytes(size))
+        for size in (200_000, 10, 64 * 1024, 0, 3, CHUNK_SIZE + 7, 64 * 1024 - 1, 5)
+    ]
+    encoder = FrameEncoder(KEY, encrypt=encrypt, max_frame_size=MAX)
+    wire = b"".join(
+        encode(frame.kind, bytes(frame.payload), encrypt=encrypt, encoder=encoder)
+        for frame in sent
+    )
+    dec = decoder(encrypt)
+    frames: list[Frame] = []
+    for offset in range(0, len(wire), 50_000):
+        frames += dec.feed(wire[offset : offset + 50_000])
+    assert frames == sent
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_a_flipped_bit_anywhere_in_a_large_frame_is_refused(encrypt: bool) -> None:
+    payload = random.Random(3).randbytes(300_000)
+    wire = encode(FrameKind.BYTES, payload, encrypt=encrypt)
+    positions = [0, HEADER_BLOCK_SIZE - 1, HEADER_BLOCK_SIZE, len(wire) // 2, len(wire) - 17]
+    positions += [*random.Random(4).sample(range(len(wire)), 20), len(wire) - 1]
+    for position in positions:
+        tampered = bytearray(wire)
+        tampered[position] ^= 0x01
+        dec = decoder(encrypt)
+        with pytest.raises(ProtocolError):
+            for offset in range(0, len(tampered), 4096):  # pieces, as from a socket
+                assert not dec.feed(bytes(tampered[offset : offset + 4096]))
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
 def test_tampered_late_chunk_delivers_nothing(encrypt: bool) -> None:
     payload = bytes(3 * CHUNK_SIZE)
     wire = bytearray(encode(FrameKind.BYTES, payload, encrypt=encrypt))
