@@ -248,7 +248,12 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--size", type=int, default=25_000_000)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--chunk-elements", type=int, default=(1 << 19) - 16)
+    parser.add_argument(
+        "--chunk-elements",
+        type=int,
+        default=None,
+        help="elements per all-reduce chunk (default: AllReduceConfig's)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per peer")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--plain-only", action="store_true", help="skip the encrypted run")
@@ -261,6 +266,10 @@ def main() -> None:
         "--profile", help="write cProfile stats of each worker to PROFILE.IMPL.RANK"
     )
     args = parser.parse_args()
+    if args.chunk_elements is None:
+        from averaging import AllReduceConfig
+
+        args.chunk_elements = AllReduceConfig().chunk_elements
     if args.worker:
         worker(args)
         return
