@@ -181,7 +181,9 @@ class ChaosPeer:
     cli: CLIProcess | None = None
     address: str | None = None
     peer_id: str | None = None
-    #: the last "epoch N:" line of the current process
+    #: the epoch of the current process: its last "epoch N:" line, or the
+    #: state it loaded since ("loaded the state of epoch N", which prints no
+    #: "epoch" line)
     epoch: int = 0
     #: the "finished at epoch N: ..." line
     finished: str | None = None
@@ -213,6 +215,8 @@ class ChaosPeer:
     def on_line(self, stream: str, line: str) -> None:
         if stream == "stderr":
             self.stderr.append(line)
+            if _LOADED in line:
+                self.epoch = max(self.epoch, int(line.split(_LOADED)[1].split()[0]))
             return
         self.stdout.append(line)
         words = line.split()
@@ -222,6 +226,9 @@ class ChaosPeer:
             self.epoch = int(words[1][:-1])
         elif line.startswith("finished at epoch "):
             self.finished = line
+
+
+_LOADED = "loaded the state of epoch "
 
 
 class ChaosSwarm:
