@@ -93,10 +93,10 @@ class ArcTopK:
     0.988 and 0.983. The cost is in the early steps, not in the end result.
 
     Not adopted, measured at 20 steps (4 peers, 4,096 samples a step, 3
-    seeds; rho 0.1 0.861, dense
-    0.944 with the uncapped sketch): freezing Adam's second moment after a
-    dense warm-up, as 1-bit Adam does (Tang et al. 2021, section 3) because
-    error feedback corrupts the variance estimate: 0.220, 0.749 and 0.862
+    seeds; rho 0.1 0.861, dense 0.944 with the uncapped sketch): freezing
+    Adam's second moment after a dense warm-up, as 1-bit Adam does (Tang et
+    al. 2021, section 3) because error feedback corrupts the variance
+    estimate: 0.220, 0.749 and 0.862
     after 1, 3 and 5 dense steps (twenty steps leave no time for the
     variance to settle; the paper warms up for 15-25% of training, and even
     dense training dropped to 0.903 with a freeze after 3 steps). Adam's
