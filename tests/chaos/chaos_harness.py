@@ -47,6 +47,15 @@ RUN_ID = "chaos"
 STARTUP_TIMEOUT = 180.0
 #: Seconds for a killed or stopped process to be reaped.
 EXIT_TIMEOUT = 30.0
+#: What a trainer logs when it downloaded the swarm's state, before the epoch.
+LOADED = "loaded the state of epoch "
+
+
+def loaded_epoch(line: str) -> int | None:
+    """The epoch of a "loaded the state of epoch N" log line, else None."""
+    if LOADED not in line:
+        return None
+    return int(line.split(LOADED)[1].split()[0])
 
 
 @dataclass(frozen=True)
@@ -181,10 +190,11 @@ class ChaosPeer:
     cli: CLIProcess | None = None
     address: str | None = None
     peer_id: str | None = None
-    #: the epoch of the current process: its last "epoch N:" line, or the
-    #: state it loaded since ("loaded the state of epoch N", which prints no
-    #: "epoch" line)
+    #: the last "epoch N:" line of the current process
     epoch: int = 0
+    #: the newest state it downloaded ("loaded the state of epoch N"), which
+    #: prints no "epoch" line
+    loaded: int = 0
     #: the "finished at epoch N: ..." line
     finished: str | None = None
     frozen: bool = False
@@ -215,8 +225,9 @@ class ChaosPeer:
     def on_line(self, stream: str, line: str) -> None:
         if stream == "stderr":
             self.stderr.append(line)
-            if _LOADED in line:
-                self.epoch = max(self.epoch, int(line.split(_LOADED)[1].split()[0]))
+            loaded = loaded_epoch(line)
+            if loaded is not None:
+                self.loaded = max(self.loaded, loaded)
             return
         self.stdout.append(line)
         words = line.split()
@@ -226,9 +237,6 @@ class ChaosPeer:
             self.epoch = int(words[1][:-1])
         elif line.startswith("finished at epoch "):
             self.finished = line
-
-
-_LOADED = "loaded the state of epoch "
 
 
 class ChaosSwarm:
@@ -493,7 +501,8 @@ async def _freeze(swarm: ChaosSwarm, fault: Fault) -> None:
     peer = swarm.peers[fault.peer]
     await swarm.checks_done(swarm.config.epoch_bound + STARTUP_TIMEOUT, peer.name)
     assert peer.cli is not None and peer.running
-    behind = peer.epoch
+    # The epoch it is in: a state it downloaded counts, though it printed none.
+    behind = max(peer.epoch, peer.loaded)
     peer.cli.process.send_signal(signal.SIGSTOP)
     peer.frozen = True
     try:
@@ -512,10 +521,10 @@ async def _freeze(swarm: ChaosSwarm, fault: Fault) -> None:
     async def resynchronises() -> None:
         await swarm.wait_for(
             f"{peer.name} downloads the state after waking ({fault})",
-            lambda: peer.log_since(woke, "loaded the state of epoch") is not None,
+            lambda: peer.log_since(woke, LOADED) is not None,
             swarm.config.epoch_bound + STARTUP_TIMEOUT,
         )
-        loaded = peer.log_since(woke, "loaded the state of epoch")
+        loaded = peer.log_since(woke, LOADED)
         assert loaded is not None
         # The one round it may finish is the one it was frozen in, if that round
         # completed (its data was in before the freeze): then the others log the
@@ -533,7 +542,8 @@ async def _freeze(swarm: ChaosSwarm, fault: Fault) -> None:
                 assert epoch == behind and others >= size - 1, (
                     f"{peer.name} averaged stale gradients after waking: {line}"
                 )
-        epoch = int(peer.stderr[loaded].split("loaded the state of epoch ")[1].split()[0])
+        epoch = loaded_epoch(peer.stderr[loaded])
+        assert epoch is not None
         assert epoch >= swarm_epoch, (peer.name, epoch, swarm_epoch)
 
     swarm.check_soon(resynchronises, peer.name)
@@ -571,7 +581,7 @@ async def _catches_up(swarm: ChaosSwarm, peer: ChaosPeer, target: int, since: in
         lambda: peer.epoch > target,
         swarm.config.epoch_bound + STARTUP_TIMEOUT,
     )
-    loaded = peer.log_since(since, "loaded the state of epoch")
+    loaded = peer.log_since(since, LOADED)
     assert loaded is not None, (peer.name, peer.stderr[since:])
 
 
