@@ -74,9 +74,14 @@ class Codec:
         if not quantized and self.block_size != 0:
             raise ValueError(f"{self.kind.name} has no block size")
 
+    def payload_size(self, length: int) -> int:
+        """Bytes of the values of a blob holding ``length`` values (block scales
+        included, header not)."""
+        return _payload_size(self.kind, length, self.block_size)
+
     def encoded_size(self, length: int) -> int:
         """Bytes of a blob holding ``length`` values, header included."""
-        return HEADER.size + _payload_size(self.kind, length, self.block_size)
+        return HEADER.size + self.payload_size(length)
 
 
 NONE = Codec(CodecKind.NONE)

@@ -69,7 +69,6 @@ from typing import Any, TextIO
 import torch
 
 from averaging import FLOAT16, UINT4, UINT8, AllReduceConfig, AveragerConfig, MatchmakingConfig
-from averaging._codecs import HEADER
 from dht import DHTConfig
 from swarm import Identity, Peer, PeerConfig
 from trainer import ArcTopK, CollaborativeConfig, DiLoCo, make_digits_task
@@ -201,11 +200,10 @@ def gradient_share(method: str, shapes: list[tuple[int, ...]], epochs: int) -> f
     if isinstance(compression, ArcTopK):
         warm = min(compression.warmup_steps, epochs)
         # The warm-up steps are dense, in the compressor's codec.
-        warm_bytes = compression.codec.encoded_size(elements) - HEADER.size
+        warm_bytes = compression.codec.payload_size(elements)
         total = warm * warm_bytes + (epochs - warm) * compression.payload_bytes(shapes)
         return total / (epochs * 4 * elements)
-    codec = config.averaging.codec
-    return (codec.encoded_size(elements) - HEADER.size) / (4 * elements)
+    return config.averaging.codec.payload_size(elements) / (4 * elements)
 
 
 def _verdicts(results: list[Result], hidden: int, epochs: int) -> list[str]:
@@ -214,17 +212,17 @@ def _verdicts(results: list[Result], hidden: int, epochs: int) -> list[str]:
         return []
     model, _, _ = make_digits_task(hidden=hidden).build(seed=0)
     shapes = [tuple(p.shape) for p in model.parameters()]
+    shares = {r.method: gradient_share(r.method, shapes, epochs) for r in results}
     lines = ["gradient bytes (from the shapes and codecs; see the docstring), share of dense:"]
-    for r in results:
-        share = gradient_share(r.method, shapes, epochs)
+    for method, share in shares.items():
         if share is not None:
-            lines.append(f"      {r.method:<12} {share:7.2%}  (1/{1 / share:.3f})")
+            lines.append(f"      {method:<12} {share:7.2%}  (1/{1 / share:.3f})")
     targets = [("8-bit", 0.005, 4), ("arc-topk-0.1", 0.01, 10)]
     for method, points, factor in targets:
         row = next((r for r in results if r.method == method), None)
         if row is None:
             continue
-        share = gradient_share(method, shapes, epochs)
+        share = shares[method]
         assert share is not None
         tcp = dense.bytes_per_peer_epoch / max(1.0, row.bytes_per_peer_epoch)
         drop = dense.accuracy - row.accuracy

@@ -147,8 +147,7 @@ class ArcTopK:
     def payload_bytes(self, shapes: Sequence[Sequence[int]]) -> int:
         """Bytes of sketch and values a compressed step all-reduces per
         member, in ``codec`` (4 per element for NONE, 2 for FLOAT16)."""
-        per_element = 2 if self.codec == FLOAT16 else 4
-        return per_element * sum(self.payload_elements(shapes))
+        return self.codec.payload_size(sum(self.payload_elements(shapes)))
 
     def compresses(self, epoch: int) -> bool:
         """Is the step that ends ``epoch`` compressed (past the warm-up)?"""
