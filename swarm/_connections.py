@@ -86,6 +86,7 @@ from ._framing import (
     FrameDecoder,
     FrameEncoder,
     FrameKind,
+    Progress,
 )
 from ._handshake import Handshake, HandshakeResult
 from ._identity import Identity, PeerID
@@ -350,13 +351,15 @@ class _Connection:
                     f"frame of {size} bytes exceeds max_frame_size={self.max_frame_size}"
                 )
 
-    def _decode_ahead(self, into: memoryview | None) -> Frame | None:
+    def _decode_ahead(
+        self, into: memoryview | None, progress: Progress | None = None
+    ) -> Frame | None:
         """Decode read-ahead bytes up to the end of the next frame, if they
         hold it. Raises ``ProtocolError`` (the connection is then failed)."""
         decoder = self._decoder
         with memoryview(self._read_ahead) as ahead:
             while self._ahead_start < self._ahead_end:
-                buffer = self._decode(lambda: decoder.next_buffer(into))
+                buffer = self._decode(lambda: decoder.next_buffer(into, progress))
                 start = self._ahead_start
                 count = min(buffer.nbytes, self._ahead_end - start)
                 buffer[:count] = ahead[start : start + count]
@@ -386,13 +389,16 @@ class _Connection:
                 self._pending.append(frame)
         return bool(self._pending) or self._failure is not None
 
-    async def receive_frame(self, into: memoryview | None = None) -> Frame:
+    async def receive_frame(
+        self, into: memoryview | None = None, progress: Progress | None = None
+    ) -> Frame:
         """The next frame. Cancellation loses nothing: the next call resumes.
 
         ``into``: if the next frame is a ``BYTES`` frame that fits, its payload
         is received straight into ``into`` and the frame's payload is a view of
-        it (see ``FrameDecoder.next_buffer``). After an error or cancellation,
-        ``into`` holds undefined bytes, and it is not used any more.
+        it, and ``progress`` watches it arrive (see ``FrameDecoder.next_buffer``).
+        After an error or cancellation, ``into`` holds undefined bytes, and it
+        is not used any more.
         """
         if self._pending:
             await trio.lowlevel.checkpoint()
@@ -411,10 +417,10 @@ class _Connection:
         try:
             while True:
                 if self._ahead_start < self._ahead_end:
-                    frame = self._decode_ahead(into)
+                    frame = self._decode_ahead(into, progress)
                     if frame is not None:
                         return frame
-                buffer = self._decode(lambda: self._decoder.next_buffer(into))
+                buffer = self._decode(lambda: self._decoder.next_buffer(into, progress))
                 # A small need (a header, a tag, a short message) reads whatever
                 # has arrived into the read-ahead buffer, often several whole
                 # frames at once; a large payload is received straight into place.
@@ -594,9 +600,19 @@ class Stream:
             return frame.payload
         return self._unpack(bytes(frame.payload))
 
-    async def receive_into(self, buffer: bytearray | memoryview) -> int:
+    async def receive_into(
+        self, buffer: bytearray | memoryview, progress: Progress | None = None
+    ) -> int:
         """Receive the next message, which must be a raw frame, into ``buffer``;
         return its size (it is in ``buffer[:size]``).
+
+        ``progress(view, done)``, if given, is called as the payload arrives
+        piece by piece: the first ``done`` bytes of ``view`` (the frame's
+        bytes in ``buffer``) are in place, though in plaintext sessions not yet
+        authenticated. It can inspect each piece while it is still in the
+        CPU's cache. It only looks and must not raise, and it may not see
+        every byte (a payload that arrived before this call, or resumed after
+        a cancellation): the caller inspects the rest after the call.
 
         The payload goes from the socket straight into ``buffer`` (plaintext
         mode), or is decrypted into it: no copy. Raises ``ProtocolError`` if
@@ -609,7 +625,7 @@ class Stream:
         view = memoryview(buffer).cast("B")
         if view.readonly:
             raise TypeError("receive_into needs a writable buffer")
-        frame = await self._receive_frame(view)
+        frame = await self._receive_frame(view, progress)
         payload = frame.payload
         if frame.kind is FrameKind.BYTES:
             size = len(payload)
@@ -625,7 +641,9 @@ class Stream:
         self._connection.fail_receive(error)
         raise error
 
-    async def _receive_frame(self, into: memoryview | None) -> Frame:
+    async def _receive_frame(
+        self, into: memoryview | None, progress: Progress | None = None
+    ) -> Frame:
         """The next ``BYTES`` or ``MESSAGE`` frame; raises for the others."""
         if self._closed:
             raise ClosedError("the stream was closed")
@@ -636,7 +654,7 @@ class Stream:
             raise EndOfStreamError(f"{self.remote.short()} ended the stream")
         if self._opening is not None:
             await self._send([])
-        frame = await self._connection.receive_frame(into)
+        frame = await self._connection.receive_frame(into, progress)
         if frame.kind is FrameKind.BYTES or frame.kind is FrameKind.MESSAGE:
             return frame
         if frame.kind is FrameKind.EOF:

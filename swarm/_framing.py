@@ -36,7 +36,9 @@ Nothing of a frame is handed out before all of it has been authenticated.
 ``FrameDecoder`` does no I/O: the I/O loop asks it where the next bytes go
 (``next_buffer``), receives into that memory and reports how many bytes
 arrived (``advance``). The payload of a raw frame can go straight into a
-buffer of the caller's (``next_buffer(into)``). Malformed or unauthenticated
+buffer of the caller's (``next_buffer(into)``), and the caller can watch it
+fill (``progress``), to inspect each piece while it is in the CPU's cache.
+Malformed or unauthenticated
 input raises ``ProtocolError`` and poisons the decoder. ``FrameEncoder``
 yields the buffers to send.
 """
@@ -46,7 +48,7 @@ from __future__ import annotations
 import enum
 import hmac
 import struct
-from collections.abc import Iterator, MutableSequence
+from collections.abc import Callable, Iterator, MutableSequence
 from typing import NamedTuple
 
 from cryptography.exceptions import InvalidTag
@@ -87,6 +89,10 @@ class FrameKind(enum.IntEnum):
 
 
 _KINDS = frozenset(int(k) for k in FrameKind)
+
+
+#: ``progress(payload, done)``: the first ``done`` bytes of ``payload`` are in place.
+Progress = Callable[[memoryview, int], None]
 
 
 class Frame(NamedTuple):
@@ -221,6 +227,7 @@ class FrameDecoder:
         self._chunk = 0  # payload bytes in the current encrypted chunk
         self._target: memoryview | None = None  # where the payload goes; None: not chosen
         self._caller_owned = False  # ``_target`` is the caller's memory
+        self._progress: Progress | None = None  # watches a caller's ``_target``
         self._key = key
         self._mac: AEADEncryptionContext | None = None  # a large plaintext payload's GMAC so far
         #: Payload bytes announced by authenticated headers (see ``KEY_USAGE_LIMIT``).
@@ -231,7 +238,9 @@ class FrameDecoder:
         self._counter += 1
         return nonce
 
-    def next_buffer(self, into: memoryview | None = None) -> memoryview:
+    def next_buffer(
+        self, into: memoryview | None = None, progress: Progress | None = None
+    ) -> memoryview:
         """The writable memory the next received bytes must go to (never empty).
 
         Valid until the next ``advance``; bytes written there are not inspected
@@ -240,6 +249,13 @@ class FrameDecoder:
         written to the start of ``into`` (offered later, it is ignored). The
         caller's buffer then holds unauthenticated bytes until the frame is
         returned; after a ``ProtocolError`` its contents are undefined.
+
+        ``progress``, offered with ``into``, is called from ``advance`` as
+        ``progress(payload, done)`` whenever more of the payload is in its
+        final place in ``into``: received (plaintext sessions) or decrypted
+        (encrypted ones). In plaintext sessions those bytes are not yet
+        authenticated, so it may only look at them, and it must not raise.
+        It is not called once ``release`` moved the payload elsewhere.
         """
         phase = self._phase
         if phase is _Phase.HEADER:
@@ -248,6 +264,8 @@ class FrameDecoder:
             raise ProtocolError("the frame decoder already failed")
         if self._target is None:
             self._choose_target(into)
+            if self._caller_owned:
+                self._progress = progress
         if phase is _Phase.PAYLOAD:
             assert self._target is not None
             return self._target[self._done :]
@@ -281,6 +299,7 @@ class FrameDecoder:
         own[: self._done] = self._target[: self._done]
         self._target = own
         self._caller_owned = False
+        self._progress = None
 
     def advance(self, count: int) -> Frame | None:
         """Record that ``count`` bytes were written into ``next_buffer()``.
@@ -293,11 +312,13 @@ class FrameDecoder:
             raise ProtocolError("the frame decoder already failed")
         try:
             if phase is _Phase.PAYLOAD:
+                assert self._target is not None
                 if self._mac is not None:
-                    assert self._target is not None
                     done = self._done
                     self._mac.authenticate_additional_data(self._target[done : done + count])
                 self._done += count
+                if self._progress is not None:
+                    self._progress(self._target, self._done)
                 if self._done >= self._length:
                     self._phase, self._filled = _Phase.TAG, 0
                 return None
@@ -309,7 +330,7 @@ class FrameDecoder:
             return self._on_chunk() if self._filled >= self._chunk + TAG_SIZE else None
         except BaseException:
             self._phase = _Phase.FAILED
-            self._target = None
+            self._target = self._progress = None
             raise
 
     def _on_header(self) -> Frame | None:
@@ -379,6 +400,8 @@ class FrameDecoder:
             except InvalidTag as e:
                 raise ProtocolError("a frame chunk failed authentication") from e
         self._done = done + chunk
+        if self._progress is not None:
+            self._progress(self._target, self._done)
         if self._done < self._length:
             self._start_chunk()
             return None
@@ -389,6 +412,7 @@ class FrameDecoder:
         target, self._target = self._target, None
         payload: bytes | memoryview = target if self._caller_owned else bytes(target)
         self._caller_owned = False
+        self._progress = None
         self._phase, self._filled = _Phase.HEADER, 0
         return Frame(self._kind, payload)
 

@@ -241,3 +241,51 @@ def test_released_buffer_is_no_longer_written(encrypt: bool) -> None:
     dec.release(into)
     into[:] = bytes(size)
     assert dec.feed(wire[half:]) == [Frame(FrameKind.BYTES, payload)]
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_progress_sees_the_payload_in_place_as_it_fills(encrypt: bool) -> None:
+    """``progress`` reports, in order, how much of a payload is in its final
+    place in the caller's buffer: every received piece in plaintext, every
+    decrypted chunk when encrypted; it stops once the buffer is released."""
+    size = 2 * CHUNK_SIZE + 3
+    payload = random.Random(2).randbytes(size)
+    encoder = FrameEncoder(KEY, encrypt=encrypt, max_frame_size=MAX)
+    one = encode(FrameKind.BYTES, payload, encrypt=encrypt, encoder=encoder)
+    wire = one + encode(FrameKind.BYTES, payload, encrypt=encrypt, encoder=encoder)
+    dec = decoder(encrypt)
+    into = memoryview(bytearray(size))
+    seen: list[int] = []
+
+    def progress(view: memoryview, done: int) -> None:
+        assert view.obj is into.obj and view.nbytes == size
+        assert bytes(view[:done]) == payload[:done]  # in place, and final
+        seen.append(done)
+
+    view = memoryview(wire)
+    frame = None
+    while frame is None:
+        buffer = dec.next_buffer(into, progress)
+        count = min(buffer.nbytes, view.nbytes, 100_000)
+        buffer[:count] = view[:count]
+        view = view[count:]
+        frame = dec.advance(count)
+    assert seen == sorted(set(seen)) and seen[-1] == size
+    if encrypt:
+        assert seen == [CHUNK_SIZE, 2 * CHUNK_SIZE, size]
+    else:
+        assert len(seen) == -(-size // 100_000)
+    # The second frame: released two thirds in, it is watched no more.
+    seen.clear()
+    first = view.nbytes * 2 // 3
+    while first > 0:
+        buffer = dec.next_buffer(into, progress)
+        count = min(buffer.nbytes, first)
+        buffer[:count] = view[:count]
+        view, first = view[count:], first - count
+        assert dec.advance(count) is None
+    watched = len(seen)
+    assert watched > 0
+    dec.release(into)
+    assert dec.feed(view) == [Frame(FrameKind.BYTES, payload)]
+    assert len(seen) == watched
