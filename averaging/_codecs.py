@@ -224,6 +224,12 @@ def encode_split(
     return bytes(blob[: HEADER.size]), memoryview(blob)[HEADER.size :]
 
 
+def is_raw_float32(header: bytes | bytearray | memoryview) -> bool:
+    """Whether a blob header announces ``NONE``: a payload of raw float32 values."""
+    head = memoryview(header).cast("B")
+    return len(head) == HEADER.size and head[0] == CodecKind.NONE and head[1] == _DType.FLOAT32
+
+
 def payload_size(
     header: bytes | bytearray | memoryview, *, expected_length: int | None = None
 ) -> int:

@@ -125,14 +125,17 @@ class PartReducer:
         """Whether ``sender`` is alive and has chunks left to deliver."""
         return sender in self._alive and self._delivered[sender] < self.num_chunks
 
-    def add(self, sender: int, chunk: int, values: torch.Tensor) -> range:
+    def add(
+        self, sender: int, chunk: int, values: torch.Tensor, *, finite: bool = False
+    ) -> range:
         """Accumulate ``sender``'s ``chunk``; return the chunks this finished.
 
         Data from a sender already excluded is ignored (empty range). Raises
         ``ProtocolError`` if ``sender`` is unknown, ``chunk`` is not the next
         chunk expected from it, or ``values`` has the wrong size; the caller
         then ``fail``s that sender. Values with NaN or Inf exclude the sender
-        (as ``fail`` does) instead of being added.
+        (as ``fail`` does) instead of being added. ``finite=True``: the caller
+        has already checked that every value is finite (spares a pass).
         """
         if sender not in self._weights:
             raise ProtocolError(f"member {sender} is not a sender of this part")
@@ -145,7 +148,7 @@ class PartReducer:
             raise ProtocolError(
                 f"chunk {chunk} has {self.chunk_sizes[chunk]} values, got {values.numel()}"
             )
-        if not all_finite(values):
+        if not finite and not all_finite(values):
             return self.fail(sender)
         w = self._weights[sender]
         start, end = self._offsets[chunk], self._offsets[chunk + 1]

@@ -10,9 +10,10 @@ plan says delivered it, and healthy members finish by the round deadline.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import pytest
@@ -28,11 +29,12 @@ from averaging._allreduce import (
     all_reduce,
     serve_allreduce,
 )
-from averaging._codecs import FLOAT16, NONE, UINT4, UINT8, Codec
+from averaging._codecs import FLOAT16, NONE, UINT4, UINT8, Codec, encode_split
 from averaging._faults import FaultPlan, InjectedFault, MemberFault
 from averaging._group import Group, GroupMember, MemberMode
-from swarm import ConfigError, Identity, SwarmError
-from swarm._connections import ConnectionConfig, Connections, open_connections
+from swarm import ConfigError, Identity, ManualClock, SwarmError
+from swarm._bans import BanList
+from swarm._connections import ConnectionConfig, Connections, Stream, open_connections
 
 TOTAL = 1000
 CHUNK = 64
@@ -308,6 +310,76 @@ async def test_nan_sender_is_excluded_from_that_chunk_on() -> None:
     check(outcome, WEIGHTS, [0, 2, 3], expected)
     result = outcome.results[2]
     assert isinstance(result, AllReduceResult) and result.failed_senders == {1}
+
+
+#: 400 kB chunks: their raw payloads are checked for NaN piece by piece as they
+#: arrive (``_FiniteCheck``), small ones only once whole.
+BIG_CHUNK = 100_000
+SPOTS = pytest.mark.parametrize(
+    "where", [3, BIG_CHUNK // 2 + 1, BIG_CHUNK - 1], ids=["head", "middle", "tail"]
+)
+MODES = pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
+
+
+@MODES
+@SPOTS
+async def test_nan_anywhere_in_a_large_chunk_excludes_its_sender(encrypt: bool, where: int) -> None:
+    inputs = [member_data(i, 4 * BIG_CHUNK) for i in range(2)]  # two parts of two chunks
+    inputs[0][2 * BIG_CHUNK + where] = float("nan")  # part 1 (member 1 reduces it), chunk 0
+    config = replace(CONFIG, chunk_elements=BIG_CHUNK)
+    async with open_peers(2, encrypt=encrypt) as nets:
+        groups = make_groups(nets)
+        outcome = await run_round(nets, groups, [1.0, 1.0], inputs=inputs, config=config)
+    both, alone = frozenset({0, 1}), frozenset({1})
+    expected = {(0, 0): both, (0, 1): both, (1, 0): alone, (1, 1): alone}
+    check(outcome, [1.0, 1.0], [0, 1], expected)
+    result = outcome.results[1]
+    assert isinstance(result, AllReduceResult) and result.failed_senders == {0}
+
+
+@MODES
+@SPOTS
+async def test_a_reducer_that_returns_nan_anywhere_is_dropped_and_banned(
+    encrypt: bool, where: int
+) -> None:
+    """A lying reducer doubles the first chunk and puts a NaN in the second: the
+    sender takes the first, keeps its local values for the second, and bans it."""
+    x = member_data(0, 2 * BIG_CHUNK)
+    original = x.clone()
+    bans = BanList(clock=ManualClock(0.0))
+    net_config = ConnectionConfig(encrypt=encrypt)
+    liar_id = Identity.from_seed(bytes([2]) * 32)
+    async with (
+        open_connections(Identity.from_seed(bytes([1]) * 32), config=net_config, bans=bans) as net,
+        open_connections(liar_id, config=net_config) as liar,
+    ):
+
+        async def lie(stream: Stream) -> None:
+            await stream.receive()  # the sender's header
+            for chunk in range(2):
+                await stream.receive()  # the chunk's header
+                values = torch.frombuffer(bytearray(await stream.receive()), dtype=torch.float32)
+                values = values * 2
+                if chunk == 1:
+                    values[where] = float("nan")
+                header, payload = encode_split(values, NONE)
+                contributors = bytes([0b01, 0, 0, 0])  # member 0
+                await stream.send_bytes_batch(
+                    (struct.pack("<I", chunk) + contributors + header, payload)
+                )
+
+        liar.set_handler(ALLREDUCE_STREAM, lie)
+        members = (
+            GroupMember(net.peer_id, "127.0.0.1", net.port, 1.0, C),
+            GroupMember(liar.peer_id, "127.0.0.1", liar.port, 1.0, N),
+        )
+        config = replace(CONFIG, chunk_elements=BIG_CHUNK)
+        result = await all_reduce(net, Group(b"g", members, 0), [x], config=config)
+    assert result.failed_reducers == {1}
+    assert result.contributors[1] == (frozenset({0}), frozenset({0}))
+    assert torch.equal(x[:BIG_CHUNK], 2 * original[:BIG_CHUNK])
+    assert torch.equal(x[BIG_CHUNK:], original[BIG_CHUNK:])
+    assert bans.is_banned(liar_id.peer_id) and "NaN" in (bans.reason(liar_id.peer_id) or "")
 
 
 async def test_stream_for_unknown_group_is_refused() -> None:
