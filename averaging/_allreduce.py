@@ -746,10 +746,10 @@ class _FiniteCheck:
 
     A raw float32 payload is summed piece by piece while ``receive_into``
     reports it in place (``watch``), a few hundred KiB at a time, instead of
-    in one pass over the whole 4 MiB payload once it is there. On the
-    benchmark (``benchmarks/allreduce.py``, interleaved runs) that took about
-    8% less CPU per peer: the summing was the largest cost after the kernel's
-    copies and the MAC, and a piece that has just arrived is cheaper to read.
+    in one pass over the whole 4 MiB payload once it is there: summing was
+    the largest cost of the all-reduce after the kernel's copies and the MAC
+    (``benchmarks/allreduce.py --profile``), and a piece that has just
+    arrived has not been pushed out of the CPU's cache by the rest.
     In plaintext sessions the pieces are not yet authenticated when they are
     summed, which is harmless: the check only reads, and nothing uses its
     answer before the whole frame has been authenticated and returned.

@@ -22,12 +22,13 @@ dropping, reordering, replaying or splicing any block breaks authentication.
   plaintext mode guarantees everything the encrypted mode does (integrity,
   authenticity, order, no injection or replay) except confidentiality: anyone
   on the path can read the payload. One tag covers a whole payload: GHASH runs
-  at several GB/s, and one call per frame lets the payload go from the
-  sender's memory to the socket, and from the socket to the receiver's
-  buffer, without any copy. The receiver of a large payload
-  (``_INCREMENTAL_MAC`` bytes or more) computes the tag piece by piece as the
-  bytes arrive, while they are still in the CPU's cache: on a loopback
-  all-reduce, a second pass over memory cost more than the hashing itself.
+  at several GB/s, and the payload goes from the sender's memory to the
+  socket, and from the socket to the receiver's buffer, without any copy.
+  Both ends hash a large payload piece by piece next to the system call that
+  moves it, while the piece is in the CPU's cache: the sender each slice of
+  ``_SEND_SLICE`` bytes just after sending it, the receiver
+  (``_INCREMENTAL_MAC`` bytes or more) each piece as it arrives. On a loopback
+  all-reduce, a separate pass over memory cost more than the hashing itself.
 
 Encrypted payloads are sealed in chunks of ``CHUNK_SIZE`` (1 MiB), so a
 sender encrypts through one reusable 1 MiB buffer, never a whole frame.
@@ -69,6 +70,9 @@ _MAX_COUNTER = 2**64 - 1
 #: piece by piece while each piece is still in the CPU's cache, instead of in
 #: one pass once the whole payload is there.
 _INCREMENTAL_MAC = 64 * 1024
+#: Plaintext payloads larger than this are sent in slices of this size, each
+#: hashed right after it was sent.
+_SEND_SLICE = 512 * 1024
 #: Hard ceiling of ``max_frame_size`` (the length field is 32 bits).
 MAX_FRAME_SIZE_LIMIT = 2**31 - 1
 #: Payload bytes one key may protect before the connection is replaced by a
@@ -113,6 +117,7 @@ class FrameEncoder:
 
     def __init__(self, key: bytes, *, encrypt: bool, max_frame_size: int) -> None:
         self._aead = AESGCM(key)
+        self._key = key
         self._encrypt = encrypt
         self._max_frame_size = max_frame_size
         self._counter = 0
@@ -143,8 +148,10 @@ class FrameEncoder:
 
         The buffers of a batch stay valid until the next batch is requested
         (the encrypted path reuses one scratch buffer), so a batch can be sent
-        with one gathering system call. A plaintext frame is one batch that
-        sends the payload from its own memory. Raises ``ValueError`` if the
+        with one gathering system call. A plaintext frame sends the payload
+        from its own memory: in one batch, or beyond ``_SEND_SLICE`` bytes in
+        one batch per slice, each hashed once the caller asks for the next
+        (after sending it), and its tag last. Raises ``ValueError`` if the
         payload exceeds ``max_frame_size`` (checked before anything is sealed).
         An encoding abandoned halfway leaves the session unusable.
         """
@@ -162,6 +169,18 @@ class FrameEncoder:
             header_block = header + self._aead.encrypt(self._next_nonce(), b"", header)
         if not length:
             yield [header_block]
+            return
+        if not self._encrypt and length > _SEND_SLICE:
+            # Each slice is hashed just after it was sent, while the kernel's
+            # read has left it in the CPU's cache: hashing the whole payload
+            # up front read it from memory once more.
+            mac = Cipher(algorithms.AES(self._key), modes.GCM(self._next_nonce())).encryptor()
+            for start in range(0, length, _SEND_SLICE):
+                piece = view[start : start + _SEND_SLICE]
+                yield [header_block, piece] if start == 0 else [piece]
+                mac.authenticate_additional_data(piece)
+            mac.finalize()
+            yield [mac.tag]
             return
         if not self._encrypt:
             tag = self._aead.encrypt(self._next_nonce(), b"", view)
