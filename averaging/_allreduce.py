@@ -45,6 +45,8 @@ Faults (DESIGN.md, "Butterfly all-reduce"):
   is not itself dropped by the others.
 - Nothing outlives ``round_timeout``: at that deadline every member stops and
   keeps what it has, so healthy members always finish by it.
+- A chunk whose weighted sum overflows float32 has no result (``_reducer``):
+  every member keeps its local values there, and nobody is blamed.
 """
 
 from __future__ import annotations
@@ -600,8 +602,11 @@ class _Round:
                     payload = await scratch.receive(stream, size, check.watch(blob_header))
                 values = decode_split(blob_header, payload, expected_length=b - a)
                 # Into place only once it is known to be good: a failed chunk
-                # keeps the local values.
-                if not check.all_finite(values):
+                # keeps the local values. Our own reducer's float32 results are
+                # finite (``PartReducer``); encoded ones can overflow a codec
+                # (FLOAT16), and another reducer's can be a lie.
+                own = isinstance(stream, _LocalStream) and is_raw_float32(blob_header)
+                if not (own or check.all_finite(values)):
                     raise ProtocolError("the reducer sent NaN or Inf")
                 self.flat[start + a : start + b].copy_(values)
                 self.received.received(part, chunk, contributors)

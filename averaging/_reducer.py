@@ -17,6 +17,12 @@ alone, and that is how they are recorded.
 Because every sender delivers in order, finished chunks always form a prefix
 ``[0, completed)`` of the part.
 
+A result is always finite: a chunk whose weighted sum overflows float32
+(finite values of magnitude near 3e38) has no result, and every member keeps
+its local values there, as when nobody delivered it. So a member that finds
+NaN or Inf in a result knows the reducer lied, and its own reducer's results
+need no check.
+
 With ``aggregation=CenteredClip(...)`` (``_robust``) a chunk's result is the
 CenteredClip of its contributors' values instead of their weighted mean. It
 is applied per chunk, when the chunk finishes: the clipping radius bounds
@@ -191,11 +197,14 @@ class PartReducer:
             total = self._weight_sum[c]
             held = self._held.pop(c, {})
             if total > 0:
+                acc = self._acc[self._offsets[c] : self._offsets[c + 1]]
                 if self._aggregation is not None:
-                    self._acc[self._offsets[c] : self._offsets[c + 1]].copy_(self._robust(held))
+                    acc.copy_(self._robust(held))
                 elif len(self._contributors[c]) > 1:
-                    self._acc[self._offsets[c] : self._offsets[c + 1]].div_(total)
-                self._has_result[c] = True
+                    acc.div_(total)
+                # One contributor's values were checked when they came; a sum
+                # of finite values can still overflow (checked while in cache).
+                self._has_result[c] = len(self._contributors[c]) == 1 or all_finite(acc)
             self.completed += 1
         return range(first, self.completed)
 

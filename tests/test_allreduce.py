@@ -312,6 +312,22 @@ async def test_nan_sender_is_excluded_from_that_chunk_on() -> None:
     assert isinstance(result, AllReduceResult) and result.failed_senders == {1}
 
 
+async def test_a_chunk_whose_sum_overflows_keeps_local_values_and_blames_nobody() -> None:
+    inputs = [member_data(i) for i in range(2)]
+    for x in inputs:
+        x[3] = 3e38  # part 0, chunk 0: finite values, but their sum overflows float32
+    async with open_peers(2) as nets:
+        groups = make_groups(nets)
+        outcome = await run_round(nets, groups, [1.0, 1.0], inputs=inputs)
+    both = frozenset({0, 1})
+    expected = uniform(groups, both)
+    expected[(0, 0)] = "local"
+    check(outcome, [1.0, 1.0], [0, 1], expected)
+    for result in outcome.results:
+        assert isinstance(result, AllReduceResult)
+        assert not result.failed_reducers and not result.failed_senders
+
+
 #: 400 kB chunks: their raw payloads are checked for NaN piece by piece as they
 #: arrive (``_FiniteCheck``), small ones only once whole.
 BIG_CHUNK = 100_000

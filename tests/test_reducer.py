@@ -169,3 +169,17 @@ def test_single_contributor_is_exact() -> None:
     r.fail(1)
     res = r.result(0)
     assert res is not None and torch.equal(res, x)
+
+
+def test_a_sum_that_overflows_float32_gives_no_result() -> None:
+    """Finite values whose weighted sum overflows: that chunk has no result (all
+    members keep their local values), the other chunk is averaged as usual."""
+    r = PartReducer([2, 2], {0: 1.0, 1: 1.0})
+    big = torch.tensor([3e38, 1.0, 1.0, 2.0])
+    r.add(0, 0, big[:2])
+    r.add(0, 1, big[2:])
+    r.add(1, 0, big[:2])
+    assert r.add(1, 1, big[2:] * 3) == range(1, 2)
+    assert r.result(0) is None and r.contributors(0) == frozenset()
+    assert torch.equal(r.result(1), torch.tensor([2.0, 4.0]))
+    assert r.failed == frozenset()
