@@ -23,6 +23,11 @@ class ConfigError(SwarmError, ValueError):
     """
 
 
+class NonFiniteError(SwarmError, ValueError):
+    """Local tensors hold NaN or Inf (a diverged loss, an overflowed gradient);
+    the operation refused them and changed nothing."""
+
+
 class ProtocolError(SwarmError):
     """Bytes from another peer are malformed, oversized or violate the protocol.
 

@@ -6,7 +6,9 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -20,8 +22,8 @@ from trainer_harness import (
     whole_group,
 )
 
-from swarm import SwarmError
-from trainer import CollaborativeOptimizer
+from swarm import NonFiniteError, SwarmError
+from trainer import CollaborativeOptimizer, Task, load_task
 
 
 def _fingerprint(opt: CollaborativeOptimizer) -> list[torch.Tensor]:
@@ -234,3 +236,52 @@ def test_a_client_mode_peer_contributes_without_accepting_connections() -> None:
     assert all(r.epochs == 6 for r in reports)
     # the client averaged in groups with the others: its gradients counted
     assert members and max(members) == 3
+
+
+def test_a_batch_with_nan_gradients_is_refused_and_changes_nothing() -> None:
+    torch.set_num_threads(1)
+    with training_peers(1) as (_, peers):
+        opt = join_run(peers[0], FAST, seed=0)
+        try:
+            params = [p.detach().clone() for p in opt.params]
+            for p in opt.params:
+                p.grad = torch.ones_like(p)
+            grad = opt.params[-1].grad
+            assert grad is not None
+            grad.view(-1)[0] = float("nan")
+            with pytest.raises(NonFiniteError, match="not accumulated"):
+                opt.step(32)
+            assert all(not acc.any() for acc in opt._grads)  # nothing accumulated
+            grad.view(-1)[0] = 1.0
+            assert opt.step(32) is False  # alone, 32 of 192 samples: no global step yet
+            assert all(torch.equal(acc, torch.full_like(acc, 32.0)) for acc in opt._grads)
+            assert all(torch.equal(p, q) for p, q in zip(opt.params, params, strict=True))
+        finally:
+            opt.close()
+
+
+def _nan_losses(calls: Callable[[int], bool]) -> Task[Any]:
+    """Digits, with a NaN loss on the calls (counted from 0) that ``calls`` picks."""
+    digits = load_task("digits")
+    count = itertools.count()
+
+    def loss(model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, int]:
+        value, size = digits.loss(model, batch)
+        return (value * float("nan") if calls(next(count)) else value), size
+
+    return replace(digits, loss=loss)
+
+
+def test_the_loop_skips_a_nan_batch_and_stops_when_the_model_only_gives_nan() -> None:
+    torch.set_num_threads(1)
+    with training_peers(1) as (_, peers):
+        trainer = TrainingPeer(peers[0], training_config(0, max_epochs=2, min_peers=1))
+        trainer.start(task=_nan_losses(lambda call: call in (2, 3)))
+        report = trainer.join()
+    assert report.epochs == 2
+    assert report.local_steps == 12  # 2 epochs of 192 samples in batches of 32; 2 skipped
+    with training_peers(1) as (_, peers):
+        trainer = TrainingPeer(peers[0], training_config(0, max_epochs=2, min_peers=1))
+        trainer.start(task=_nan_losses(lambda call: call >= 4))
+        with pytest.raises(NonFiniteError):
+            trainer.join()

@@ -16,12 +16,15 @@ from typing import Any
 
 import torch
 
-from swarm import Peer
+from swarm import NonFiniteError, Peer
 
 from ._optimizer import CollaborativeConfig, CollaborativeOptimizer
 from ._task import Task
 
 log = logging.getLogger(__name__)
+#: Batches in a row whose gradients may hold NaN or Inf before the run stops:
+#: a stray one is skipped, a model that yields nothing else has diverged.
+MAX_NONFINITE_BATCHES = 10
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,9 @@ def train(
 
     Returns what happened. ``compute_clock`` is the clock DropCompute measures
     compute with (tests pass a virtual one). The optimizer is closed on the way out (final
-    checkpoint, progress record withdrawn), also on an exception.
+    checkpoint, progress record withdrawn), also on an exception. A batch whose
+    gradients hold NaN or Inf is skipped with a warning; ``NonFiniteError`` once
+    ``MAX_NONFINITE_BATCHES`` come in a row (the model has diverged).
     """
     model, inner, scheduler = task.build(seed=config.model_seed)
     batch_size = config.batch_size or task.batch_size
@@ -107,13 +112,23 @@ def train(
                 config.min_peers,
                 config.min_peers_timeout,
             )
+        nonfinite = 0  # batches in a row with NaN or Inf gradients
         while not (stop is not None and stop.is_set()):
             if config.max_epochs is not None and opt.epoch >= config.max_epochs:
                 break
             model.train()
             loss, size = task.loss(model, next(batches))
             loss.backward()
-            stepped = opt.step(size, loss=float(loss.detach()))
+            try:
+                stepped = opt.step(size, loss=float(loss.detach()))
+            except NonFiniteError:
+                opt.zero_grad()
+                nonfinite += 1
+                if nonfinite >= MAX_NONFINITE_BATCHES:
+                    raise
+                log.warning("skipped a batch whose gradients hold NaN or Inf")
+                continue
+            nonfinite = 0
             opt.zero_grad()
             report.local_steps += 1
             report.samples += size

@@ -54,8 +54,17 @@ from averaging import (
     load_state_from_peers,
     serve_state,
 )
+from averaging._codecs import all_finite
 from dht import owner_marker
-from swarm import ClosedError, ConfigError, Peer, PeerID, ProtocolError, SwarmError
+from swarm import (
+    ClosedError,
+    ConfigError,
+    NonFiniteError,
+    Peer,
+    PeerID,
+    ProtocolError,
+    SwarmError,
+)
 
 from ._checkpoint import Checkpoint, CheckpointDir
 from ._diloco import DiLoCo, OuterLoop
@@ -278,10 +287,19 @@ class CollaborativeOptimizer:
         ``local_steps`` of these calls. Blocks at most ``averaging_timeout`` for
         averaging, plus the time to download the state when this peer fell
         behind the swarm.
-        Raises ``ClosedError`` once the peer has stopped.
+        Raises ``ClosedError`` once the peer has stopped, and ``NonFiniteError``
+        (changing nothing: the batch is not counted) if a gradient holds NaN or
+        Inf: averaged in, it would reach the whole group, whose reducers would
+        exclude and ban this peer.
         """
         if self._closed:
             raise ConfigError("the optimizer is closed")
+        for p in self.params:
+            if p.grad is not None and not all_finite(p.grad.detach()):
+                raise NonFiniteError(
+                    "this batch's gradients hold NaN or Inf; it was not accumulated"
+                    " (a diverging loss: lower the learning rate or clip gradients)"
+                )
         size = self.batch_size_per_step if batch_size is None else batch_size
         if self._diloco is not None:
             return self._local_step(self._diloco, size, loss)
