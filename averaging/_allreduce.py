@@ -751,10 +751,11 @@ class _FiniteCheck:
 
     A raw float32 payload is summed piece by piece while ``receive_into``
     reports it in place (``watch``), a few hundred KiB at a time, instead of
-    in one pass over the whole 4 MiB payload once it is there: summing was
+    in one pass over the whole 4 MiB payload once it is there. Summing was
     the largest cost of the all-reduce after the kernel's copies and the MAC
-    (``benchmarks/allreduce.py --profile``), and a piece that has just
-    arrived has not been pushed out of the CPU's cache by the rest.
+    (``benchmarks/allreduce.py --profile``); in encrypted sessions each piece
+    has just been written by the decryption, so it is read from the CPU's
+    cache rather than from memory.
     In plaintext sessions the pieces are not yet authenticated when they are
     summed, which is harmless: the check only reads, and nothing uses its
     answer before the whole frame has been authenticated and returned.
