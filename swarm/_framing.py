@@ -95,6 +95,12 @@ class FrameKind(enum.IntEnum):
 _KINDS = frozenset(int(k) for k in FrameKind)
 
 
+def _gmac(key: bytes, nonce: bytes) -> AEADEncryptionContext:
+    """An incremental GMAC: fed with ``authenticate_additional_data``, its tag
+    is the one ``AESGCM(key).encrypt(nonce, b"", data)`` gives."""
+    return Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+
+
 #: ``progress(payload, done)``: the first ``done`` bytes of ``payload`` are in place.
 Progress = Callable[[memoryview, int], None]
 
@@ -174,7 +180,7 @@ class FrameEncoder:
             # Each slice is hashed just after it was sent, while the kernel's
             # read has left it in the CPU's cache: hashing the whole payload
             # up front read it from memory once more.
-            mac = Cipher(algorithms.AES(self._key), modes.GCM(self._next_nonce())).encryptor()
+            mac = _gmac(self._key, self._next_nonce())
             for start in range(0, length, _SEND_SLICE):
                 piece = view[start : start + _SEND_SLICE]
                 yield [header_block, piece] if start == 0 else [piece]
@@ -381,8 +387,7 @@ class FrameDecoder:
             self._phase = _Phase.PAYLOAD
             if length >= _INCREMENTAL_MAC:
                 # The payload's nonce is the next one either way (``_on_tag``).
-                mode = modes.GCM(self._next_nonce())
-                self._mac = Cipher(algorithms.AES(self._key), mode).encryptor()
+                self._mac = _gmac(self._key, self._next_nonce())
         return None
 
     def _start_chunk(self) -> None:
