@@ -122,14 +122,14 @@ def train(
             try:
                 stepped = opt.step(size, loss=float(loss.detach()))
             except NonFiniteError:
-                opt.zero_grad()
                 nonfinite += 1
                 if nonfinite >= MAX_NONFINITE_BATCHES:
                     raise
                 log.warning("skipped a batch whose gradients hold NaN or Inf")
                 continue
+            finally:
+                opt.zero_grad()
             nonfinite = 0
-            opt.zero_grad()
             report.local_steps += 1
             report.samples += size
             if not stepped:
