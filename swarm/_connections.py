@@ -609,10 +609,11 @@ class Stream:
         ``progress(view, done)``, if given, is called as the payload arrives
         piece by piece: the first ``done`` bytes of ``view`` (the frame's
         bytes in ``buffer``) are in place, though in plaintext sessions not yet
-        authenticated. It can inspect each piece while it is still in the
-        CPU's cache. It only looks and must not raise, and it may not see
-        every byte (a payload that arrived before this call, or resumed after
-        a cancellation): the caller inspects the rest after the call.
+        authenticated. It can inspect each piece right after it lands (in
+        encrypted sessions, just decrypted and still in the CPU's cache). It
+        only looks and must not raise, and it may not see every byte (a
+        payload that arrived before this call, or resumed after a
+        cancellation): the caller inspects the rest after the call.
 
         The payload goes from the socket straight into ``buffer`` (plaintext
         mode), or is decrypted into it: no copy. Raises ``ProtocolError`` if

@@ -38,10 +38,9 @@ Nothing of a frame is handed out before all of it has been authenticated.
 (``next_buffer``), receives into that memory and reports how many bytes
 arrived (``advance``). The payload of a raw frame can go straight into a
 buffer of the caller's (``next_buffer(into)``), and the caller can watch it
-fill (``progress``), to inspect each piece while it is in the CPU's cache.
-Malformed or unauthenticated
-input raises ``ProtocolError`` and poisons the decoder. ``FrameEncoder``
-yields the buffers to send.
+fill (``progress``) to inspect each piece right after it lands. Malformed or
+unauthenticated input raises ``ProtocolError`` and poisons the decoder.
+``FrameEncoder`` yields the buffers to send.
 """
 
 from __future__ import annotations
