@@ -515,17 +515,22 @@ class Stream:
         self._done = False  # dialer: the listener's handler has returned
 
     @property
-    def finished_cleanly(self) -> bool:
-        """True once both sides sent EOF and nothing went wrong."""
+    def ended_cleanly(self) -> bool:
+        """True once we sent EOF and nothing went wrong; the remote may not
+        have ended the stream yet."""
         c = self._connection
         return (
             self._sent_eof
-            and self._received_eof
             and self._reset is None
             and not self._closed
             and not c.broken
             and not c.closed
         )
+
+    @property
+    def finished_cleanly(self) -> bool:
+        """True once both sides sent EOF and nothing went wrong."""
+        return self._received_eof and self.ended_cleanly
 
     def _check_send(self) -> None:
         if self._closed:
@@ -714,6 +719,7 @@ class Stream:
 @dataclass
 class _Pooled:
     connection: _Connection
+    eof: bool  # the remote ended the stream (its EOF arrived)
     ready: bool  # the listener's handler returned (DONE arrived): reusable now
     scope: trio.CancelScope  # the idle watcher's, cancelled to take the connection
     done: trio.Event  # the idle watcher has exited
@@ -732,6 +738,8 @@ class Connections:
         self._inbound_by_host: dict[str, int] = {}
         #: inbound connections closed at once for a limit (total or per address)
         self.refused_inbound = 0
+        #: outbound connections made (handshake done); streams reuse pooled ones
+        self.dialed = 0
         self._background = trio.CancelScope()
         self._nursery: trio.Nursery | None = None
         self._handlers: dict[str, Handler] = {}
@@ -806,9 +814,10 @@ class Connections:
         ``handshake_timeout``), ``ClosedError`` (the manager is or gets closed).
 
         On leaving the block normally, EOF is sent if it was not, and the
-        connection is pooled if the remote's EOF was received too, else closed.
-        On an exception or cancellation the connection is closed, which the
-        remote handler sees as a lost connection.
+        connection goes back to the pool. It is reused once the remote's EOF
+        (if not received yet) and the end of its handler arrive; any other
+        frame closes it. On an exception or cancellation the connection is
+        closed, which the remote handler sees as a lost connection.
         """
         return self._open_stream(peer_id, address, name, defer_open=False)
 
@@ -843,8 +852,10 @@ class Connections:
                 except BaseException:
                     self._drop(connection)
                     raise
-                if stream.finished_cleanly and not self._closed and not connection.worn_out:
-                    self._pool_connection(connection, ready=stream._done)
+                if stream.ended_cleanly and not self._closed and not connection.worn_out:
+                    self._pool_connection(
+                        connection, eof=stream._received_eof, ready=stream._done
+                    )
                 else:
                     self._drop(connection)
                 stream._closed = True  # its connection may carry another stream now
@@ -949,8 +960,8 @@ class Connections:
             if not entry.connection.closed:
                 return entry.connection
 
-    def _pool_connection(self, connection: _Connection, *, ready: bool) -> None:
-        entry = _Pooled(connection, ready, trio.CancelScope(), trio.Event())
+    def _pool_connection(self, connection: _Connection, *, eof: bool, ready: bool) -> None:
+        entry = _Pooled(connection, eof, ready, trio.CancelScope(), trio.Event())
         assert self._nursery is not None
         self._pool.setdefault(connection.remote, []).append(entry)
         self._nursery.start_soon(self._watch_idle, entry)
@@ -982,9 +993,12 @@ class Connections:
         # Receiving is cancel-safe, so taking the connection mid-frame loses nothing.
         while not entry.ready:
             frame = await entry.connection.receive_frame()
-            if frame.kind is not FrameKind.DONE:
+            if not entry.eof and frame.kind is FrameKind.EOF:
+                entry.eof = True
+            elif entry.eof and frame.kind is FrameKind.DONE:
+                entry.ready = True
+            else:  # the stream was not over, or the handler failed (RESET)
                 return
-            entry.ready = True
         if not entry.connection.closed:  # a closed socket has no file descriptor to wait on
             await trio.lowlevel.wait_readable(entry.connection.socket)
 
@@ -1015,6 +1029,7 @@ class Connections:
         except BaseException:
             socket_stream.socket.close()
             raise
+        self.dialed += 1
         return connection
 
     async def _handshake(

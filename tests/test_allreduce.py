@@ -193,6 +193,19 @@ async def test_exact_weighted_mean_without_faults(encrypt: bool) -> None:
     assert results[0].part_contributors(1) == ALL4
 
 
+async def test_rounds_reuse_the_connections_of_earlier_rounds() -> None:
+    """A sender ends its stream once it has every result, without waiting
+    for the reducer's EOF; the connection still goes back to the pool and
+    carries the next round's stream (no handshake per round and peer)."""
+    async with open_peers(3) as nets:
+        for round_ in range(3):
+            groups = make_groups(nets, group_id=f"round-{round_}".encode())
+            outcome = await run_round(nets, groups, [1.0, 1.0, 1.0])
+            check(outcome, [1.0, 1.0, 1.0], range(3), uniform(groups, frozenset(range(3))))
+            await trio.testing.wait_all_tasks_blocked()  # the reducers' EOF and DONE
+            assert [net.dialed for net in nets] == [2, 2, 2]
+
+
 @pytest.mark.parametrize(
     ("codec", "atol"), [(FLOAT16, 4e-3), (UINT8, 0.06), (UINT4, 0.8)], ids=["f16", "u8", "u4"]
 )

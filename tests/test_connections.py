@@ -425,6 +425,44 @@ async def test_idle_pooled_connection_is_closed(mock_clock: trio.testing.MockClo
         assert await a.call(B.peer_id, address(b), "echo", 2, timeout=5) == 2
 
 
+async def test_a_dialer_leaving_before_the_remote_ends_still_pools_the_connection() -> None:
+    """A dialer that has what it wanted leaves after its own EOF, without
+    reading the remote's: the connection is reused once the remote's EOF and
+    DONE arrive, and closed if anything else comes first."""
+    async with two_peers(PLAIN, PLAIN) as (a, b):
+        gates = {"last": trio.Event(), "more": trio.Event()}
+
+        async def reply_then_end(stream: Stream) -> None:
+            request = await stream.receive()
+            await stream.send(request)
+            await gates[request].wait()
+            if request == "more":
+                await stream.send("never read")
+
+        b.set_handler("reply", reply_then_end)
+        b.set_handler("echo", echo)
+        async with a.open_stream(B.peer_id, address(b), "reply") as stream:
+            await stream.send("last")
+            assert await stream.receive() == "last"
+        await trio.testing.wait_all_tasks_blocked()
+        [entry] = [entry for entries in a._pool.values() for entry in entries]
+        assert not entry.eof and not entry.ready  # the handler has not ended
+        gates["last"].set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert entry.eof and entry.ready
+        assert await a.call(B.peer_id, address(b), "echo", 1, timeout=5) == 1
+        assert a.dialed == 1
+
+        async with a.open_stream(B.peer_id, address(b), "reply") as stream:
+            await stream.send("more")
+            assert await stream.receive() == "more"
+        gates["more"].set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert not a._pool and not a._connections
+        assert await a.call(B.peer_id, address(b), "echo", 2, timeout=5) == 2
+        assert a.dialed == 2
+
+
 # A man in the middle (mitm_harness) flips one bit at an offset.
 
 
