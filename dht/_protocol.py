@@ -182,7 +182,10 @@ class SwarmProtocol(KademliaProtocol):
         self._expiry: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pinging: set[bytes] = set()
-        self._failed: dict[bytes, float] = {}
+        #: (node id, ip, port) -> when it last failed to answer. By address too:
+        #: a request replayed from elsewhere, whose ping-back fails, must not
+        #: hide the real node at its real address.
+        self._failed: dict[tuple[bytes, str, int], float] = {}
         self._closed = False
         self.received_datagrams = 0
         self.dropped_datagrams = 0
@@ -497,10 +500,11 @@ class SwarmProtocol(KademliaProtocol):
 
     def handle_call_response(self, result: Result, node: Node) -> Result:
         now = asyncio.get_event_loop().time()
+        contact = (node.id, node.ip, node.port)
         if result[0]:
-            self._failed.pop(node.id, None)
+            self._failed.pop(contact, None)
         else:
-            self._failed[node.id] = now
+            self._failed[contact] = now
             if len(self._failed) > 4096:
                 self._failed = {k: t for k, t in self._failed.items() if now - t < _FAILURE_MEMORY}
         return super().handle_call_response(result, node)
@@ -511,7 +515,7 @@ class SwarmProtocol(KademliaProtocol):
             return contacts
         now = asyncio.get_event_loop().time()
         return [
-            c for c in contacts if now - self._failed.get(c[0], -_FAILURE_MEMORY) >= _FAILURE_MEMORY
+            c for c in contacts if now - self._failed.get(c, -_FAILURE_MEMORY) >= _FAILURE_MEMORY
         ]
 
     def _ping_back_if_new(self, node: Node) -> None:

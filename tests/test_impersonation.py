@@ -55,7 +55,12 @@ async def test_a_replayed_request_does_not_put_the_claimed_id_at_the_replayers_a
                 encode(ALICE, Kind.RESPONSE, new_msg_id(), None), (HOST, node.port)
             )
             await _wait_until(lambda: not proto._pinging)  # the ping-back timed out
+            mallory_port = mallory.getsockname()[1]
         assert all(contact[0] != ALICE.peer_id for contact in node.contacts())
+        # The failed ping-back discredits Alice at Mallory's address only: look-ups
+        # still follow other nodes to Alice at any other address.
+        alice_at = [(bytes(ALICE.peer_id), HOST, port) for port in (mallory_port, mallory_port + 1)]
+        assert proto._live(alice_at) == alice_at[1:]
 
         # Control: the real Alice, answering from her own address, is added.
         async with open_dht_node(ALICE, config=CONFIG, initial_peers=[(HOST, node.port)]):
