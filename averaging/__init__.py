@@ -24,6 +24,7 @@ from ._faults import FaultPlan, InjectedFault, MemberFault
 from ._group import Group, GroupMember, MemberMode
 from ._matchmaking import MatchmakingConfig
 from ._moshpit import MoshpitGrid, MoshpitState
+from ._partition import flat_zeros_like
 from ._robust import CenteredClip
 from ._state_transfer import (
     UNCHECKED,
@@ -64,6 +65,7 @@ __all__ = [
     "all_reduce",
     "arc_topk_compress",
     "contraction_bound",
+    "flat_zeros_like",
     "load_state_from_peers",
     "select_rows",
     "serve_allreduce",

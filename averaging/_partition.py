@@ -95,19 +95,62 @@ class Partition:
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One contiguous float32 vector holding ``tensors`` in order.
 
-    If ``tensors`` is a single contiguous float32 tensor, the result is a view of
-    it (no copy, and writing the vector writes the tensor); otherwise it is a
-    new vector, and ``unflatten_into`` copies it back. Raises ``ValueError`` for
-    non-floating tensors.
+    If the tensors already are one vector (float32, contiguous, each starting
+    where the one before ends in the same memory: a single such tensor, or
+    ``flat_zeros_like``'s), the result is a view of them: no copy, and writing
+    the vector writes the tensors. Otherwise it is a new vector, and
+    ``unflatten_into`` copies it back. Raises ``ValueError`` for non-floating
+    tensors.
     """
     for t in tensors:
         if not t.is_floating_point():
             raise ValueError(f"can only average floating point tensors, got {t.dtype}")
-    if len(tensors) == 1 and tensors[0].dtype == torch.float32 and tensors[0].is_contiguous():
-        return tensors[0].detach().view(-1)
     if not tensors:
         return torch.zeros(0, dtype=torch.float32)
+    view = _as_one_vector(tensors)
+    if view is not None:
+        return view
     return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+
+
+def _as_one_vector(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The vector that ``tensors`` are, laid back to back in one storage, if they are."""
+    first: torch.Tensor | None = None  # the first that holds a value
+    storage = end = 0
+    for t in tensors:
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            return None
+        if t.numel() == 0:  # holds nothing, and its address may be anything
+            continue
+        if first is None:
+            first, storage, end = t, t.untyped_storage().data_ptr(), t.data_ptr()
+        elif t.data_ptr() != end or t.untyped_storage().data_ptr() != storage:
+            return None
+        end += 4 * t.numel()
+    if first is None:
+        return torch.zeros(0, dtype=torch.float32)
+    return first.detach().as_strided(((end - first.data_ptr()) // 4,), (1,))
+
+
+def flat_zeros_like(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Zeros of the shapes and dtypes of ``tensors``; float32 ones laid back to
+    back in one buffer.
+
+    ``flatten`` of float32 ones is then a view, so ``all_reduce`` and
+    ``Averager`` average them in place, without copying them into a new
+    vector and back each round. For 25M values in 200 tensors that is a
+    quarter less CPU per round and 180 MiB less peak memory per peer
+    (``benchmarks/allreduce.py`` against ``--split 200``). If any tensor is of
+    another dtype, each gets its own zeros, which are copied.
+    """
+    if any(t.dtype != torch.float32 for t in tensors):
+        return [torch.zeros_like(t) for t in tensors]
+    buffer = torch.zeros(sum(t.numel() for t in tensors), dtype=torch.float32)
+    views, offset = [], 0
+    for t in tensors:
+        views.append(buffer[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return views
 
 
 def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:

@@ -32,6 +32,7 @@ from averaging._allreduce import (
 from averaging._codecs import FLOAT16, NONE, UINT4, UINT8, Codec, encode_split
 from averaging._faults import FaultPlan, InjectedFault, MemberFault
 from averaging._group import Group, GroupMember, MemberMode
+from averaging._partition import flat_zeros_like, flatten
 from swarm import ConfigError, Identity, ManualClock, SwarmError
 from swarm._bans import BanList
 from swarm._connections import ConnectionConfig, Connections, Stream, open_connections
@@ -99,11 +100,18 @@ async def run_round(
     inputs: list[torch.Tensor] | None = None,
     scopes: dict[int, trio.CancelScope] | None = None,
     config: AllReduceConfig = CONFIG,
+    one_buffer: bool = False,
 ) -> Outcome:
     n = len(nets)
     inputs = inputs or [member_data(i) for i in range(n)]
-    # Two tensors per member, so flatten/unflatten_into are exercised too.
+    # Two tensors per member, so flatten/unflatten_into are exercised too;
+    # ``one_buffer``: back to back in one buffer, which is averaged in place.
     tensors = [[x[:300].clone().view(30, 10), x[300:].clone()] for x in inputs]
+    if one_buffer:
+        tensors = [flat_zeros_like(ts) for ts in tensors]
+        for ts, x in zip(tensors, inputs, strict=True):
+            flatten(ts).copy_(x)
+            assert flatten(ts).data_ptr() == ts[0].data_ptr()
     outcome = Outcome(inputs, [], [None] * n, [0.0] * n, trio.current_time())
     scopes = scopes or {}
 
@@ -291,6 +299,16 @@ async def test_member_fails_while_reducing() -> None:
     for i in (0, 2, 3):
         result = outcome.results[i]
         assert isinstance(result, AllReduceResult) and result.failed_reducers == {1}
+
+
+async def test_tensors_in_one_buffer_are_averaged_in_place() -> None:
+    """``flat_zeros_like``'s tensors are the vector itself: results land in
+    them directly, and where a reducer failed they keep the local values."""
+    plan = FaultPlan({1: MemberFault(fail_after_reducing=2)})
+    async with open_peers(4) as nets:
+        groups = make_groups(nets)
+        outcome = await run_round(nets, groups, WEIGHTS, plan=plan, one_buffer=True)
+    check(outcome, WEIGHTS, range(4), reducer_lost(groups, 1, 2))
 
 
 async def test_member_reduces_very_slowly() -> None:

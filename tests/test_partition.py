@@ -1,4 +1,5 @@
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -6,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from averaging._group import Group, GroupMember, MemberMode
-from averaging._partition import Partition, flatten, part_sizes, unflatten_into
+from averaging._partition import Partition, flat_zeros_like, flatten, part_sizes, unflatten_into
 from swarm import ConfigError, PeerID
 
 N, C, A = MemberMode.NODE, MemberMode.CLIENT, MemberMode.AUX
@@ -88,6 +89,49 @@ def test_flatten_single_tensor_is_a_view() -> None:
     assert t[1, 1] == -1
     unflatten_into(flat, [t])
     assert t[1, 1] == -1
+
+
+def test_flatten_of_tensors_laid_back_to_back_is_a_view() -> None:
+    shapes = [torch.empty(0), torch.empty(3, 4), torch.empty(5), torch.empty(0), torch.empty(2, 2)]
+    tensors = flat_zeros_like(shapes)
+    assert [t.shape for t in tensors] == [t.shape for t in shapes]
+    assert all(t.dtype == torch.float32 and not t.any() for t in tensors)
+    flat = flatten(tensors)
+    assert flat.shape == (21,)
+    flat.copy_(torch.arange(21, dtype=torch.float32))
+    assert torch.equal(tensors[1], torch.arange(12, dtype=torch.float32).view(3, 4))
+    assert torch.equal(tensors[4], torch.tensor([[17.0, 18.0], [19.0, 20.0]]))
+    unflatten_into(flat, tensors)  # a no-op
+    assert torch.equal(tensors[2], torch.arange(12, 17, dtype=torch.float32))
+    assert torch.equal(flatten(tensors[2:]), torch.arange(12, 21, dtype=torch.float32))
+    assert flatten(tensors[2:]).data_ptr() == tensors[2].data_ptr()
+
+
+@pytest.mark.parametrize(
+    "pick",
+    [
+        lambda t: [t[2], t[1]],  # out of order
+        lambda t: [t[0], t[2]],  # a gap
+        lambda t: [t[0], t[1].double()],  # another dtype
+        lambda t: [t[0], t[1].t()],  # not contiguous
+        lambda t: [t[0], t[1].clone()],  # another buffer
+        lambda t: [t[1], t[1]],  # the same twice
+    ],
+    ids=["reordered", "gap", "dtype", "strided", "other-buffer", "repeated"],
+)
+def test_flatten_copies_tensors_that_are_not_one_vector(
+    pick: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+) -> None:
+    tensors = pick(flat_zeros_like([torch.empty(3, 2), torch.empty(2, 3), torch.empty(4)]))
+    for i, t in enumerate(tensors):
+        t.copy_(torch.full_like(t, float(i + 1)))
+    before = [t.clone() for t in tensors]
+    flat = flatten(tensors)
+    assert torch.equal(flat, torch.cat([t.reshape(-1).float() for t in before]))
+    flat.mul_(10)
+    assert all(torch.equal(t, b) for t, b in zip(tensors, before, strict=True))
+    unflatten_into(flat, tensors)
+    assert all(torch.equal(t, b * 10) for t, b in zip(tensors, before, strict=True))
 
 
 def test_flatten_and_back() -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from averaging import FLOAT16, Codec
+from averaging import FLOAT16, Codec, flat_zeros_like
 from swarm import ConfigError, ProtocolError
 
 
@@ -84,7 +84,7 @@ class OuterLoop:
         self.params = params
         self.synced = [p.detach().clone() for p in params]
         #: the pseudo-gradients; the group averages them in place
-        self.deltas = [torch.zeros_like(p) for p in params]
+        self.deltas = flat_zeros_like(params)
         self.optimizer = torch.optim.SGD(
             self.synced,
             lr=config.outer_lr,

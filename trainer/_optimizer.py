@@ -51,6 +51,7 @@ from averaging import (
     MoshpitGrid,
     StateTransferConfig,
     StepResult,
+    flat_zeros_like,
     load_state_from_peers,
     serve_state,
 )
@@ -232,11 +233,8 @@ class CollaborativeOptimizer:
         self._diloco = (
             None if self.config.diloco is None else OuterLoop(self.params, self.config.diloco)
         )
-        self._grads = (
-            []
-            if self._diloco is not None
-            else [torch.zeros_like(p, memory_format=torch.preserve_format) for p in self.params]
-        )
+        #: the averaged gradients, accumulated in place (one vector for float32 models)
+        self._grads = [] if self._diloco is not None else flat_zeros_like(self.params)
         self._samples = 0
         compression = self.config.gradient_compression
         #: error feedback state when gradients are compressed (None: dense)
