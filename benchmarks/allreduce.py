@@ -1,6 +1,7 @@
 """Benchmark: our butterfly all-reduce against torch.distributed (gloo) on loopback.
 
     python benchmarks/allreduce.py --peers 4 --size 25000000 [--rounds 5] [--json]
+                                   [--split N]
 
 Each implementation runs in its own set of peer processes (this script,
 started again with ``--worker``), so peak RSS per peer is measured cleanly.
@@ -18,11 +19,17 @@ with encryption (the default), ours in plaintext mode and gloo; the ratios to
 gloo; the median CPU time per peer and round (``process_time``, all threads:
 steadier than wall time on a shared machine); peak RSS per peer
 (``ru_maxrss``) of each, and the size of the vector.
+
+``--split N`` hands our all-reduce the vector as N tensors of their own, as a
+model's parameters are, which it copies into one vector and back every round;
+by default it gets one vector, as it gets tensors from ``flat_zeros_like``
+(the trainer's gradient accumulators). gloo always gets one vector.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
@@ -118,6 +125,9 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         chunk_elements=args.chunk_elements,
     )
     x = torch.empty(args.size, dtype=torch.float32)
+    bounds = [args.size * i // args.split for i in range(args.split + 1)]
+    pieces = list(itertools.pairwise(bounds))
+    tensors = [x] if args.split == 1 else [torch.empty(b - a) for a, b in pieces]
     times: list[float] = []
     cpu_times: list[float] = []
     contributors_ok = True
@@ -144,14 +154,20 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
             )
             for round_ in range(args.rounds):
                 fill(x, args.rank)
+                if args.split > 1:
+                    for t, (a, b) in zip(tensors, pieces, strict=True):
+                        t.copy_(x[a:b])
                 group = Group(f"round-{round_}".encode(), members, args.rank)
                 await trio.to_thread.run_sync(
                     file_barrier, directory, f"ours-{round_}", args.rank, args.peers
                 )
                 start, cpu = time.perf_counter(), time.process_time()
-                result = await all_reduce(net, group, [x], weight=1.0, config=config)
+                result = await all_reduce(net, group, tensors, weight=1.0, config=config)
                 times.append(time.perf_counter() - start)
                 cpu_times.append(time.process_time() - cpu)
+                if args.split > 1:
+                    for t, (a, b) in zip(tensors, pieces, strict=True):
+                        x[a:b].copy_(t)
                 everyone = frozenset(range(args.peers))
                 contributors_ok &= all(c == everyone for part in result.contributors for c in part)
             await trio.to_thread.run_sync(file_barrier, directory, "done", args.rank, args.peers)
@@ -209,6 +225,8 @@ def launch(args: argparse.Namespace, impl: str, encrypt: bool) -> dict[str, Any]
                     str(args.chunk_elements),
                     "--threads",
                     str(args.threads),
+                    "--split",
+                    str(args.split),
                     "--dir",
                     tmp,
                 ]
@@ -255,6 +273,9 @@ def main() -> None:
         help="elements per all-reduce chunk (default: AllReduceConfig's)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per peer")
+    parser.add_argument(
+        "--split", type=int, default=1, help="our all-reduce gets the vector as N tensors"
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--plain-only", action="store_true", help="skip the encrypted run")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -273,8 +294,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    if args.peers < 2 or args.size < 1 or args.rounds < 1:
-        parser.error("need --peers >= 2, --size >= 1, --rounds >= 1")
+    if args.peers < 2 or args.size < 1 or args.rounds < 1 or not 1 <= args.split <= args.size:
+        parser.error("need --peers >= 2, --size >= 1, --rounds >= 1, 1 <= --split <= --size")
     gloo = launch(args, "gloo", False)
     plain = launch(args, "ours", False)
     encrypted = plain if args.plain_only else launch(args, "ours", True)
@@ -295,6 +316,7 @@ def main() -> None:
         "peers": args.peers,
         "size": args.size,
         "rounds": args.rounds,
+        "split": args.split,
     }
     if args.json:
         print(json.dumps(report))
@@ -302,6 +324,7 @@ def main() -> None:
     print(
         f"all-reduce of {args.size:,} float32 ({vector_mb:.1f} MiB) over {args.peers} peers,"
         f" median of {args.rounds} rounds (slowest peer per round)"
+        + (f"; ours gets it as {args.split} tensors" if args.split > 1 else "")
     )
     print(
         f"  gloo               {gloo['median_s']:8.3f} s   peak RSS {gloo['rss_mb']:7.1f} MiB"
