@@ -44,6 +44,7 @@ CONFIG = AllReduceConfig(
     sender_timeout=2.0, reducer_timeout=4.0, round_timeout=15.0, chunk_elements=CHUNK
 )
 FOREVER = 1e6
+MODES = pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
 N, C, A = MemberMode.NODE, MemberMode.CLIENT, MemberMode.AUX
 
 
@@ -110,8 +111,9 @@ async def run_round(
     if one_buffer:
         tensors = [flat_zeros_like(ts) for ts in tensors]
         for ts, x in zip(tensors, inputs, strict=True):
-            flatten(ts).copy_(x)
-            assert flatten(ts).data_ptr() == ts[0].data_ptr()
+            flat = flatten(ts)
+            assert flat.data_ptr() == ts[0].data_ptr()  # a view: averaged in place
+            flat.copy_(x)
     outcome = Outcome(inputs, [], [None] * n, [0.0] * n, trio.current_time())
     scopes = scopes or {}
 
@@ -188,7 +190,7 @@ WEIGHTS = [1.0, 2.0, 0.5, 1.5]
 ALL4 = frozenset(range(4))
 
 
-@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
+@MODES
 async def test_exact_weighted_mean_without_faults(encrypt: bool) -> None:
     async with open_peers(4, encrypt=encrypt) as nets:
         groups = make_groups(nets, bandwidths=[1.0, 3.0, 0.5, 2.0])
@@ -365,7 +367,6 @@ BIG_CHUNK = 100_000
 SPOTS = pytest.mark.parametrize(
     "where", [3, BIG_CHUNK // 2 + 1, BIG_CHUNK - 1], ids=["head", "middle", "tail"]
 )
-MODES = pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
 
 
 @MODES
