@@ -8,6 +8,7 @@ Modules, from pure code up to the node:
   per-sender quotas (``StorageQuota``)
 - ``_ratelimit``: token buckets per source address and node id (``RequestRateLimit``)
 - ``_protocol``: kademlia's protocol subclass speaking signed datagrams and records
+- ``_rtt``: ``RoundTrips``, reply deadlines learned from measured round trips (pure)
 - ``_routing``: ``NearestNodes``, a look-up's candidate heap with O(1) membership
 - ``_crawl``: a value look-up that merges the replies of the responsible nodes
 - ``_server``: kademlia's ``Server`` subclass storing and finding records
@@ -16,7 +17,7 @@ Modules, from pure code up to the node:
 - ``_node``: ``DHTNode`` and ``open_dht_node``, the trio API
 """
 
-from ._node import DHTConfig, DHTNode, DHTValue, open_dht_node
+from ._node import DHTConfig, DHTNode, DHTStats, DHTValue, open_dht_node
 from ._ratelimit import RequestRateLimit
 from ._records import RecordLimits, owner_marker
 from ._storage import StorageQuota
@@ -24,6 +25,7 @@ from ._storage import StorageQuota
 __all__ = [
     "DHTConfig",
     "DHTNode",
+    "DHTStats",
     "DHTValue",
     "RecordLimits",
     "RequestRateLimit",

@@ -7,6 +7,17 @@ round for a full RPC timeout. Here alpha requests stay in flight: as soon as
 one answers (or times out), the next-closest uncontacted candidate is asked.
 A dead node costs one slot for one timeout, not the whole look-up.
 
+Nor does it cost a timeout: a request unanswered for longer than the round
+trips measured so far suggest (``RoundTrips.hedge_after``, a few round trips)
+is *late*. Its slot goes to the next candidate at once (a hedged request),
+and the look-up no longer waits for it: it counts among the k closest again
+only if its answer still comes. A look-up ends when the k closest candidates
+that are not late have answered (for ``RecordCrawl``, see below), so a swarm
+that holds dead contacts costs a look-up a few round trips per dead contact
+met, in parallel with the other requests, instead of one RPC timeout each.
+The late request's own timeout still runs: if it fails, the node is evicted
+from the routing table and left out of look-ups for a while (``_protocol``).
+
 ``RecordCrawl`` replaces ``ValueSpiderCrawl``, which stops at the first nodes
 that return a value and keeps the most common one. For sub-keyed, expiring
 records that is wrong: ten writers' sub-keys may sit on different nodes, and the
@@ -45,8 +56,8 @@ from ._routing import NearestNodes
 
 log = logging.getLogger(__name__)
 
-#: ``rpc(node_to_ask, target, on_result)`` (``SwarmProtocol.request_find_*``)
-RPC = Callable[[Node, Node, Callable[[tuple[bool, Any]], None]], None]
+#: ``rpc(node_to_ask, target, on_result, on_late)`` (``SwarmProtocol.request_find_*``)
+RPC = Callable[[Node, Node, Callable[[tuple[bool, Any]], None], Callable[[], None]], None]
 
 
 class LookupCrawl(SpiderCrawl):
@@ -58,51 +69,88 @@ class LookupCrawl(SpiderCrawl):
         super().__init__(protocol, node, [], ksize, alpha)
         self.nearest = NearestNodes(node, ksize)
         self.nearest.push(peers)
+        #: ids of candidates that answered, and of those whose answer is late
+        self.answered: set[bytes] = set()
+        self.late: set[bytes] = set()
 
     async def _lookup(self, rpc: RPC) -> None:
-        """Crawl until no candidate is left uncontacted or ``_satisfied()``.
+        """Crawl until no candidate among the k closest that are not late is
+        left unasked or in flight, or ``_satisfied()``.
 
         Driven by the replies themselves: ``rpc`` reports each result to a
         callback that handles it and sends the next request, so a request
         costs no asyncio task and the look-up wakes up once, when it is done
         (with all of trio-asyncio's loop rounds that saves). An exception
-        raised while handling a reply is raised here. On cancellation, replies
-        still in flight are ignored.
+        raised while handling a reply is raised here. On cancellation, and
+        after the look-up ends, replies still in flight are ignored.
         """
         finished: asyncio.Future[None] = asyncio.get_event_loop().create_future()
         in_flight = 0
 
         def send() -> None:
             nonlocal in_flight
+            if finished.done():
+                return
             if self._satisfied():
                 finished.set_result(None)
                 return
-            for peer in self.nearest.get_uncontacted():
+            for peer in self.closest():
                 if in_flight >= self.alpha:
                     break
+                if peer.id in self.nearest.contacted:
+                    continue
                 self.nearest.mark_contacted(peer)
                 in_flight += 1
-                rpc(peer, self.node, functools.partial(on_result, peer))
+                rpc(
+                    peer,
+                    self.node,
+                    functools.partial(on_result, peer),
+                    functools.partial(on_late, peer),
+                )
             if not in_flight:
                 finished.set_result(None)
+
+        def on_late(peer: Node) -> None:
+            nonlocal in_flight
+            if finished.done():
+                return
+            in_flight -= 1
+            self.late.add(peer.id)
+            guarded(send)
 
         def on_result(peer: Node, result: tuple[bool, Any]) -> None:
             nonlocal in_flight
             if finished.done():
                 return
-            in_flight -= 1
-            try:
+            if peer.id in self.late:
+                self.late.discard(peer.id)
+            else:
+                in_flight -= 1
+
+            def handle() -> None:
                 ok, answer = result
                 if ok:
+                    self.answered.add(peer.id)
                     self._answered(peer, answer)
                 else:
                     self.nearest.remove([peer.id])
                 send()
+
+            guarded(handle)
+
+        def guarded(step: Callable[[], None]) -> None:
+            try:
+                step()
             except Exception as e:  # raised in the awaiting look-up, not lost
-                finished.set_exception(e)
+                if not finished.done():
+                    finished.set_exception(e)
 
         send()
         await finished
+
+    def closest(self) -> list[Node]:
+        """The k closest candidates that are not late, closest first."""
+        return self.nearest.closest(self.ksize, skip=self.late)
 
     def _answered(self, peer: Node, answer: Any) -> None:
         raise NotImplementedError
@@ -113,14 +161,44 @@ class LookupCrawl(SpiderCrawl):
 
 
 class NodeCrawl(LookupCrawl):
-    """Find the k closest live nodes to a key."""
+    """Find the k closest live nodes to a key.
+
+    With ``quorum`` (for a store), the look-up ends as soon as the ``quorum``
+    closest candidates have answered, and ``find`` returns the k closest
+    candidates, asked or not: the closest ones answered without naming anyone
+    closer, so the look-up has converged where it matters (the nodes that every
+    reader asks first), and a store to the others doubles as their liveness
+    check. That halves the requests of a store in a swarm of a few hundred.
+    """
+
+    def __init__(
+        self,
+        protocol: Any,
+        node: Node,
+        peers: list[Node],
+        ksize: int,
+        alpha: int,
+        *,
+        quorum: int | None = None,
+    ) -> None:
+        super().__init__(protocol, node, peers, ksize, alpha)
+        self.quorum = quorum
 
     async def find(self) -> list[Node]:
+        """The k closest nodes that answered (with ``quorum``: the k closest
+        candidates not known to be dead), closest first."""
         await self._lookup(self.protocol.request_find_node)
-        return list(self.nearest)
+        if self.quorum is not None:
+            return self.closest()
+        return [n for n in self.closest() if n.id in self.answered]
 
     def _answered(self, peer: Node, answer: Any) -> None:
         self.nearest.push([Node(*c) for c in answer if c[0] not in self.nearest])
+
+    def _satisfied(self) -> bool:
+        if self.quorum is None:
+            return False
+        return all(n.id in self.answered for n in self.closest()[: self.quorum])
 
 
 class RecordCrawl(LookupCrawl):
@@ -174,7 +252,7 @@ class RecordCrawl(LookupCrawl):
     def _satisfied(self) -> bool:
         if self.latest:
             return False
-        closest = list(self.nearest)[: self.quorum]
+        closest = self.closest()[: self.quorum]
         return all(n.id in self.replies for n in closest)
 
     def stale_responders(self, limit: int) -> list[tuple[Node, list[Record]]]:

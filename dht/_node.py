@@ -57,9 +57,15 @@ class DHTConfig:
     ksize: int = 20
     #: alpha: concurrent requests per look-up step (section 2.3)
     alpha: int = 3
-    #: how long to wait for one UDP reply; kademlia's default of 5 s would make a
-    #: bootstrap through dead contacts take minutes
+    #: the longest wait for one UDP reply; kademlia's default of 5 s would make a
+    #: bootstrap through dead contacts take minutes. Once replies have been
+    #: measured, the wait follows their round trips (``RoundTrips``: srtt +
+    #: 4 rttvar, at least ``rpc_timeout_floor``), and a look-up stops waiting
+    #: for a reply after srtt + 2 rttvar, asking another node instead.
     rpc_timeout: float = 1.0
+    #: the shortest wait learned from round trips: below it, a pause of the
+    #: process (not a dead node) is the likely cause of silence
+    rpc_timeout_floor: float = 0.25
     #: how long bootstrapping may take before the initial peers count as unreachable
     bootstrap_timeout: float = 10.0
     #: routing buckets and records untouched this long are refreshed / re-stored
@@ -89,6 +95,11 @@ class DHTConfig:
             raise ConfigError("DHTConfig: ksize and alpha must be at least 1")
         if not 0 < self.rpc_timeout <= 60:
             raise ConfigError("DHTConfig: rpc_timeout must be in (0, 60] seconds")
+        if not 0.01 <= self.rpc_timeout_floor <= self.rpc_timeout:
+            raise ConfigError(
+                f"DHTConfig: rpc_timeout_floor ({self.rpc_timeout_floor}s) must be between "
+                f"0.01s and rpc_timeout ({self.rpc_timeout}s)"
+            )
         if self.bootstrap_timeout < self.rpc_timeout:
             raise ConfigError(
                 f"DHTConfig: bootstrap_timeout ({self.bootstrap_timeout}s) must be at least "
@@ -117,6 +128,22 @@ class DHTValue(NamedTuple):
 
     value: Any
     expiration_time: float
+
+
+@dataclass(frozen=True)
+class DHTStats:
+    """What a node has sent since it started (requests and replies together)."""
+
+    #: datagrams and their bytes
+    sent_datagrams: int
+    sent_bytes: int
+    #: the largest datagram sent
+    largest_datagram: int
+    #: requests sent, and those that got no answer in time
+    sent_requests: int
+    failed_requests: int
+    #: smoothed round trip of all replies so far (None before the first)
+    round_trip: float | None
 
 
 class DHTNode:
@@ -263,6 +290,18 @@ class DHTNode:
     def routing_table_size(self) -> int:
         return self._server.routing_table_size()
 
+    def stats(self) -> DHTStats:
+        """Traffic counters of this node (for benchmarks and tests)."""
+        proto = self._server.proto
+        return DHTStats(
+            proto.sent_datagrams,
+            proto.sent_bytes,
+            proto.largest_datagram,
+            proto.sent_requests,
+            proto.failed_requests,
+            proto.round_trips.smoothed(),
+        )
+
     def stored_key_count(self) -> int:
         return self._server.storage.key_count()
 
@@ -345,6 +384,7 @@ async def open_dht_node(
                 ksize=config.ksize,
                 alpha=config.alpha,
                 rpc_timeout=config.rpc_timeout,
+                rpc_timeout_floor=config.rpc_timeout_floor,
                 limits=config.limits,
                 max_records=config.max_records,
                 quota=config.quota,

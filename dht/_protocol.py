@@ -39,8 +39,11 @@ except ``datagram_received``, which the trio task reading the socket calls
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
+import math
 import socket
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from typing import Any, NamedTuple
 
@@ -56,6 +59,7 @@ from swarm._wire import expect_bytes, expect_int, expect_list, expect_str, pack
 from . import _messages as messages
 from ._ratelimit import MonotonicClock, RateLimiter, RequestRateLimit
 from ._records import Record, RecordLimits
+from ._rtt import RoundTrips
 from ._storage import RecordStorage, Source
 
 log = logging.getLogger(__name__)
@@ -72,6 +76,13 @@ _MAX_PENDING_PINGS = 64
 #: nodes still list it. Without this, every look-up in a swarm that just lost
 #: nodes waits a full RPC timeout on them, again and again.
 _FAILURE_MEMORY = 30.0
+#: How long a sender pinged back is not pinged back again, and a newcomer sent
+#: our records is not sent them again (``_ping_back_if_new``, ``welcome_if_new``).
+_CONTACT_MEMORY = 60.0
+#: Most contacts remembered for that.
+_MAX_REMEMBERED_CONTACTS = 4096
+#: Shortest wait before a look-up asks another node in place of a silent one.
+_HEDGE_FLOOR = 0.01
 
 Address = tuple[str, int]
 Result = tuple[bool, Any]
@@ -79,12 +90,16 @@ Result = tuple[bool, Any]
 
 class _Pending(NamedTuple):
     """An outstanding request: its answer must come from ``addr`` (and from
-    node ``expected`` when given) before ``deadline`` (loop time)."""
+    node ``expected`` when given) before ``deadline`` (loop time). ``on_late``
+    (if any) is called once at ``late_at`` if no answer came by then."""
 
     on_reply: Callable[[Result], None]
     addr: Address
     expected: bytes | None
+    sent_at: float
+    late_at: float
     deadline: float
+    on_late: Callable[[], None] | None
 
 
 def decode_nodes(obj: Any) -> list[tuple[bytes, str, int]]:
@@ -160,6 +175,7 @@ class SwarmProtocol(KademliaProtocol):
         limits: RecordLimits,
         rpc_timeout: float,
         clock: WallClock,
+        rpc_timeout_floor: float = 0.25,
         rate_limit: RequestRateLimit,
         rate_clock: MonotonicClock,
         proof_key: bytes | None = None,
@@ -173,15 +189,36 @@ class SwarmProtocol(KademliaProtocol):
         self.storage: RecordStorage = storage
         self._identity = identity
         self._limits = limits
-        self._wait_timeout = rpc_timeout
+        #: measured round trips; the deadlines of requests follow from them
+        self.round_trips = RoundTrips(
+            cap=rpc_timeout,
+            floor=rpc_timeout_floor,
+            hedge_floor=min(rpc_timeout_floor, _HEDGE_FLOOR),
+        )
         self._clock = clock
         #: msg_id -> what to call with the answer, whom it must come from, and
-        #: when to give up; in order of sending, so also in order of deadline
+        #: when it is late and when to give up
         self._outstanding: dict[bytes, _Pending] = {}
-        #: the one timer that expires outstanding requests (armed for the oldest)
+        #: (when, sequence, msg_id, late?) of every pending request's next event;
+        #: entries of requests answered since are skipped when they come up
+        self._deadlines: list[tuple[float, int, bytes, bool]] = []
+        self._sequence = 0
+        #: the one timer that handles due deadlines (armed for the earliest)
         self._expiry: asyncio.TimerHandle | None = None
+        self._expiry_at = math.inf
+        #: requests that got no answer in time, and requests sent (for benchmarks)
+        self.failed_requests = 0
+        self.sent_requests = 0
+        #: datagrams and bytes this node sent, requests and replies together
+        self.sent_datagrams = 0
+        self.sent_bytes = 0
+        self.largest_datagram = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pinging: set[bytes] = set()
+        #: (node id, ip, port) -> when it was last pinged back / sent our
+        #: records as a newcomer (``welcome_if_new``), oldest first
+        self._pinged_back: OrderedDict[tuple[bytes, str, int], float] = OrderedDict()
+        self._welcomed: OrderedDict[tuple[bytes, str, int], float] = OrderedDict()
         #: (node id, ip, port) -> when it last failed to answer. By address too:
         #: a request replayed from elsewhere, whose ping-back fails, must not
         #: hide the real node at its real address.
@@ -223,6 +260,7 @@ class SwarmProtocol(KademliaProtocol):
         if self._expiry is not None:
             self._expiry.cancel()
             self._expiry = None
+        self._deadlines = []
         pending, self._outstanding = list(self._outstanding.values()), {}
         for request in pending:
             request.on_reply((False, None))
@@ -299,6 +337,7 @@ class SwarmProtocol(KademliaProtocol):
             # someone else answered, or the address now belongs to another node
             return
         del self._outstanding[datagram.msg_id]
+        self.round_trips.sample(addr, asyncio.get_event_loop().time() - pending.sent_at)
         pending.on_reply((True, (datagram.sender, datagram.body)))
 
     # -- sending ---------------------------------------------------------------
@@ -316,14 +355,18 @@ class SwarmProtocol(KademliaProtocol):
     def _sendto(self, data: bytes, addr: Address) -> None:
         if self.transport is None or self._closed:
             return
+        self.sent_datagrams += 1
+        self.sent_bytes += len(data)
+        self.largest_datagram = max(self.largest_datagram, len(data))
         self.transport.sendto(data, addr)
 
     def call(
         self, addr: Address, method: str, args: list[Any], expected: bytes | None = None
     ) -> asyncio.Future[Result]:
         """Send a request; the future resolves to ``(True, (sender, body))`` or
-        ``(False, None)`` after ``rpc_timeout`` without a verified answer from
-        ``addr`` (and from node ``expected`` when given)."""
+        ``(False, None)`` after the request's timeout (``RoundTrips.timeout``)
+        without a verified answer from ``addr`` (and from node ``expected`` when
+        given)."""
         return _awaitable(self.request, addr, method, args, expected)
 
     def request(
@@ -333,41 +376,80 @@ class SwarmProtocol(KademliaProtocol):
         args: list[Any],
         expected: bytes | None,
         on_reply: Callable[[Result], None],
+        on_late: Callable[[], None] | None = None,
     ) -> None:
         """Send a request and call ``on_reply`` once with what ``call``'s future
         would hold: from the datagram handler when the answer arrives, from the
-        expiry timer after ``rpc_timeout``, from ``close``, or soon (never from
-        within this call) if the protocol is closed already.
+        expiry timer after the timeout learned for ``addr``, from ``close``, or
+        soon (never from within this call) if the protocol is closed already.
+        ``on_late``, if given, is called once (before any failure) when the
+        answer has not come within ``RoundTrips.hedge_after``, so a look-up can
+        ask another node meanwhile.
 
-        Costs no asyncio task and no timer of its own: one timer per protocol
-        expires every outstanding request (``_expire_due``), and each asyncio
-        callback is a round of trio-asyncio's loop.
+        Raises ``DatagramTooLargeError`` (nothing sent) if the request does not
+        fit in one datagram. Costs no asyncio task and no timer of its own: one
+        timer per protocol handles every deadline (``_expire_due``), and each
+        asyncio callback is a round of trio-asyncio's loop.
         """
         loop = asyncio.get_event_loop()
         if self._closed:
             loop.call_soon(on_reply, (False, None))
             return
         msg_id = messages.new_msg_id()
-        deadline = loop.time() + self._wait_timeout
-        self._outstanding[msg_id] = _Pending(on_reply, addr, expected, deadline)
-        if self._expiry is None:
-            self._expiry = loop.call_at(deadline, self._expire_due)
         body = [method, args, CLIENT_FLAG] if self.client_mode else [method, args]
-        self._send(messages.Kind.REQUEST, msg_id, body, addr)
+        datagram = messages.encode(
+            self._identity, messages.Kind.REQUEST, msg_id, body, proof_key=self._proof_key
+        )
+        now = loop.time()
+        timeout = self.round_trips.timeout(addr)
+        late = self.round_trips.hedge_after(addr) if on_late is not None else timeout
+        pending = _Pending(on_reply, addr, expected, now, now + late, now + timeout, on_late)
+        self._outstanding[msg_id] = pending
+        self._push_deadline(pending.late_at if on_late is not None else pending.deadline, msg_id)
+        self.sent_requests += 1
+        self._sendto(datagram, addr)
+
+    def _push_deadline(self, when: float, msg_id: bytes) -> None:
+        pending = self._outstanding[msg_id]
+        self._sequence += 1
+        late = pending.on_late is not None and when < pending.deadline
+        heapq.heappush(self._deadlines, (when, self._sequence, msg_id, late))
+        if when < self._expiry_at:
+            if self._expiry is not None:
+                self._expiry.cancel()
+            self._expiry = asyncio.get_event_loop().call_at(when, self._expire_due)
+            self._expiry_at = when
 
     def _expire_due(self) -> None:
-        """Fail the requests past their deadline; re-arm for the oldest left."""
+        """Tell late requests' owners, fail the requests past their deadline,
+        and re-arm the timer for the earliest deadline left."""
         self._expiry = None
+        self._expiry_at = math.inf
         loop = asyncio.get_event_loop()
         now = loop.time()
-        due = []
-        for msg_id, pending in self._outstanding.items():
-            if pending.deadline > now:
-                self._expiry = loop.call_at(pending.deadline, self._expire_due)
-                break
-            due.append(msg_id)
-        for msg_id in due:
-            self._outstanding.pop(msg_id).on_reply((False, None))
+        due: list[tuple[bytes, bool]] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, msg_id, late = heapq.heappop(self._deadlines)
+            due.append((msg_id, late))
+        for msg_id, late in due:
+            pending = self._outstanding.get(msg_id)
+            if pending is None:
+                continue  # answered meanwhile
+            if late:
+                self._push_deadline(pending.deadline, msg_id)
+                assert pending.on_late is not None
+                pending.on_late()
+            else:
+                del self._outstanding[msg_id]
+                self.failed_requests += 1
+                pending.on_reply((False, None))
+        # The callbacks above may have armed the timer for a later deadline
+        # than the earliest one left.
+        if self._deadlines and not self._closed and self._deadlines[0][0] < self._expiry_at:
+            if self._expiry is not None:
+                self._expiry.cancel()
+            self._expiry_at = self._deadlines[0][0]
+            self._expiry = loop.call_at(self._expiry_at, self._expire_due)
 
     # -- handlers (remote side) ------------------------------------------------
 
@@ -437,25 +519,35 @@ class SwarmProtocol(KademliaProtocol):
         return await _awaitable(self.request_find_value, node_to_ask, node_to_find)
 
     def request_find_node(
-        self, node_to_ask: Node, node_to_find: Node, on_result: Callable[[Result], None]
+        self,
+        node_to_ask: Node,
+        node_to_find: Node,
+        on_result: Callable[[Result], None],
+        on_late: Callable[[], None] | None = None,
     ) -> None:
-        """``call_find_node`` for look-ups: ``on_result`` gets its result (see ``request``)."""
+        """``call_find_node`` for look-ups: ``on_result`` gets its result, and
+        ``on_late`` is called if it is late (see ``request``)."""
 
         def decode(body: Any) -> Any:
             return self._live(decode_nodes(body))
 
-        self._ask(node_to_ask, "find_node", node_to_find, decode, on_result)
+        self._ask(node_to_ask, "find_node", node_to_find, decode, on_result, on_late)
 
     def request_find_value(
-        self, node_to_ask: Node, node_to_find: Node, on_result: Callable[[Result], None]
+        self,
+        node_to_ask: Node,
+        node_to_find: Node,
+        on_result: Callable[[Result], None],
+        on_late: Callable[[], None] | None = None,
     ) -> None:
-        """``call_find_value`` for look-ups: ``on_result`` gets its result (see ``request``)."""
+        """``call_find_value`` for look-ups: ``on_result`` gets its result, and
+        ``on_late`` is called if it is late (see ``request``)."""
 
         def decode(body: Any) -> Any:
             records, nodes, truncated = decode_find_value_reply(body, self._limits)
             return records, self._live(nodes), truncated
 
-        self._ask(node_to_ask, "find_value", node_to_find, decode, on_result)
+        self._ask(node_to_ask, "find_value", node_to_find, decode, on_result, on_late)
 
     def _ask(
         self,
@@ -464,6 +556,7 @@ class SwarmProtocol(KademliaProtocol):
         node_to_find: Node,
         decode: Callable[[Any], Any],
         on_result: Callable[[Result], None],
+        on_late: Callable[[], None] | None = None,
     ) -> None:
         """Send ``method`` about ``node_to_find``; after ``handle_call_response``,
         ``on_result`` gets ``(True, decode(answer))``, or ``(False, None)`` if
@@ -479,7 +572,7 @@ class SwarmProtocol(KademliaProtocol):
             on_result(self.handle_call_response(result, node_to_ask))
 
         addr = (node_to_ask.ip, node_to_ask.port)
-        self.request(addr, method, [node_to_find.id], node_to_ask.id, on_reply)
+        self.request(addr, method, [node_to_find.id], node_to_ask.id, on_reply, on_late)
 
     async def call_store(self, node_to_ask: Node, key: Any, value: Any = None) -> Result:
         """Store a ``Record`` (passed as ``key``; kademlia's signature is kept for
@@ -487,14 +580,28 @@ class SwarmProtocol(KademliaProtocol):
         record = key if isinstance(key, Record) else value
         if not isinstance(record, Record):
             raise TypeError("SwarmProtocol.call_store takes a Record")
+        return await _awaitable(self.request_store, node_to_ask, record)
+
+    def request_store(
+        self,
+        node_to_ask: Node,
+        record: Record,
+        on_result: Callable[[Result], None],
+        on_late: Callable[[], None] | None = None,
+    ) -> None:
+        """``call_store`` by callback: ``on_result`` gets ``(True, kept)`` or
+        ``(False, None)``, and ``on_late`` is called if it is late (see ``request``)."""
+
+        def on_reply(reply: Result) -> None:
+            result: Result = (False, None)
+            if reply[0]:
+                answer = reply[1][1]
+                kept = isinstance(answer, list) and len(answer) == 2 and answer[0] is True
+                result = (True, kept)
+            on_result(self.handle_call_response(result, node_to_ask))
+
         addr = (node_to_ask.ip, node_to_ask.port)
-        ok, answer = await self.call(addr, "store", [record.to_wire()], node_to_ask.id)
-        result: Result = (False, None)
-        if ok:
-            reply = answer[1]
-            kept = isinstance(reply, list) and len(reply) == 2 and reply[0] is True
-            result = (True, kept)
-        return self.handle_call_response(result, node_to_ask)
+        self.request(addr, "store", [record.to_wire()], node_to_ask.id, on_reply, on_late)
 
     # -- routing table maintenance ---------------------------------------------
 
@@ -519,19 +626,28 @@ class SwarmProtocol(KademliaProtocol):
         ]
 
     def _ping_back_if_new(self, node: Node) -> None:
+        """Ping a request's sender that is not in the routing table; its
+        signed answer adds it (``handle_call_response``).
+
+        A contact is pinged back at most once per ``_CONTACT_MEMORY``: one
+        that answered but found its bucket full stays "new" (kademlia keeps it
+        as a replacement), and pinging it after each of its requests would
+        double the traffic of a busy swarm for nothing.
+        """
         if not self.router.is_new_node(node) or node.id in self._pinging:
             return
-        if len(self._pinging) >= _MAX_PENDING_PINGS:
+        if len(self._pinging) >= _MAX_PENDING_PINGS or not self._has_room_for(node):
+            return
+        if self._recently(self._pinged_back, node):
             return
         self._pinging.add(node.id)
 
-        async def ping_back() -> None:
-            try:
-                await self.call_ping(node)
-            finally:
-                self._pinging.discard(node.id)
+        def on_reply(reply: Result) -> None:
+            self._pinging.discard(node.id)
+            if not self._closed:
+                self.handle_call_response((reply[0], None), node)
 
-        self.spawn(ping_back())
+        self.request((node.ip, node.port), "ping", [], node.id, on_reply)
 
     def _closest_known(self, target: Node) -> bool:
         """True if no contact in the routing table is closer to ``target`` than
@@ -561,6 +677,39 @@ class SwarmProtocol(KademliaProtocol):
         if not self.router.is_new_node(node):
             self.router.add_contact(node)  # refresh its position in the bucket
             return
+        if not self._recently(self._welcomed, node):
+            # A node whose bucket is full stays "new" (kademlia keeps it as a
+            # replacement): push to it once a while, not after every answer.
+            self._push_records_to(node)
+        self.router.add_contact(node)
+
+    def _has_room_for(self, node: Node) -> bool:
+        """Whether ``node`` could enter the routing table now: its bucket has
+        room or would be split (kademlia's ``add_contact`` rule, section 4.2 of
+        the paper). Otherwise it could only become a replacement, which is
+        learned from the answers to our own requests at no extra cost."""
+        bucket = self.router.buckets[self.router.get_bucket_for(node)]
+        return (
+            len(bucket) < bucket.ksize
+            or bucket.has_in_range(self.source_node)
+            or bucket.depth() % 5 != 0
+        )
+
+    def _recently(self, memory: OrderedDict[tuple[bytes, str, int], float], node: Node) -> bool:
+        """True if ``node`` is in ``memory`` from the last ``_CONTACT_MEMORY``
+        seconds; otherwise enters it (now) and returns False."""
+        contact = (node.id, node.ip, node.port)
+        now = asyncio.get_event_loop().time()
+        last = memory.get(contact)
+        if last is not None and now - last < _CONTACT_MEMORY:
+            return True
+        memory[contact] = now
+        memory.move_to_end(contact)
+        if len(memory) > _MAX_REMEMBERED_CONTACTS:
+            memory.popitem(last=False)
+        return False
+
+    def _push_records_to(self, node: Node) -> None:
         for dkey in self.storage.key_ids():
             keynode = Node(dkey)
             # This node must be the closest it knows to the key; that test scans
@@ -572,4 +721,3 @@ class SwarmProtocol(KademliaProtocol):
             if not neighbors or node.distance_to(keynode) < neighbors[-1].distance_to(keynode):
                 for record in self.storage.records(dkey):
                     self.spawn(self.call_store(node, record))
-        self.router.add_contact(node)

@@ -36,6 +36,13 @@ class NearestNodes(NodeHeap):
             self._ids.discard(node.id)
         return node
 
+    def closest(self, count: int, *, skip: set[bytes]) -> list[Node]:
+        """The ``count`` closest nodes held whose ids are not in ``skip``, closest first."""
+        if not skip:
+            return [node for _, node in heapq.nsmallest(count, self.heap)]
+        nearest = heapq.nsmallest(count + len(skip), self.heap)
+        return [node for _, node in nearest if node.id not in skip][:count]
+
     def __contains__(self, node: Node | bytes) -> bool:
         """Whether a node (or a node id) is held."""
         return (node if isinstance(node, bytes) else node.id) in self._ids

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -35,6 +36,10 @@ from ._storage import RecordStorage, StorageQuota
 
 log = logging.getLogger(__name__)
 
+#: A store's node look-up ends once this many of the closest candidates answered
+#: (``NodeCrawl``); the same number a plain read waits for (``RecordCrawl``).
+_STORE_QUORUM = 3
+
 
 class RecordServer(Server):
     protocol_class = SwarmProtocol
@@ -47,6 +52,7 @@ class RecordServer(Server):
         alpha: int,
         rpc_timeout: float,
         limits: RecordLimits,
+        rpc_timeout_floor: float = 0.25,
         max_records: int,
         quota: StorageQuota,
         rate_limit: RequestRateLimit,
@@ -64,6 +70,7 @@ class RecordServer(Server):
         self._identity = identity
         self._limits = limits
         self._rpc_timeout = rpc_timeout
+        self._rpc_timeout_floor = rpc_timeout_floor
         self._clock = clock
         self._proof_key = proof_key
         self._bans = bans
@@ -79,6 +86,7 @@ class RecordServer(Server):
             identity=self._identity,
             limits=self._limits,
             rpc_timeout=self._rpc_timeout,
+            rpc_timeout_floor=self._rpc_timeout_floor,
             clock=self._clock,
             proof_key=self._proof_key,
             bans=self._bans,
@@ -121,11 +129,15 @@ class RecordServer(Server):
         await NodeCrawl(self.proto, self.node, nodes, self.ksize, self.alpha).find()
 
     async def _closest_nodes(self, dkey: bytes) -> list[Node]:
+        """The k closest candidates to ``dkey`` once the closest have answered
+        (``NodeCrawl`` with a quorum); some may be dead."""
         target = Node(dkey)
         nearest = self.proto.router.find_neighbors(target)
         if not nearest:
             return []
-        spider = NodeCrawl(self.proto, target, nearest, self.ksize, self.alpha)
+        spider = NodeCrawl(
+            self.proto, target, nearest, self.ksize, self.alpha, quorum=_STORE_QUORUM
+        )
         found: list[Node] = await spider.find()
         return found
 
@@ -148,8 +160,51 @@ class RecordServer(Server):
             kept += self.storage.store(record)
         else:
             validate(record, self._clock(), self._limits)
-        results = await asyncio.gather(*(self.proto.call_store(n, record) for n in nodes))
-        kept += sum(1 for ok, stored in results if ok and stored)
+        kept += await self._store_on(nodes, record)
+        return kept
+
+    async def _store_on(self, nodes: list[Node], record: Record) -> int:
+        """Send ``record`` to every node in ``nodes``; returns how many kept it.
+
+        Returns once every node has answered or failed, or, as soon as one
+        kept it, once the others have answered or are late (``RoundTrips``):
+        a dead node then costs a few round trips, not an RPC timeout. A late
+        answer that comes before the return is counted. On cancellation,
+        answers are ignored.
+        """
+        if not nodes:
+            return 0
+        finished: asyncio.Future[None] = asyncio.get_event_loop().create_future()
+        unanswered = {n.id for n in nodes}
+        on_time = set(unanswered)
+        kept = 0
+
+        def check() -> None:
+            if finished.done():
+                return
+            if not unanswered or (kept and not on_time):
+                finished.set_result(None)
+
+        def on_late(node_id: bytes) -> None:
+            on_time.discard(node_id)
+            check()
+
+        def on_result(node_id: bytes, result: tuple[bool, Any]) -> None:
+            nonlocal kept
+            ok, stored = result
+            kept += bool(ok and stored)
+            unanswered.discard(node_id)
+            on_time.discard(node_id)
+            check()
+
+        for node in nodes:
+            self.proto.request_store(
+                node,
+                record,
+                functools.partial(on_result, node.id),
+                functools.partial(on_late, node.id),
+            )
+        await finished
         return kept
 
     async def find_records(

@@ -1,0 +1,80 @@
+"""Dead contacts cost a look-up a few round trips, not RPC timeouts.
+
+``RoundTrips`` (pure) is checked number by number; the DHT itself runs over
+real UDP on 127.0.0.1 with a fifth of its nodes stopped and an RPC timeout
+longer than the whole test is allowed to take, so an operation that waited
+for any dead node's timeout would fail the test.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import trio
+from dht_harness import TEST_CONFIG, open_swarm
+
+from dht import DHTConfig, DHTValue
+from dht._rtt import RoundTrips
+from swarm import ConfigError, ManualClock
+
+NOW = 1_700_000_000.0
+
+
+def test_round_trips_follow_jacobson_karels() -> None:
+    rtt = RoundTrips(cap=1.0, floor=0.05, hedge_floor=0.01)
+    # nothing measured: as patient as the configured timeout
+    assert rtt.timeout("a") == 1.0 and rtt.hedge_after("a") == 1.0
+    assert rtt.smoothed() is None
+    rtt.sample("a", 0.02)  # srtt 0.02, rttvar 0.01
+    assert rtt.smoothed("a") == pytest.approx(0.02)
+    assert rtt.timeout("a") == pytest.approx(0.06)  # 0.02 + 4 * 0.01
+    assert rtt.hedge_after("a") == pytest.approx(0.04)  # 0.02 + 2 * 0.01
+    rtt.sample("a", 0.04)  # rttvar 0.75*0.01 + 0.25*0.02, srtt 7/8*0.02 + 1/8*0.04
+    assert rtt.smoothed("a") == pytest.approx(0.0225)
+    assert rtt.timeout("a") == pytest.approx(0.0225 + 4 * 0.0125)
+    # a contact never heard from gets the estimate of all contacts together
+    assert rtt.timeout("b") == pytest.approx(rtt.timeout("a"))
+
+
+def test_round_trips_clamp_and_keep_contacts_apart() -> None:
+    rtt = RoundTrips(cap=1.0, floor=0.1, hedge_floor=0.01, max_contacts=2)
+    rtt.sample("near", 0.001)
+    assert rtt.timeout("near") == 0.1  # the floor
+    assert rtt.hedge_after("near") == pytest.approx(0.01)  # hedge floor
+    rtt.sample("far", 5.0)
+    assert rtt.timeout("far") == 1.0  # the cap
+    assert rtt.hedge_after("far") == 1.0  # never beyond the timeout
+    assert rtt.timeout("near") == 0.1  # its own estimate, not the far one's
+    rtt.sample("third", 0.001)  # evicts the least recently sampled contact ("near")
+    assert rtt.smoothed("near") == rtt.smoothed()
+    with pytest.raises(ValueError):
+        RoundTrips(cap=0.1, floor=0.2)
+
+
+def test_timeout_floor_is_validated() -> None:
+    with pytest.raises(ConfigError, match="rpc_timeout_floor"):
+        DHTConfig(rpc_timeout=0.5, rpc_timeout_floor=0.6)
+
+
+async def test_operations_never_wait_for_dead_nodes() -> None:
+    # Every timeout is 20 s, so any wait for a dead node outlasts the 15 s bound.
+    config = replace(
+        TEST_CONFIG, rpc_timeout=20.0, rpc_timeout_floor=20.0, bootstrap_timeout=20.0
+    )
+    clock = ManualClock(NOW)
+    rng = random.Random(4)
+    async with open_swarm(40, clock, config=config, seed=4) as swarm:
+        for victim in rng.sample(swarm.nodes, 8):
+            await swarm.stop(victim)
+        live = swarm.nodes
+        for k in range(6):
+            writer, reader = rng.sample(live, 2)
+            with trio.fail_after(15):
+                assert await writer.store(f"churn{k}", k, NOW + 60)
+                assert await reader.get(f"churn{k}") == DHTValue(k, NOW + 60)
+        # None of those requests failed yet (it takes 20 s), yet every
+        # operation finished: none waited for a dead node's answer.
+        assert all(node.stats().failed_requests == 0 for node in live)
+        assert sum(node.stats().sent_requests for node in live) > 0
