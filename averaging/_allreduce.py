@@ -63,7 +63,7 @@ from weakref import WeakKeyDictionary
 import torch
 import trio
 
-from swarm import ConfigError, PeerID, ProtocolError
+from swarm import ConfigError, PeerID, ProtocolError, SelfDialError
 from swarm._wire import expect_bytes, expect_float, expect_int, expect_list
 
 from ._codecs import (
@@ -174,6 +174,10 @@ class AllReduceResult:
     failed_reducers: frozenset[int]
     #: True if the round deadline stopped the round before everything finished.
     timed_out: bool
+    #: Reducers whose announced address led back to this very peer
+    #: (``SelfDialError``): their parts kept our local values, but they did
+    #: not fail, so they are not in ``failed_reducers``.
+    self_dialed: frozenset[int] = frozenset()
 
     def part_contributors(self, part: int) -> frozenset[int]:
         """Members whose data is in every chunk of ``part`` of the local result."""
@@ -264,9 +268,25 @@ async def all_reduce(
                 for part in range(group.size):
                     if partition.part_size(part) > 0:
                         nursery.start_soon(rnd.send_part, part)
+    result = rnd.result(timed_out=deadline.cancelled_caught)
     if group.local.mode is not MemberMode.AUX:
         unflatten_into(flat, tensors)
-    return rnd.result(timed_out=deadline.cancelled_caught)
+        _log_contributors(result, len(group.senders()))
+    return result
+
+
+def _log_contributors(result: AllReduceResult, senders: int) -> None:
+    """One line per round saying whose data is in *every* element of our
+    result: what a caller may truthfully report as "averaged with k peers"."""
+    parts = [result.part_contributors(j) for j, (a, b) in enumerate(result.part_bounds) if b > a]
+    everywhere = frozenset.intersection(*parts) if parts else frozenset()
+    logger.info(
+        "all-reduce %s: data of %d of %d senders in every part%s",
+        result.group_id.hex()[:8],
+        len(everywhere),
+        senders,
+        f" (self-dialed members {sorted(result.self_dialed)})" if result.self_dialed else "",
+    )
 
 
 @contextmanager
@@ -319,6 +339,7 @@ class _Round:
         self._frames: dict[int, tuple[bytes | bytearray | memoryview, ...]] = {}
         self._frame_waiters: dict[int, set[int]] = {}
         self._responders: set[int] = set()
+        self.self_dialed: set[int] = set()
 
     # ----------------------------------------------------------------- reducer
 
@@ -524,6 +545,16 @@ class _Round:
                     except ProtocolError as e:
                         self._blame(part, e)
                         raise
+        except SelfDialError as e:
+            self.self_dialed.add(part)
+            logger.warning(
+                "all-reduce: member %d (%s) announced %s:%d, which leads back to this peer (%s);"
+                " its part keeps our local values",
+                part,
+                member.peer_id.short(),
+                *member.address,
+                e,
+            )
         except Exception as e:  # per-peer boundary
             logger.info("all-reduce: reducer of part %d failed: %r", part, e)
         self.received.reducer_failed(part)
@@ -631,7 +662,9 @@ class _Round:
         failed_reducers = frozenset(
             j
             for j in range(self.group.size)
-            if self.group.local.mode is not MemberMode.AUX and not self.received.is_complete(j)
+            if self.group.local.mode is not MemberMode.AUX
+            and not self.received.is_complete(j)
+            and j not in self.self_dialed
         )
         return AllReduceResult(
             group_id=self.group.group_id,
@@ -642,6 +675,7 @@ class _Round:
             failed_senders=self.reducer.failed if self.reducer is not None else frozenset(),
             failed_reducers=failed_reducers,
             timed_out=timed_out,
+            self_dialed=frozenset(self.self_dialed),
         )
 
 

@@ -38,6 +38,7 @@ from ._errors import (
     ProtocolError,
     RecordRejectedError,
     RejectReason,
+    SelfDialError,
     StreamResetError,
     SwarmError,
 )
@@ -82,6 +83,7 @@ __all__ = [  # noqa: RUF022 - grouped: core names, then the peer facade
     "ProtocolError",
     "RecordRejectedError",
     "RejectReason",
+    "SelfDialError",
     "Stream",
     "StreamResetError",
     "SwarmError",

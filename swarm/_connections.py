@@ -106,10 +106,6 @@ _MAX_RESET_REASON = 200
 _HANDSHAKE_READ = 4096
 #: Buffers up to this size are gathered into one send; needs below it read ahead.
 _COALESCE = 64 * 1024
-#: Kernel socket buffers (each way; Linux doubles the value, and caps it at
-#: net.core.wmem_max/rmem_max). With the default 16 KiB send buffer a 2 MiB
-#: frame leaves in dozens of partial sends, each a wait in trio's scheduler.
-_SOCKET_BUFFER = 4 * 2**20
 #: Most bytes of a large payload received with one system call.
 _RECEIVE_SLICE = 512 * 1024
 #: Most buffers one gathering send passes to the kernel (IOV_MAX is 1024).
@@ -159,6 +155,14 @@ class ConnectionConfig:
     handshake_timeout: float = 5.0
     idle_timeout: float = 60.0
     swarm_key: bytes | None = field(default=None, repr=False)  # a secret: never logged
+    #: None (default): the kernel sizes each socket's buffers, growing them
+    #: with the connection's bandwidth-delay product up to net.ipv4.tcp_rmem /
+    #: tcp_wmem's maximum (Linux autotuning). A number fixes SO_SNDBUF and
+    #: SO_RCVBUF to it, which turns autotuning *off* for that socket and is
+    #: capped by net.core.wmem_max / rmem_max (the kernel doubles the value):
+    #: on a stock system (rmem_max 208 KiB) a fixed buffer caps the receive
+    #: window near 416 KiB, about 33 Mbit/s at 100 ms. Only for experiments.
+    socket_buffer: int | None = None
 
     def __post_init__(self) -> None:
         if not _MIN_FRAME_SIZE <= self.max_frame_size <= MAX_FRAME_SIZE_LIMIT:
@@ -181,6 +185,11 @@ class ConnectionConfig:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ConfigError(f"{name}={value} must be a positive number of seconds")
+        if self.socket_buffer is not None and not 4096 <= self.socket_buffer <= 2**30:
+            raise ConfigError(
+                f"socket_buffer={self.socket_buffer} must be None (kernel autotuning) "
+                "or a byte count in [4096, 2**30]"
+            )
         if self.swarm_key is not None and len(self.swarm_key) < 16:
             raise ConfigError("swarm_key must be at least 16 bytes (use 32 random bytes)")
 
@@ -246,9 +255,10 @@ class _Connection:
         self.closed = False
         self._send_lock = trio.StrictFIFOLock()
         self._receiving = False
-        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            with suppress(OSError):
-                self.socket.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
+        if config.socket_buffer is not None:  # disables autotuning: see ConnectionConfig
+            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                with suppress(OSError):
+                    self.socket.setsockopt(socket.SOL_SOCKET, option, config.socket_buffer)
 
     def close(self) -> None:
         """Close the socket now (synchronous, so it is safe in any cleanup path).
@@ -809,7 +819,9 @@ class Connections:
 
         Waits while ``max_streams_per_peer`` streams to that peer are open.
         Raises ``PeerUnreachableError`` (refused, no answer in
-        ``connect_timeout``, or banned locally), ``ProtocolError`` (bad handshake, or the remote
+        ``connect_timeout``, or banned locally), ``SelfDialError`` (a
+        ``PeerUnreachableError``: ``address`` leads back to this very peer, which
+        blames nobody), ``ProtocolError`` (bad handshake, or the remote
         proved another peer id), ``DeadlineError`` (no handshake within
         ``handshake_timeout``), ``ClosedError`` (the manager is or gets closed).
 

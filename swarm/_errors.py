@@ -40,6 +40,13 @@ class PeerUnreachableError(SwarmError):
     """A peer did not answer (connection refused, no reply before the deadline)."""
 
 
+class SelfDialError(PeerUnreachableError):
+    """Dialing another peer's address reached this very peer: the remote proved
+    our own peer id. The other peer announced an address that, seen from here,
+    is this machine (typically a loopback address); it did not fail, and it
+    did not break the protocol, but it cannot be reached at that address."""
+
+
 class DeadlineError(SwarmError, TimeoutError):
     """An operation did not finish before its deadline."""
 

@@ -52,7 +52,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from ._errors import ProtocolError
+from ._errors import ProtocolError, SelfDialError
 from ._identity import PUBLIC_KEY_SIZE, SIGNATURE_SIZE, Identity, PeerID, verify_signature
 from ._wire import expect_bytes, expect_list, expect_str, pack, unpack
 
@@ -131,7 +131,9 @@ class Handshake:
     message (the dialer may pipeline session frames) are in ``unused_data``.
 
     ``expected_peer`` (dialer only) is the peer id the caller meant to reach; a
-    remote that proves any other identity is refused with ``ProtocolError``.
+    remote that proves any other identity is refused with ``ProtocolError``,
+    except one that proves *our own* identity (we dialed ourselves): that is
+    ``SelfDialError``, on both sides, and blames nobody.
     ``random_bytes`` supplies the ephemeral key and nonce (tests inject it).
 
     ``proven_peer`` is set as soon as the remote's signature over this
@@ -277,7 +279,10 @@ class Handshake:
         th3 = _transcript3(self._th2, core3)
         if not verify_signature(public_key, signature, DIALER_LABEL + th3):
             raise ProtocolError("the dialer's handshake signature does not verify")
-        self.proven_peer = PeerID.from_public_key(public_key)
+        proven = PeerID.from_public_key(public_key)
+        if proven == self._identity.peer_id:
+            raise SelfDialError("this peer dialed itself")
+        self.proven_peer = proven
         self._check_mac(mac, _DIALER_MAC_LABEL, th3)
         self._finish(public_key, th3, send_first=False)
 
@@ -294,11 +299,18 @@ class Handshake:
         self._remote_encrypt = _expect_bool(core[2], "M2 encrypt flag")
         public_key = expect_bytes(core[3], "M2 public key", size=PUBLIC_KEY_SIZE)
         remote = PeerID.from_public_key(public_key)
+        th2 = _transcript2(self._m1, core2)
+        # Only we can sign a transcript that holds our fresh M1, so a valid
+        # signature by our own key means the address we dialed is this peer.
+        if remote == self._identity.peer_id and verify_signature(
+            public_key, signature, LISTENER_LABEL + th2
+        ):
+            expected = "a peer" if self._expected_peer is None else self._expected_peer.short()
+            raise SelfDialError(f"dialing {expected} reached this peer itself")
         if self._expected_peer is not None and remote != self._expected_peer:
             raise ProtocolError(
                 f"expected peer {self._expected_peer.short()}, the remote proved {remote.short()}"
             )
-        th2 = _transcript2(self._m1, core2)
         if not verify_signature(public_key, signature, LISTENER_LABEL + th2):
             raise ProtocolError("the listener's handshake signature does not verify")
         self.proven_peer = remote

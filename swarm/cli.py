@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ._address import parse_address
+from ._announce import announce_host, is_wildcard
 from ._errors import BootstrapError, ConfigError, SwarmError, collapse_exception_groups
 from ._identity import Identity
 
@@ -47,8 +48,6 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 #: The task ``swarm train`` trains when given no ``--task``.
 DEFAULT_TASK = "digits"
-#: Any address outside this machine (TEST-NET-1): only used to find the outgoing route.
-_ROUTE_PROBE = "192.0.2.1"
 #: Records older than this are from peers presumed gone (CollaborativeConfig's default TTL).
 DEFAULT_STALE_AFTER = 30.0
 
@@ -258,28 +257,14 @@ def _configure_logging(verbose: bool) -> None:
 
 
 def _is_wildcard(host: str) -> bool:
-    return host in ("0.0.0.0", "::", "")
+    return is_wildcard(host)
 
 
 def _announce_host(host: str, toward: str | None = None) -> str:
-    """The host others should dial: ``host`` itself, or for a wildcard the address
-    of the interface that routes toward ``toward`` (an initial peer's IP) or, with
-    none, toward the internet. No packet is sent: a UDP ``connect`` only picks the
-    route. Falls back to the address of the machine's host name."""
-    if not _is_wildcard(host):
-        return host
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((toward or _ROUTE_PROBE, 9))
-            address: str = probe.getsockname()[0]
-        if address != "0.0.0.0":
-            return address
-    except OSError:
-        pass
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
+    """The host others should dial (``swarm._announce``: never loopback to peers
+    that are not on this machine). Raises ``ConfigError`` saying to pass
+    ``--announce`` when this machine has no address another could dial."""
+    return announce_host(host, toward)
 
 
 def _first_initial_host(initial_peers: Sequence[str]) -> str | None:

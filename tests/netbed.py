@@ -1,0 +1,234 @@
+"""A test bed of emulated home links: N peer network namespaces on one bridge.
+
+    with NetBed([Link("20mbit"), Link("20mbit", loss=0.01), ...]) as bed:
+        subprocess.run(bed.exec(0, ["swarm", "train", ...]))
+
+Layout (every name is unique to this bed, ``<tag>`` = ``swnb<pid>x<random hex>``):
+
+- namespace ``<tag>-br`` holds bridge ``br0`` and one veth end ``v<i>`` per
+  peer. The bridge lives in its own namespace, not the root one, and no
+  namespace of the bed has a default route or any link outside the bed:
+  nothing can route out of it.
+- namespace ``<tag>-p<i>`` is peer i: loopback plus ``eth0`` (the other veth
+  end) with address ``10.77.0.<i+1>/24``.
+- ``tc qdisc tbf`` on ``eth0`` caps peer i's upload and on ``v<i>`` its
+  download (``Link.up``/``Link.down``, tc rate syntax such as ``20mbit``).
+- ``Link.loss`` drops packets at random on that link in both directions
+  (``iptables -m statistic --mode random``): on arrival in peer i's namespace,
+  and, for what peer i sends, on arrival in every other peer's namespace. The
+  dropped packets have crossed the link first, as lost packets do.
+
+The kernel here has tbf but no netem: there is no added latency.
+
+Teardown kills every process started with ``popen`` (its whole process group)
+and deletes every namespace of the bed, which destroys its links; it runs on
+any exit, exceptions included. A bed whose creating process died (a crashed
+run) is removed by the next ``NetBed`` (names carry the creator's pid). Needs
+root, ``ip`` and ``tc``; ``iptables`` only for loss (installed with apt-get
+when missing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+#: Every namespace of every bed starts with this.
+PREFIX = "swnb"
+SUBNET = "10.77.0"
+
+
+@dataclass(frozen=True)
+class Link:
+    """One peer's link: upload and download caps (tc rates, None = unshaped),
+    random loss in [0, 1) each way."""
+
+    up: str | None = None
+    down: str | None = None
+    loss: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.loss < 1:
+            raise ValueError(f"loss={self.loss} must be in [0, 1)")
+        for rate in (self.up, self.down):
+            if rate is not None:
+                rate_bits(rate)
+
+
+def rate_bits(rate: str) -> float:
+    """Bits per second of a tc rate such as ``100mbit``, ``1.5gbit``, ``800kbit``."""
+    text = rate.strip().lower()
+    for suffix, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)):
+        if text.endswith(suffix):
+            try:
+                value = float(text[: -len(suffix)])
+            except ValueError:
+                break
+            if value > 0:
+                return value * scale
+            break
+    raise ValueError(f"rate {rate!r} is not a positive tc rate such as 100mbit")
+
+
+def _run(*argv: str) -> None:
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _namespaces() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], check=True, capture_output=True, text=True)
+    return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_beds() -> list[str]:
+    """Delete the namespaces of beds whose creating process is gone; returns them."""
+    removed = []
+    for name in _namespaces():
+        if not name.startswith(PREFIX):
+            continue
+        pid_text = name[len(PREFIX) :].split("x", 1)[0]
+        if pid_text.isdigit() and not _alive(int(pid_text)):
+            subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
+            removed.append(name)
+    return removed
+
+
+def ensure_iptables() -> str:
+    """The path of ``iptables``, installing the Debian package if it is missing."""
+    found = shutil.which("iptables")
+    if found is None:
+        subprocess.run(
+            ["apt-get", "install", "-y", "-q", "iptables"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+        )
+        found = shutil.which("iptables")
+    if found is None:
+        raise RuntimeError("iptables is needed for packet loss: apt-get install iptables")
+    return found
+
+
+def _shape(namespace: str, device: str, rate: str) -> None:
+    bits = rate_bits(rate)
+    # burst: at least 10 ms of traffic (tbf needs >= rate / HZ) and 2 frames;
+    # the queue holds 50 ms, a home router's buffer.
+    burst = max(3200, int(bits / 8 / 100))
+    _run(
+        "ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root",
+        "tbf", "rate", rate, "burst", str(burst), "latency", "50ms",
+    )  # fmt: skip
+
+
+class NetBed:
+    """N peer namespaces on a bridge, shaped per ``links`` (module docstring).
+
+    A context manager: entering builds it (``subprocess.CalledProcessError``
+    if a command fails, after removing what was built), exiting tears it down.
+    """
+
+    def __init__(self, links: Sequence[Link]) -> None:
+        if not 1 <= len(links) <= 200:
+            raise ValueError("a bed has 1 to 200 peers")
+        self.links = tuple(links)
+        # the pid marks whose bed it is (remove_stale_beds); the random part
+        # keeps a later process that got the same pid from colliding with it
+        self.tag = f"{PREFIX}{os.getpid()}x{secrets.token_hex(3)}"
+        self.bridge_ns = f"{self.tag}-br"
+        self.peer_ns = [f"{self.tag}-p{i}" for i in range(len(links))]
+        self.addresses = [f"{SUBNET}.{i + 1}" for i in range(len(links))]
+        self._processes: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> NetBed:
+        remove_stale_beds()
+        try:
+            self._build()
+        except BaseException:
+            self._teardown()
+            raise
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._teardown()
+
+    def _build(self) -> None:
+        if any(link.loss for link in self.links):
+            ensure_iptables()
+        br = self.bridge_ns
+        _run("ip", "netns", "add", br)
+        _run("ip", "-n", br, "link", "set", "lo", "up")
+        _run("ip", "-n", br, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", br, "link", "set", "br0", "up")
+        for i, ns in enumerate(self.peer_ns):
+            _run("ip", "netns", "add", ns)
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "-n", br, "link", "add", f"v{i}", "type", "veth", "peer", "name", "eth0",
+                 "netns", ns)  # fmt: skip
+            _run("ip", "-n", br, "link", "set", f"v{i}", "master", "br0")
+            _run("ip", "-n", br, "link", "set", f"v{i}", "up")
+            _run("ip", "-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
+            _run("ip", "-n", ns, "link", "set", "eth0", "up")
+            link = self.links[i]
+            if link.up is not None:
+                _shape(ns, "eth0", link.up)
+            if link.down is not None:
+                _shape(br, f"v{i}", link.down)
+        for i, link in enumerate(self.links):
+            if link.loss:
+                self.add_loss(i, link.loss)
+
+    def add_loss(self, peer: int, probability: float) -> None:
+        """From now on, drop packets of peer ``peer``'s link at random, each way
+        (on top of any loss it has)."""
+        if not 0 < probability < 1:
+            raise ValueError(f"probability={probability} must be in (0, 1)")
+        ensure_iptables()
+        drop = ["-m", "statistic", "--mode", "random", "--probability", f"{probability}",
+                "-j", "DROP"]  # fmt: skip
+        _run("ip", "netns", "exec", self.peer_ns[peer], "iptables", "-A", "INPUT", *drop)
+        for j, ns in enumerate(self.peer_ns):
+            if j != peer:
+                _run("ip", "netns", "exec", ns, "iptables", "-A", "INPUT",
+                     "-s", self.addresses[peer], *drop)  # fmt: skip
+
+    def exec(self, peer: int, argv: Sequence[str]) -> list[str]:
+        """The command line that runs ``argv`` inside peer ``peer``'s namespace."""
+        return ["ip", "netns", "exec", self.peer_ns[peer], *argv]
+
+    def popen(self, peer: int, argv: Sequence[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        """Start ``argv`` in peer ``peer``'s namespace, in a process group of its
+        own; the bed kills and reaps it on exit if it still runs."""
+        process: subprocess.Popen[bytes] = subprocess.Popen(  # type: ignore[call-overload]
+            self.exec(peer, argv), start_new_session=True, **kwargs
+        )
+        self._processes.append(process)
+        return process
+
+    def _teardown(self) -> None:
+        for process in self._processes:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        present = set(_namespaces())
+        for ns in [*self.peer_ns, self.bridge_ns]:
+            if ns in present:
+                subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
