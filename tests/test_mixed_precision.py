@@ -286,3 +286,27 @@ def test_a_warning_when_the_optimizer_holds_parameters_not_in_params() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             _lone(peer, torch.nn.Sequential(a, b), inner).close()
+
+
+def test_a_bfloat16_model_keeps_float32_master_weights() -> None:
+    # 1.0 - 0.001 is 1.0 in bfloat16 (its spacing there is 2**-7): without a
+    # float32 master copy the model would never move
+    model = torch.nn.Linear(1, 1, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    inner = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with training_peers(1) as (_, (peer,)), _lone(peer, model, inner) as opt:
+        assert inner.param_groups[0]["params"][0].dtype == torch.float32
+        assert opt.param_groups[0]["params"][0] is model.weight  # what GradScaler sees
+
+        def batch() -> bool:
+            model(torch.ones(4, 1, dtype=torch.bfloat16)).sum().div(4).backward()
+            stepped = opt.step()
+            opt.zero_grad()
+            return bool(stepped)
+
+        for _ in range(10):
+            _until_global_step(opt, batch)
+        assert model.weight.dtype == torch.bfloat16
+        assert model.weight.item() == pytest.approx(0.99, abs=2**-7)
+        assert opt.state_dict()["masters"][0].item() == pytest.approx(0.99, abs=1e-6)

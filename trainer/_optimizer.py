@@ -20,6 +20,13 @@ Two options change what a global step is (``CollaborativeConfig``): ``diloco``
 and ``drop_compute`` (``_dropcompute``: the step also ends once this peer has
 computed for its threshold).
 
+Devices and precision: accumulators are float32 on the parameters' device;
+the all-reduce averages their host copy (``averaging.HostStaging``, one
+device-to-host and one host-to-device copy per global step, none for a CPU
+model). A bf16/fp16 model trains float32 master weights (the inner optimizer
+updates them; the model holds them rounded). A model's buffers (``model=``)
+travel with the state. ``GradScaler`` accepts the optimizer (see ``_amp``).
+
 Threads: the training loop calls ``step()`` from its own thread. All network
 work, and every change to parameters or optimizer state, runs on the peer's
 trio thread (``Peer.run``/``run_sync``), so the state a donor sends to a
@@ -261,6 +268,15 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             raise ConfigError("no trainable parameters")
         self.optimizer = optimizer
         self._warn_foreign_params()
+        #: float32 master copies that the inner optimizer updates when the model
+        #: is in a lower precision (bf16/fp16); the model gets a rounded copy
+        #: after each step. None: float32 parameters, or DiLoCo mode.
+        self._masters: list[torch.nn.Parameter] | None = None
+        self._model_param: dict[int, torch.nn.Parameter] = {}
+        if (config is None or config.diloco is None) and any(
+            p.dtype != torch.float32 for p in self.params
+        ):
+            self._masters = self._make_masters()
         self.scheduler = scheduler
         self.grad_hook = grad_hook
         self.model = model
@@ -339,8 +355,17 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        """The inner optimizer's parameter groups (what ``GradScaler`` unscales)."""
-        return self.optimizer.param_groups
+        """The inner optimizer's parameter groups (what ``GradScaler`` unscales).
+
+        With float32 master weights these are copies of the groups that list
+        the model's parameters (whose ``.grad`` the backward pass fills):
+        change hyperparameters on the inner optimizer itself."""
+        if self._masters is None:
+            return self.optimizer.param_groups
+        return [
+            group | {"params": [self._model_param[id(m)] for m in group["params"]]}
+            for group in self.optimizer.param_groups
+        ]
 
     @param_groups.setter
     def param_groups(self, value: list[dict[str, Any]]) -> None:
@@ -389,6 +414,37 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the parameters' ``.grad`` (the accumulated gradients are kept)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self._masters is not None:
+            for p in self.params:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.detach_().zero_()
+
+    def _make_masters(self) -> list[torch.nn.Parameter]:
+        """float32 copies of the parameters, put in their place in the inner
+        optimizer (its groups and any state it already has)."""
+        masters = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in self.params]
+        master_of = {id(p): m for p, m in zip(self.params, masters, strict=True)}
+        self._model_param = {id(m): p for p, m in zip(self.params, masters, strict=True)}
+        for group in self.optimizer.param_groups:
+            group["params"] = [master_of.get(id(p), p) for p in group["params"]]
+        for p in self.params:
+            if p in self.optimizer.state:
+                self.optimizer.state[master_of[id(p)]] = self.optimizer.state.pop(p)
+        return masters
+
+    @property
+    def _trained(self) -> list[torch.nn.Parameter]:
+        """What the inner optimizer updates: the float32 masters, or the parameters."""
+        return self.params if self._masters is None else self._masters
+
+    def _sync_model(self) -> None:
+        """Round the float32 masters into the model's parameters."""
+        if self._masters is not None:
+            with torch.no_grad():
+                model: list[torch.Tensor] = list(self.params)
+                torch._foreach_copy_(model, list(self._masters))
 
     def step(  # type: ignore[override]
         self,
@@ -639,6 +695,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
         }
+        if self._masters is not None:  # the model holds them rounded
+            state["masters"] = [m.detach() for m in self._masters]
         return state | self._mode_state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -647,6 +705,15 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             if self.scheduler is not None and state.get("scheduler") is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
             self._load_mode_state(state)
+            if self._masters is not None:
+                with torch.no_grad():
+                    if "masters" in state:
+                        for m, value in zip(self._masters, state["masters"], strict=True):
+                            m.copy_(value)
+                    else:  # saved without: the model's own values
+                        for m, p in zip(self._masters, self.params, strict=True):
+                            m.copy_(p)
+                self._sync_model()
             self.epoch = int(state["epoch"])
 
         self.peer.run_sync(load)
@@ -955,13 +1022,14 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._staging.from_host()
         unused = self._unused_params()
         with torch.no_grad():
-            for i, (acc, p) in enumerate(zip(self._grads, self.params, strict=True)):
+            for i, (acc, p) in enumerate(zip(self._grads, self._trained, strict=True)):
                 # None, not zeros: AdamW must not decay what nobody trained
                 p.grad = None if i in unused else acc.to(p.dtype, copy=True)
                 acc.zero_()
         self._got_grad = [False] * len(self.params)
-        self._hook_result = None if self.grad_hook is None else self.grad_hook(self.params)
+        self._hook_result = None if self.grad_hook is None else self.grad_hook(self._trained)
         self.optimizer.step()
+        self._sync_model()
         self.optimizer.zero_grad(set_to_none=True)
         self._samples = 0
         self.epoch += 1
@@ -1000,8 +1068,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             raise error
 
     def _state_tensors(self) -> list[torch.Tensor]:
-        tensors: list[torch.Tensor] = [p.data for p in self.params]
-        for p in self.params:
+        tensors: list[torch.Tensor] = [p.data for p in self._trained]
+        for p in self._trained:
             for value in self.optimizer.state.get(p, {}).values():
                 if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim():
                     tensors.append(value)
@@ -1055,9 +1123,13 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                     len(result.contributors),
                     len(result.members),
                 )
-                self.peer.run_sync(staging.from_host)
+                self.peer.run_sync(self._write_back_state, staging)
         if self._diloco is not None:
             self.peer.run_sync(self._diloco.resync)  # right after the outer step: nothing lost
+
+    def _write_back_state(self, staging: HostStaging) -> None:
+        staging.from_host()
+        self._sync_model()
 
     # -- state sharing ------------------------------------------------------------
 
@@ -1079,7 +1151,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     def _shared_params(self) -> list[torch.Tensor]:
         """The parameters of the swarm's last global step: in DiLoCo mode the
         synced ones (this peer's own are part-way through local steps)."""
-        return list(self.params) if self._diloco is None else self._diloco.synced
+        return list(self._trained) if self._diloco is None else self._diloco.synced
 
     async def _start_donor(self) -> trio.CancelScope:
         peer = self.peer.async_peer
@@ -1104,7 +1176,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         with contextlib.suppress(SwarmError):
             self.peer.run_sync(self._cancel_matchmaking)
         template: dict[str, Any] = {
-            "params": [p.detach() for p in self.params],
+            "params": [p.detach() for p in self._trained],
             "optimizer": UNCHECKED,
             "scheduler": UNCHECKED,
         }
@@ -1143,8 +1215,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
         def apply() -> None:
             with torch.no_grad():
-                for p, value in zip(self.params, loaded.state["params"], strict=True):
+                for p, value in zip(self._trained, loaded.state["params"], strict=True):
                     p.copy_(value)
+            self._sync_model()
             self.optimizer.load_state_dict(loaded.state["optimizer"])
             if self.scheduler is not None and loaded.state["scheduler"] is not None:
                 self.scheduler.load_state_dict(loaded.state["scheduler"])
@@ -1208,8 +1281,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
         def apply() -> None:
             with torch.no_grad():
-                for i, p in enumerate(self.params):
+                for i, p in enumerate(self._trained):
                     p.copy_(checkpoint.model[str(i)])
+            self._sync_model()
             self.optimizer.load_state_dict(checkpoint.optimizer)
             if self.scheduler is not None and checkpoint.scheduler is not None:
                 self.scheduler.load_state_dict(checkpoint.scheduler)
