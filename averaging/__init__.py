@@ -14,6 +14,7 @@ Modules, pure code first:
 - ``_averager``: ``Averager``, one Moshpit round per ``step()``
 - ``_arctopk``: ARC-Top-K, Top-K compression a group all-reduces without indices
 - ``_state_transfer``: newcomers download the current state from donors
+- ``_staging``: reused (pinned) host buffers between a device and the wire
 """
 
 from ._allreduce import AllReduceConfig, AllReduceResult, all_reduce, serve_allreduce
@@ -26,6 +27,7 @@ from ._matchmaking import MatchmakingConfig
 from ._moshpit import MoshpitGrid, MoshpitState
 from ._partition import flat_zeros_like
 from ._robust import CenteredClip
+from ._staging import HostStaging, LocalTensorError, float32_accumulators
 from ._state_transfer import (
     UNCHECKED,
     LoadedState,
@@ -51,8 +53,10 @@ __all__ = [
     "FaultPlan",
     "Group",
     "GroupMember",
+    "HostStaging",
     "InjectedFault",
     "LoadedState",
+    "LocalTensorError",
     "MatchmakingConfig",
     "MemberFault",
     "MemberMode",
@@ -66,6 +70,7 @@ __all__ = [
     "arc_topk_compress",
     "contraction_bound",
     "flat_zeros_like",
+    "float32_accumulators",
     "load_state_from_peers",
     "select_rows",
     "serve_allreduce",

@@ -81,6 +81,7 @@ from ._group import Group, MemberMode
 from ._partition import Partition, flatten, unflatten_into
 from ._reducer import PartReducer, ReceivedParts
 from ._robust import CenteredClip
+from ._staging import LocalTensorError
 
 logger = logging.getLogger(__name__)
 
@@ -555,6 +556,8 @@ class _Round:
                 *member.address,
                 e,
             )
+        except LocalTensorError:
+            raise  # our own tensors cannot be encoded: our failure, not the reducer's
         except Exception as e:  # per-peer boundary
             logger.info("all-reduce: reducer of part %d failed: %r", part, e)
         self.received.reducer_failed(part)

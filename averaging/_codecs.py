@@ -7,9 +7,12 @@ A blob is a 12-byte header followed by the payload::
 ``length`` is the number of values, ``dtype`` the dtype they decode to (only
 float32 today). No pickle and no msgpack: ``decode`` reads untrusted bytes and
 raises only ``swarm.ProtocolError`` (unknown codec or dtype, sizes that do not
-add up). It does not reject NaN or Inf: a quantized blob with a NaN scale
-decodes to NaNs, and the caller checks ``all_finite`` (the all-reduce treats
-such a part as a failure of whoever sent it).
+add up). ``encode`` takes only floating point CPU tensors and raises
+``LocalTensorError`` (a local error) for any other: tensors on a device
+reach the wire through ``_staging.HostStaging``. It does not reject NaN or
+Inf: a quantized blob with a NaN scale decodes to NaNs, and the caller
+checks ``all_finite`` (the all-reduce treats such a part as a failure of
+whoever sent it).
 
 Codecs:
 
@@ -40,6 +43,8 @@ from typing import Any
 import torch
 
 from swarm import ProtocolError
+
+from ._staging import require_host
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for
     raise ImportError("averaging._codecs assumes a little-endian host")
@@ -132,8 +137,10 @@ def encode_into(values: torch.Tensor, codec: Codec, prefix: bytes = b"") -> byte
 
     The all-reduce puts its frame header in ``prefix``, so a frame costs one
     allocation and, for ``NONE``, one copy of the values. Raises ``ValueError``
-    if ``values`` has 2**32 values or more.
+    if ``values`` has 2**32 values or more, and ``LocalTensorError`` if it is
+    not a floating point CPU tensor (stage device tensors with ``HostStaging``).
     """
+    require_host(values, "an encoded tensor")
     x = values.detach().reshape(-1)
     if x.dtype != torch.float32:
         x = x.to(torch.float32)
@@ -210,8 +217,10 @@ def encode_split(
 
     For ``NONE`` and a contiguous float32 tensor the payload is a view of the
     tensor's own memory: nothing is copied, and the caller must not change
-    those values until the payload has been sent.
+    those values until the payload has been sent. Raises what ``encode_into``
+    raises (``LocalTensorError`` for a tensor that is not on the CPU).
     """
+    require_host(values, "an encoded tensor")
     if codec.kind is CodecKind.NONE and values.dtype == torch.float32 and values.is_contiguous():
         flat = values.detach().reshape(-1)
         n = flat.numel()

@@ -21,6 +21,7 @@ from fractions import Fraction
 import torch
 
 from ._group import Group, MemberMode
+from ._staging import require_host
 
 
 def part_sizes(total: int, bandwidths: Sequence[float], modes: Sequence[MemberMode]) -> list[int]:
@@ -99,12 +100,12 @@ def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     where the one before ends in the same memory: a single such tensor, or
     ``flat_zeros_like``'s), the result is a view of them: no copy, and writing
     the vector writes the tensors. Otherwise it is a new vector, and
-    ``unflatten_into`` copies it back. Raises ``ValueError`` for non-floating
-    tensors.
+    ``unflatten_into`` copies it back. Raises ``LocalTensorError`` (a
+    ``ValueError``) for tensors that are not floating point CPU tensors: the
+    all-reduce then fails in this peer before anything is sent.
     """
     for t in tensors:
-        if not t.is_floating_point():
-            raise ValueError(f"can only average floating point tensors, got {t.dtype}")
+        require_host(t, "an averaged tensor")
     if not tensors:
         return torch.zeros(0, dtype=torch.float32)
     view = _as_one_vector(tensors)

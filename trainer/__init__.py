@@ -9,14 +9,17 @@ Modules:
 - ``_ef21m``: ``ArcTopK`` gradient compression with EF21M error feedback
 - ``_diloco``: DiLoCo mode: local inner steps, then an outer Nesterov step
 - ``_dropcompute``: DropCompute: a compute threshold per step, chosen from measured times
+- ``_amp``: mixed precision: batched finiteness checks, ``GradScaler`` unscaling
+- ``_buffers``: a model's buffers by name, plain and ``torch.compile``d alike
 - ``_optimizer``: ``CollaborativeOptimizer``, one global step per target batch
 """
 
+from ._buffers import load_plain_state_dict, model_buffers, plain_state_dict
 from ._checkpoint import Checkpoint, CheckpointDir, load_checkpoint, save_checkpoint
 from ._diloco import DiLoCo
 from ._dropcompute import DropCompute, choose_threshold
 from ._ef21m import ArcTopK
-from ._optimizer import CollaborativeConfig, CollaborativeOptimizer, GlobalStep
+from ._optimizer import CollaborativeConfig, CollaborativeOptimizer, GlobalStep, GradHook
 from ._progress import PeerProgress, SwarmProgress, estimate, parse_progress, progress_key
 from ._task import Task, builtin_task_names, default_optimizer, load_task, shuffled_batches
 from ._tasks_digits import make_digits_task
@@ -30,6 +33,7 @@ __all__ = [
     "DiLoCo",
     "DropCompute",
     "GlobalStep",
+    "GradHook",
     "PeerProgress",
     "SwarmProgress",
     "Task",
@@ -38,9 +42,12 @@ __all__ = [
     "default_optimizer",
     "estimate",
     "load_checkpoint",
+    "load_plain_state_dict",
     "load_task",
     "make_digits_task",
+    "model_buffers",
     "parse_progress",
+    "plain_state_dict",
     "progress_key",
     "save_checkpoint",
     "shuffled_batches",

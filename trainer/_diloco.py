@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from averaging import FLOAT16, Codec, flat_zeros_like
+from averaging import FLOAT16, Codec, float32_accumulators
 from swarm import ConfigError, ProtocolError
 
 
@@ -83,8 +83,9 @@ class OuterLoop:
         self.config = config
         self.params = params
         self.synced = [p.detach().clone() for p in params]
-        #: the pseudo-gradients; the group averages them in place
-        self.deltas = flat_zeros_like(params)
+        #: the pseudo-gradients: float32 on the parameters' device (the group
+        #: averages their host copy, see ``averaging.HostStaging``)
+        self.deltas = float32_accumulators(params)
         self.optimizer = torch.optim.SGD(
             self.synced,
             lr=config.outer_lr,
@@ -104,7 +105,7 @@ class OuterLoop:
         now) as the gradient, and restart the parameters from the result."""
         with torch.no_grad():
             for synced, delta in zip(self.synced, self.deltas, strict=True):
-                synced.grad = delta
+                synced.grad = delta.to(synced.dtype)  # itself for float32
             self.optimizer.step()
             for synced, p in zip(self.synced, self.params, strict=True):
                 synced.grad = None

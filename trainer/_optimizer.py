@@ -20,6 +20,13 @@ Two options change what a global step is (``CollaborativeConfig``): ``diloco``
 and ``drop_compute`` (``_dropcompute``: the step also ends once this peer has
 computed for its threshold).
 
+Devices and precision: accumulators are float32 on the parameters' device;
+the all-reduce averages their host copy (``averaging.HostStaging``, one
+device-to-host and one host-to-device copy per global step, none for a CPU
+model). A bf16/fp16 model trains float32 master weights (the inner optimizer
+updates them; the model holds them rounded). A model's buffers (``model=``)
+travel with the state. ``GradScaler`` accepts the optimizer (see ``_amp``).
+
 Threads: the training loop calls ``step()`` from its own thread. All network
 work, and every change to parameters or optimizer state, runs on the peer's
 trio thread (``Peer.run``/``run_sync``), so the state a donor sends to a
@@ -33,6 +40,8 @@ import logging
 import math
 import threading
 import time
+import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -47,15 +56,16 @@ from averaging import (
     Averager,
     AveragerConfig,
     Group,
+    HostStaging,
     LoadedState,
+    LocalTensorError,
     MoshpitGrid,
     StateTransferConfig,
     StepResult,
-    flat_zeros_like,
+    float32_accumulators,
     load_state_from_peers,
     serve_state,
 )
-from averaging._codecs import all_finite
 from dht import owner_marker
 from swarm import (
     ClosedError,
@@ -67,6 +77,8 @@ from swarm import (
     SwarmError,
 )
 
+from ._amp import grads_finite, unscale
+from ._buffers import model_buffers, plain_name
 from ._checkpoint import Checkpoint, CheckpointDir
 from ._diloco import DiLoCo, OuterLoop
 from ._dropcompute import ComputeBudget, DropCompute
@@ -82,7 +94,15 @@ from ._progress import (
 
 log = logging.getLogger(__name__)
 
+#: checkpoint keys of the model's buffers (parameters are keyed by index)
+BUFFER_KEY = "buffer:"
+
 LRScheduler = torch.optim.lr_scheduler.LRScheduler
+ReduceLROnPlateau = torch.optim.lr_scheduler.ReduceLROnPlateau
+#: what is called with the parameters, their ``.grad`` the averaged gradient,
+#: right before the inner step (e.g. to clip by global norm); its return value
+#: is kept in ``GlobalStep.hook_result`` (e.g. the norm, for logs)
+GradHook = Callable[[list[torch.nn.Parameter]], object]
 
 
 @dataclass(frozen=True)
@@ -180,13 +200,36 @@ class GlobalStep:
     #: ended because the compute threshold was reached
     compute_seconds: float | None = None
     stopped_early: bool = False
+    #: what ``grad_hook`` returned for this step (e.g. the gradient norm)
+    hook_result: object = None
+
+    @property
+    def contributors(self) -> frozenset[PeerID]:
+        """The peers whose data is in every element of this step's average
+        (empty when this peer applied its own gradients alone)."""
+        return frozenset() if self.averaging is None else self.averaging.contributors
 
 
-class CollaborativeOptimizer:
+class CollaborativeOptimizer(torch.optim.Optimizer):
     """Wraps a torch optimizer so that a swarm of peers trains as one.
 
     ``peer`` is a running sync ``swarm.Peer``. ``params`` are the parameters the
-    ``optimizer`` updates (every peer of a run has the same architecture).
+    ``optimizer`` updates (every peer of a run has the same architecture);
+    ``model`` may be given instead (or as well): then its buffers (BatchNorm
+    statistics, any registered buffer) are averaged with the state, sent to
+    newcomers and saved in checkpoints. Parameters and accumulators may live
+    on any device and in any floating dtype; the accumulated gradients are
+    float32 on the parameters' device, and what goes on the wire passes through
+    one host staging layer (``averaging.HostStaging``).
+
+    It is a ``torch.optim.Optimizer`` whose ``param_groups`` and ``state``
+    are the inner optimizer's, so ``torch.amp.GradScaler`` accepts it:
+    ``scaler.step(opt)`` unscales the gradients (the swarm averages true
+    gradients) and skips a batch that overflowed; ``step(grad_scaler=scaler)``
+    does the same for loops that call ``step`` themselves. ``grad_hook`` is
+    called on the averaged gradient before each inner step (see ``GradHook``).
+    ``scheduler`` is stepped once per global step; a ``ReduceLROnPlateau`` with
+    the value last given to ``report_metric`` (else the smoothed loss).
     ``batch_size_per_step`` is the default number of samples behind one
     ``step()``. With ``checkpoint_dir`` the state is saved every
     ``config.checkpoint_every`` epochs and at ``close()``, and resumed on start
@@ -199,11 +242,13 @@ class CollaborativeOptimizer:
         peer: Peer,
         *,
         run_id: str,
-        params: Iterable[torch.nn.Parameter],
+        params: Iterable[torch.nn.Parameter] | None = None,
         optimizer: torch.optim.Optimizer,
         target_batch_size: int,
         batch_size_per_step: int,
-        scheduler: LRScheduler | None = None,
+        scheduler: LRScheduler | ReduceLROnPlateau | None = None,
+        model: torch.nn.Module | None = None,
+        grad_hook: GradHook | None = None,
         config: CollaborativeConfig | None = None,
         checkpoint_dir: str | Path | None = None,
         load_state: bool = True,
@@ -215,11 +260,42 @@ class CollaborativeOptimizer:
             raise ConfigError("target_batch_size and batch_size_per_step must be at least 1")
         self.peer = peer
         self.run_id = run_id
-        self.params = [p for p in params if p.requires_grad]
+        if params is None and model is None:
+            raise ConfigError("give the parameters to train (params=) or the model (model=)")
+        source = params if params is not None else model.parameters()  # type: ignore[union-attr]
+        self.params = [p for p in source if p.requires_grad]
         if not self.params:
             raise ConfigError("no trainable parameters")
         self.optimizer = optimizer
+        self._warn_foreign_params()
+        #: float32 master copies that the inner optimizer updates when the model
+        #: is in a lower precision (bf16/fp16); the model gets a rounded copy
+        #: after each step. None: float32 parameters, or DiLoCo mode.
+        self._masters: list[torch.nn.Parameter] | None = None
+        self._model_param: dict[int, torch.nn.Parameter] = {}
+        if (config is None or config.diloco is None) and any(
+            p.dtype != torch.float32 for p in self.params
+        ):
+            self._masters = self._make_masters()
         self.scheduler = scheduler
+        self.grad_hook = grad_hook
+        self.model = model
+        #: the model's buffers by name (``_orig_mod.`` of ``torch.compile`` cut)
+        self.buffers: dict[str, torch.Tensor] = {} if model is None else model_buffers(model)
+        #: the value ``ReduceLROnPlateau`` steps with (None: the smoothed loss)
+        self._metric: float | None = None
+        #: which parameters received a gradient in this global step
+        self._got_grad = [False] * len(self.params)
+        self._hook_result: object = None
+        self._scheduler_error: Exception | None = None
+        # torch.optim.Optimizer's own attributes (its __init__ would build
+        # param groups of its own: ours are the inner optimizer's)
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self.target_batch_size = target_batch_size
         self.batch_size_per_step = batch_size_per_step
         self.config = config or CollaborativeConfig()
@@ -233,8 +309,14 @@ class CollaborativeOptimizer:
         self._diloco = (
             None if self.config.diloco is None else OuterLoop(self.params, self.config.diloco)
         )
-        #: the averaged gradients, accumulated in place (one vector for float32 models)
-        self._grads = [] if self._diloco is not None else flat_zeros_like(self.params)
+        #: the accumulated gradients: float32 on the parameters' device, whatever
+        #: their dtype, back to back in one buffer per device
+        self._grads = [] if self._diloco is not None else float32_accumulators(self.params)
+        #: the host copy the gradient all-reduce averages (the accumulators
+        #: themselves for a CPU model: nothing is copied)
+        self._staging = HostStaging(self._grads if self._diloco is None else self._diloco.deltas)
+        #: losses passed as tensors, read at the next global step (not per batch)
+        self._pending_losses: list[torch.Tensor] = []
         self._samples = 0
         compression = self.config.gradient_compression
         #: error feedback state when gradients are compressed (None: dense)
@@ -259,6 +341,7 @@ class CollaborativeOptimizer:
         #: this step's compute budget is spent (DropCompute): average now
         self._out_of_time = False
         self._state_averager: Averager | None = None
+        self._state_staging: HostStaging | None = None
         self._closed = False
         self._donor = peer.run(self._start_donor)
         if self._checkpoints is not None:
@@ -270,11 +353,106 @@ class CollaborativeOptimizer:
 
     # -- the user's API ---------------------------------------------------------
 
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's parameter groups (what ``GradScaler`` unscales).
+
+        With float32 master weights these are copies of the groups that list
+        the model's parameters (whose ``.grad`` the backward pass fills):
+        change hyperparameters on the inner optimizer itself."""
+        if self._masters is None:
+            return self.optimizer.param_groups
+        return [
+            group | {"params": [self._model_param[id(m)] for m in group["params"]]}
+            for group in self.optimizer.param_groups
+        ]
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        """The inner optimizer's per-parameter state."""
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def _warn_foreign_params(self) -> None:
+        ours = {id(p) for p in self.params}
+        foreign = sum(
+            1
+            for group in self.optimizer.param_groups
+            for p in group["params"]
+            if id(p) not in ours and p.requires_grad
+        )
+        if foreign:
+            warnings.warn(
+                f"the optimizer holds {foreign} trainable parameters that are not in params: "
+                "the swarm neither averages nor shares them, so peers drift apart on them",
+                stacklevel=3,
+            )
+
+    def report_metric(self, value: float) -> None:
+        """The metric a ``ReduceLROnPlateau`` scheduler steps with at the next
+        global step (e.g. a validation loss). Raises ``ConfigError`` if it is
+        not a finite number."""
+        if not math.isfinite(value):
+            raise ConfigError(f"metric must be a finite number, got {value}")
+        self._metric = float(value)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the parameters' ``.grad`` (the accumulated gradients are kept)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self._masters is not None:
+            for p in self.params:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.detach_().zero_()
 
-    def step(self, batch_size: int | None = None, *, loss: float | None = None) -> bool:
+    def _make_masters(self) -> list[torch.nn.Parameter]:
+        """float32 copies of the parameters, put in their place in the inner
+        optimizer (its groups and any state it already has)."""
+        masters = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in self.params]
+        master_of = {id(p): m for p, m in zip(self.params, masters, strict=True)}
+        self._model_param = {id(m): p for p, m in zip(self.params, masters, strict=True)}
+        for group in self.optimizer.param_groups:
+            group["params"] = [master_of.get(id(p), p) for p in group["params"]]
+        for p in self.params:
+            if p in self.optimizer.state:
+                self.optimizer.state[master_of[id(p)]] = self.optimizer.state.pop(p)
+        return masters
+
+    @property
+    def _trained(self) -> list[torch.nn.Parameter]:
+        """What the inner optimizer updates: the float32 masters, or the parameters."""
+        return self.params if self._masters is None else self._masters
+
+    def _sync_model(self) -> None:
+        """Round the float32 masters into the model's parameters."""
+        if self._masters is not None:
+            with torch.no_grad():
+                model: list[torch.Tensor] = list(self.params)
+                torch._foreach_copy_(model, list(self._masters))
+
+    def step(  # type: ignore[override]
+        self,
+        batch_size: int | None = None,
+        *,
+        loss: float | torch.Tensor | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+    ) -> bool:
         """Account for one local batch; take the global step when the swarm is ready.
 
         Returns True if a global step (averaging and the inner optimizer step)
@@ -288,23 +466,31 @@ class CollaborativeOptimizer:
         Raises ``ClosedError`` once the peer has stopped, and ``NonFiniteError``
         (changing nothing: the batch is not counted) if a gradient holds NaN or
         Inf: averaged in, it would reach the whole group, whose reducers would
-        exclude and ban this peer.
+        exclude and ban this peer. ``loss`` may be a tensor (on any device): it
+        is read at the next global step, not now, so the step does not wait
+        for the device. With ``grad_scaler`` (the ``GradScaler`` of an AMP loop,
+        if it did not call this through ``scaler.step(opt)``) the gradients are
+        unscaled first, and a batch that overflowed is skipped: it returns
+        False, counts for nothing and raises nothing.
         """
         if self._closed:
             raise ConfigError("the optimizer is closed")
-        for p in self.params:
-            if p.grad is not None and not all_finite(p.grad.detach()):
-                raise NonFiniteError(
-                    "this batch's gradients hold NaN or Inf; it was not accumulated"
-                    " (a diverging loss: lower the learning rate or clip gradients)"
-                )
+        if grad_scaler is not None and unscale(grad_scaler, self):
+            log.debug("epoch %d: the scaled gradients overflowed; batch skipped", self.epoch)
+            return False
+        if not grads_finite(self.params):
+            raise NonFiniteError(
+                "this batch's gradients hold NaN or Inf; it was not accumulated"
+                " (a diverging loss: lower the learning rate or clip gradients)"
+            )
         size = self.batch_size_per_step if batch_size is None else batch_size
         if self._diloco is not None:
             return self._local_step(self._diloco, size, loss)
         with torch.no_grad():
-            for acc, p in zip(self._grads, self.params, strict=True):
+            for i, (acc, p) in enumerate(zip(self._grads, self.params, strict=True)):
                 if p.grad is not None:
                     acc.add_(p.grad, alpha=size)
+                    self._got_grad[i] = True
         now = self._account(size, loss)
         reading = self._reading
         if reading is None or reading.epoch != self.epoch:
@@ -344,16 +530,32 @@ class CollaborativeOptimizer:
         self._global_step(alone=swarm.num_peers <= 1, expected=swarm.num_peers)
         return True
 
-    def _account(self, size: int, loss: float | None) -> float:
+    def _account(self, size: int, loss: float | torch.Tensor | None) -> float:
         """Count a local batch of ``size`` samples; returns the monotonic time."""
         self._samples += size
-        if loss is not None:
-            self.loss = loss if self.loss is None else 0.9 * self.loss + 0.1 * loss
+        if isinstance(loss, torch.Tensor):
+            self._pending_losses.append(loss.detach())
+        elif loss is not None:
+            self._fold_loss(float(loss))
         now = time.monotonic()
         self._rate.update(now, size)
         if self._budget is not None and self._budget.spent(size):
             self._out_of_time = True
         return now
+
+    def _fold_loss(self, loss: float) -> None:
+        self.loss = loss if self.loss is None else 0.9 * self.loss + 0.1 * loss
+
+    def _read_losses(self) -> None:
+        """Fold the losses passed as tensors into ``loss`` (one read of the
+        device per global step, in the training thread)."""
+        if not self._pending_losses:
+            return
+        values = torch.stack([t.reshape(()).float() for t in self._pending_losses]).tolist()
+        self._pending_losses.clear()
+        for value in values:
+            if math.isfinite(value):
+                self._fold_loss(value)
 
     def _end_compute(self) -> tuple[float | None, bool]:
         """This step's compute is over (DropCompute): its seconds, and whether
@@ -375,7 +577,7 @@ class CollaborativeOptimizer:
         if self._budget is not None:
             self._budget.begin()
 
-    def _local_step(self, diloco: OuterLoop, size: int, loss: float | None) -> bool:
+    def _local_step(self, diloco: OuterLoop, size: int, loss: float | torch.Tensor | None) -> bool:
         """DiLoCo mode's ``step()``: an inner step now, the outer step after
         ``local_steps`` of them (see ``_outer_step``)."""
 
@@ -427,24 +629,28 @@ class CollaborativeOptimizer:
         samples = self._samples
         compute, early = self._end_compute()
         started = time.monotonic()
+        self._read_losses()
         self.peer.run_sync(diloco.compute_pseudo_gradients)
         result: StepResult | None = None
         if alone:
             log.info("epoch %d: no other peer is training; outer step alone", self.epoch)
         else:
+            self._staging.to_host()
             result = self._average_gradients(samples, expected)
         seconds = time.monotonic() - started
         self._rate.pause()
 
         def apply() -> None:
+            if not alone:
+                self._staging.from_host()
             diloco.outer_step()
-            if self.scheduler is not None:
-                self.scheduler.step()
             self._samples = 0
             self.epoch += 1
+            self._step_scheduler()
 
         self.peer.run_sync(apply)
         self.last_step = GlobalStep(self.epoch, samples, result, seconds, compute, early)
+        self._raise_scheduler_error()
         self._after_global_step(alone)
 
     @property
@@ -489,6 +695,8 @@ class CollaborativeOptimizer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
         }
+        if self._masters is not None:  # the model holds them rounded
+            state["masters"] = [m.detach() for m in self._masters]
         return state | self._mode_state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -497,6 +705,15 @@ class CollaborativeOptimizer:
             if self.scheduler is not None and state.get("scheduler") is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
             self._load_mode_state(state)
+            if self._masters is not None:
+                with torch.no_grad():
+                    if "masters" in state:
+                        for m, value in zip(self._masters, state["masters"], strict=True):
+                            m.copy_(value)
+                    else:  # saved without: the model's own values
+                        for m, p in zip(self._masters, self.params, strict=True):
+                            m.copy_(p)
+                self._sync_model()
             self.epoch = int(state["epoch"])
 
         self.peer.run_sync(load)
@@ -622,9 +839,10 @@ class CollaborativeOptimizer:
         """The gradient all-reduce itself: dense, or ARC-Top-K past the warm-up."""
         ef = self._ef21m
         if ef is not None and ef.config.compresses(self.epoch):
-            return await ef.average(self._grad_averager, group, self._grads, weight, self.epoch)
+            host = self._staging.host
+            return await ef.average(self._grad_averager, group, host, weight, self.epoch)
         if ef is not None:  # the warm-up: dense, in ArcTopK's codec
-            return await ef.average_dense(self._grad_averager, group, self._grads, weight)
+            return await ef.average_dense(self._grad_averager, group, self._staging.host, weight)
         return await self._grad_averager.average(group, weight)
 
     def _refresh_now(self, now: float, *, force: bool = False) -> bool:
@@ -736,12 +954,14 @@ class CollaborativeOptimizer:
         samples = self._samples
         compute, early = self._end_compute()
         started = time.monotonic()
+        self._read_losses()
         with torch.no_grad():
-            for acc in self._grads:
-                acc.div_(max(1, samples))
+            torch._foreach_div_(self._grads, float(max(1, samples)))
+        # the one device-to-host copy of this step (none for a CPU model)
+        host = self._staging.to_host()
         if self._ef21m is not None:
             # averaging now carries EF21M's difference v - g (see _ef21m)
-            self.peer.run_sync(self._ef21m.begin, self._grads)
+            self.peer.run_sync(self._ef21m.begin, host)
         result: StepResult | None = None
         if alone:
             log.info("epoch %d: no other peer is training; applying local gradients", self.epoch)
@@ -750,7 +970,10 @@ class CollaborativeOptimizer:
         seconds = time.monotonic() - started
         self._rate.pause()
         self.peer.run_sync(self._apply_gradients)
-        self.last_step = GlobalStep(self.epoch, samples, result, seconds, compute, early)
+        self.last_step = GlobalStep(
+            self.epoch, samples, result, seconds, compute, early, self._hook_result
+        )
+        self._raise_scheduler_error()
         self._after_global_step(alone)
 
     def _after_global_step(self, alone: bool) -> None:
@@ -765,10 +988,11 @@ class CollaborativeOptimizer:
     def _make_grad_averager(self) -> Averager:
         """The averager of each global step: of the accumulated gradients, or in
         DiLoCo mode of the pseudo-gradients, with the DiLoCo codec."""
+        tensors = self._staging.host
         if self._diloco is None:
-            tensors, prefix, config = self._grads, f"{self.run_id}.grads", self.config.averaging
+            prefix, config = f"{self.run_id}.grads", self.config.averaging
         else:
-            tensors, prefix = self._diloco.deltas, f"{self.run_id}.diloco"
+            prefix = f"{self.run_id}.diloco"
             config = replace(self.config.averaging, codec=self._diloco.config.codec)
         return Averager(self.peer, tensors, prefix=prefix, config=config, grid=self._grid(1))
 
@@ -776,32 +1000,76 @@ class CollaborativeOptimizer:
         result: StepResult | None = None
         try:
             result = self.peer.run(self._finish_averaging, float(samples), expected or 1)
+        except LocalTensorError:
+            raise  # this peer's own tensors cannot be sent: not the group's fault
         except SwarmError as e:
             log.warning("epoch %d: averaging failed (%s); applying local gradients", self.epoch, e)
         if result is not None and result.group is None:
             log.info("epoch %d: %s; applying local gradients", self.epoch, result.reason)
         elif result is not None:
-            log.info("epoch %d: averaged gradients with %d peers", self.epoch, len(result.members))
+            log.info(
+                "epoch %d: averaged gradients of %d peers (group of %d)",
+                self.epoch,
+                len(result.contributors),
+                len(result.members),
+            )
         return result
 
     def _apply_gradients(self) -> None:
         """On the trio thread: the inner step, then a fresh accumulator."""
         if self._ef21m is not None:
-            self._ef21m.finish(self._grads)  # the accumulator now holds g_bar
+            self._ef21m.finish(self._staging.host)  # the accumulator now holds g_bar
+        self._staging.from_host()
+        unused = self._unused_params()
         with torch.no_grad():
-            for acc, p in zip(self._grads, self.params, strict=True):
-                p.grad = acc.clone()
+            for i, (acc, p) in enumerate(zip(self._grads, self._trained, strict=True)):
+                # None, not zeros: AdamW must not decay what nobody trained
+                p.grad = None if i in unused else acc.to(p.dtype, copy=True)
                 acc.zero_()
+        self._got_grad = [False] * len(self.params)
+        self._hook_result = None if self.grad_hook is None else self.grad_hook(self._trained)
         self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
+        self._sync_model()
         self.optimizer.zero_grad(set_to_none=True)
         self._samples = 0
         self.epoch += 1
+        self._step_scheduler()
+
+    def _unused_params(self) -> set[int]:
+        """Indices of the parameters that got no gradient in this global step:
+        none here, and none from the group (their average is exactly zero)."""
+        idle = [i for i, got in enumerate(self._got_grad) if not got]
+        if not idle:
+            return set()
+        norms = torch._foreach_norm([self._grads[i] for i in idle], float("inf"))
+        values = torch.stack([n.cpu() for n in norms]).tolist()
+        return {i for i, norm in zip(idle, values, strict=True) if norm == 0}
+
+    def _step_scheduler(self) -> None:
+        """Step the scheduler once for this global step (after the step is whole:
+        an error of the scheduler is raised to the caller of ``step`` once the
+        global step is recorded, and leaves no step half-done)."""
+        scheduler = self.scheduler
+        if scheduler is None:
+            return
+        try:
+            if isinstance(scheduler, ReduceLROnPlateau):
+                metric = self._metric if self._metric is not None else self.loss
+                if metric is not None:
+                    scheduler.step(metric)
+            else:
+                scheduler.step()
+        except Exception as e:  # the user's scheduler: raised in the training thread
+            self._scheduler_error = e
+
+    def _raise_scheduler_error(self) -> None:
+        error, self._scheduler_error = self._scheduler_error, None
+        if error is not None:
+            raise error
 
     def _state_tensors(self) -> list[torch.Tensor]:
-        tensors: list[torch.Tensor] = [p.data for p in self.params]
-        for p in self.params:
+        tensors: list[torch.Tensor] = [p.data for p in self._trained]
+        for p in self._trained:
             for value in self.optimizer.state.get(p, {}).values():
                 if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim():
                     tensors.append(value)
@@ -809,21 +1077,29 @@ class CollaborativeOptimizer:
             tensors.extend(self._ef21m.g_bar)  # the shared estimate drifts like the parameters
         if self._diloco is not None:
             tensors += self._diloco.momentum()
+        # running statistics drift apart like parameters (integer counters stay)
+        tensors += [b for b in self.buffers.values() if b.is_floating_point()]
         return tensors
 
     def _average_state(self) -> None:
-        """Average parameters and optimizer state so Moshpit groups do not drift."""
+        """Average parameters, optimizer state and buffers so Moshpit groups do
+        not drift. The state is staged to host memory (reused buffers) and
+        written back on the trio thread, where every change to it happens."""
         tensors = self._state_tensors()
+        staging = self._state_staging
+        if staging is None or not _same_tensors(staging.tensors, tensors):
+            staging = self._state_staging = HostStaging(tensors)
         if self._state_averager is None or len(self._state_averager.tensors) != len(tensors):
             self._state_averager = Averager(
                 self.peer,
-                tensors,
+                staging.host,
                 prefix=f"{self.run_id}.state",
                 config=self.config.averaging,
                 grid=self._grid(self.swarm_progress().num_peers),
             )
         else:
-            self._state_averager.tensors = tensors
+            self._state_averager.tensors = staging.host
+        staging.to_host()
         try:
             result = self.peer.run(
                 partial(
@@ -833,11 +1109,27 @@ class CollaborativeOptimizer:
                     round=self.epoch,
                 )
             )
-            log.info("epoch %d: averaged parameters with %d peers", self.epoch, len(result.members))
+        except LocalTensorError:
+            raise  # this peer's own state cannot be sent: not the group's fault
         except SwarmError as e:
             log.warning("epoch %d: parameter averaging failed: %s", self.epoch, e)
+        else:
+            if result.group is None:
+                log.info("epoch %d: parameter averaging: %s", self.epoch, result.reason)
+            else:
+                log.info(
+                    "epoch %d: averaged parameters of %d peers (group of %d)",
+                    self.epoch,
+                    len(result.contributors),
+                    len(result.members),
+                )
+                self.peer.run_sync(self._write_back_state, staging)
         if self._diloco is not None:
             self.peer.run_sync(self._diloco.resync)  # right after the outer step: nothing lost
+
+    def _write_back_state(self, staging: HostStaging) -> None:
+        staging.from_host()
+        self._sync_model()
 
     # -- state sharing ------------------------------------------------------------
 
@@ -852,12 +1144,14 @@ class CollaborativeOptimizer:
             state["ef21m_estimate"] = list(self._ef21m.g_bar)
         if self._diloco is not None:
             state["diloco"] = self._diloco.state_dict()
+        if self.buffers:
+            state["buffers"] = {name: b.detach() for name, b in self.buffers.items()}
         return {"epoch": self.epoch}, state
 
     def _shared_params(self) -> list[torch.Tensor]:
         """The parameters of the swarm's last global step: in DiLoCo mode the
         synced ones (this peer's own are part-way through local steps)."""
-        return list(self.params) if self._diloco is None else self._diloco.synced
+        return list(self._trained) if self._diloco is None else self._diloco.synced
 
     async def _start_donor(self) -> trio.CancelScope:
         peer = self.peer.async_peer
@@ -882,7 +1176,7 @@ class CollaborativeOptimizer:
         with contextlib.suppress(SwarmError):
             self.peer.run_sync(self._cancel_matchmaking)
         template: dict[str, Any] = {
-            "params": [p.detach() for p in self.params],
+            "params": [p.detach() for p in self._trained],
             "optimizer": UNCHECKED,
             "scheduler": UNCHECKED,
         }
@@ -890,6 +1184,8 @@ class CollaborativeOptimizer:
             template["ef21m_estimate"] = list(self._ef21m.g_bar)
         if self._diloco is not None:
             template["diloco"] = self._diloco.template()
+        if self.buffers:
+            template["buffers"] = {name: b.detach() for name, b in self.buffers.items()}
         timeout = self.config.load_state_timeout
 
         async def load() -> LoadedState | None:
@@ -919,8 +1215,9 @@ class CollaborativeOptimizer:
 
         def apply() -> None:
             with torch.no_grad():
-                for p, value in zip(self.params, loaded.state["params"], strict=True):
+                for p, value in zip(self._trained, loaded.state["params"], strict=True):
                     p.copy_(value)
+            self._sync_model()
             self.optimizer.load_state_dict(loaded.state["optimizer"])
             if self.scheduler is not None and loaded.state["scheduler"] is not None:
                 self.scheduler.load_state_dict(loaded.state["scheduler"])
@@ -930,6 +1227,9 @@ class CollaborativeOptimizer:
                 self._ef21m.adopt(loaded.state["ef21m_estimate"])
             if self._diloco is not None:
                 self._diloco.load_state_dict(loaded.state["diloco"])
+            with torch.no_grad():
+                for name, buffer in self.buffers.items():
+                    buffer.copy_(loaded.state["buffers"][name])
             self._samples = 0
             self.epoch = epoch
             self.state_source = loaded.donor
@@ -948,7 +1248,8 @@ class CollaborativeOptimizer:
         def capture() -> Checkpoint:
             return Checkpoint(
                 epoch=self.epoch,
-                model={str(i): p.detach().clone() for i, p in enumerate(self._shared_params())},
+                model={str(i): p.detach().clone() for i, p in enumerate(self._shared_params())}
+                | {BUFFER_KEY + name: b.detach().clone() for name, b in self.buffers.items()},
                 optimizer=self.optimizer.state_dict(),
                 scheduler=None if self.scheduler is None else self.scheduler.state_dict(),
                 extra={"run_id": self.run_id}
@@ -968,17 +1269,28 @@ class CollaborativeOptimizer:
         checkpoint = self._checkpoints.latest()
         if checkpoint is None:
             return
-        if len(checkpoint.model) != len(self.params):
+        buffers = {
+            plain_name(key[len(BUFFER_KEY) :]): value
+            for key, value in checkpoint.model.items()
+            if key.startswith(BUFFER_KEY)
+        }
+        if len(checkpoint.model) - len(buffers) != len(self.params):
             raise ConfigError("the checkpoint does not fit this model: delete it or fix the task")
+        if buffers and set(buffers) != set(self.buffers):
+            raise ConfigError("the checkpoint's buffers do not fit this model: fix the task")
 
         def apply() -> None:
             with torch.no_grad():
-                for i, p in enumerate(self.params):
+                for i, p in enumerate(self._trained):
                     p.copy_(checkpoint.model[str(i)])
+            self._sync_model()
             self.optimizer.load_state_dict(checkpoint.optimizer)
             if self.scheduler is not None and checkpoint.scheduler is not None:
                 self.scheduler.load_state_dict(checkpoint.scheduler)
             self._load_mode_state(checkpoint.extra)
+            with torch.no_grad():
+                for name, value in buffers.items():
+                    self.buffers[name].copy_(value)
             self.epoch = checkpoint.epoch
 
         try:
@@ -986,3 +1298,9 @@ class CollaborativeOptimizer:
         except ProtocolError as e:
             raise ConfigError(f"the checkpoint's DiLoCo state does not fit: {e}") from e
         log.info("resumed from the checkpoint of epoch %d", checkpoint.epoch)
+
+
+def _same_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Whether two lists hold the very same tensors (not equal values): the
+    optimizer replaces its state tensors when a state is loaded."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
