@@ -167,6 +167,7 @@ class _Demo:
         )
         peer = _DemoPeer(name, process)
         self.peers.append(peer)
+        say(f"demo: started {name} (pid {process.pid})")
         self.all_exited = trio.Event()
         self.nursery.start_soon(peer.relay_stdout)
         self.nursery.start_soon(peer.keep_log)
@@ -245,9 +246,12 @@ async def _start_peers(demo: _Demo) -> None:
     with trio.move_on_after(config.startup_timeout):
         await first.printed_join.wait()
     if first.join_command is None:
+        if first.running:
+            say(f"demo: peer1 printed no join command in {config.startup_timeout:g} s")
+            demo.stop()
+        code = await first.process.wait()
         if demo.failure is None:
-            demo.failure = (first, first.process.returncode or 1)
-        demo.stop()
+            demo.failure = (first, code or 1)
         return
     for i in range(2, config.peers + 1):
         if demo.stopping:

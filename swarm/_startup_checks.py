@@ -60,11 +60,16 @@ def check_checkpoints_loadable(directory: Path, *, restart_from_scratch: bool) -
     and the peer starts anew. Raises ``ConfigError`` otherwise. A directory with
     no checkpoint, or with one that loads, passes.
     """
-    from trainer import CheckpointDir
+    from trainer import CheckpointDir, load_checkpoint
 
-    checkpoints = CheckpointDir(directory)
-    paths = checkpoints.paths()
-    if not paths or checkpoints.latest() is not None:
+    paths = CheckpointDir(directory).paths()
+    for path in reversed(paths):  # newest first: the one the peer would resume from
+        try:
+            load_checkpoint(path)
+            return
+        except ConfigError:
+            continue
+    if not paths:
         return
     if not restart_from_scratch:
         raise ConfigError(
