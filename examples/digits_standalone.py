@@ -1,10 +1,11 @@
 """Collaborative training with the library API, in a plain PyTorch loop.
 
 Start a swarm on this machine, then join it from a second terminal (or
-machine) with the command the first peer prints::
+machine) with the command the first peer prints (it waits up to a minute for
+you, ``--wait-for-peers``)::
 
-    python examples/digits_standalone.py --max-epochs 20
-    python examples/digits_standalone.py --max-epochs 20 --initial-peer 127.0.0.1:41234
+    .venv/bin/python examples/digits_standalone.py --max-epochs 20
+    .venv/bin/python examples/digits_standalone.py --initial-peer 127.0.0.1:41234 --max-epochs 20
 
 ``swarm train`` does the same with more options; this script shows the few
 calls it takes to make an ordinary training loop collaborative: a running
@@ -18,8 +19,9 @@ machine, listen on all interfaces and tell the others your address:
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import sys
-import time
 
 import torch
 
@@ -38,7 +40,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-batch-size", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32, help="samples per local step")
     parser.add_argument("--max-epochs", type=int, default=10, help="global steps to train")
-    parser.add_argument("--min-peers", type=int, default=1, help="wait for this many peers")
+    parser.add_argument(
+        "--min-peers",
+        type=int,
+        default=None,
+        help="wait for this many peers (default: 2 when starting a run, else 1)",
+    )
+    parser.add_argument(
+        "--wait-for-peers", type=float, default=60.0, help="longest wait for --min-peers (s)"
+    )
     parser.add_argument("--seed", type=int, default=None, help="this peer's data order")
     parser.add_argument(
         "--matchmaking-time", type=float, default=5.0, help="seconds to gather an averaging group"
@@ -60,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
             poll_interval=min(0.5, args.matchmaking_time / 4),
         )
         collaboration = CollaborativeConfig(averaging=AveragerConfig(matchmaking=matchmaking))
+        min_peers = args.min_peers or (1 if args.initial_peer else 2)
         with Peer(config=config) as peer:
-            print(f"join with: python {sys.argv[0]} --initial-peer {peer.address}", flush=True)
+            print(f"join with: {_join_command(args, peer.address)}", flush=True)
             seed = args.seed if args.seed is not None else int(peer.peer_id.short(), 16)
             batches = task.batches(seed, args.batch_size)
             with CollaborativeOptimizer(
@@ -74,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                 batch_size_per_step=args.batch_size,
                 config=collaboration,
             ) as opt:
-                while opt.swarm_progress().num_peers < args.min_peers:
-                    time.sleep(0.2)
+                if min_peers > 1:
+                    print(f"waiting up to {args.wait_for_peers:g} s for peers to join", flush=True)
+                    opt.wait_for_peers(min_peers, args.wait_for_peers)
                 while opt.epoch < args.max_epochs:
                     model.train()
                     loss, samples = task.loss(model, next(batches))
@@ -88,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                         peers = opt.swarm_progress().num_peers
                         print(
                             f"epoch {opt.epoch}: test accuracy {metrics['accuracy']:.3f}, "
-                            f"loss {metrics['loss']:.3f}, {peers} peers",
+                            f"test loss {metrics['loss']:.3f}, {peers} peers",
                             flush=True,
                         )
     except (ConfigError, BootstrapError) as e:
@@ -97,6 +109,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 0
     return 0
+
+
+def _join_command(args: argparse.Namespace, address: str) -> str:
+    """The command that joins this run, as it can be typed here: this Python
+    and this script (relative to the working directory when inside it), the
+    run's settings and its end, so that the joiner stops with the run."""
+
+    def shown(path: str) -> str:
+        relative = os.path.relpath(os.path.abspath(path))
+        return path if relative.startswith("..") else relative
+
+    parts = [shown(sys.executable), shown(sys.argv[0]), "--initial-peer", address]
+    parts += ["--run-id", args.run_id, "--max-epochs", str(args.max_epochs)]
+    parts += ["--target-batch-size", str(args.target_batch_size)]
+    parts += ["--matchmaking-time", f"{args.matchmaking_time:g}"]
+    return shlex.join(parts)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The ``swarm`` command: ``swarm dht``, ``swarm train``, ``swarm status`` and
-``swarm keygen``.
+"""The ``swarm`` command: ``swarm dht``, ``swarm train``, ``swarm status``,
+``swarm demo`` and ``swarm keygen``.
 
 Configuration is read once, here, into the frozen config dataclasses of the
 layers below; nothing underneath reads the environment or the command line.
@@ -14,10 +14,14 @@ import argparse
 import json
 import logging
 import math
+import os
+import shlex
+import shutil
 import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
@@ -29,6 +33,8 @@ from ._address import parse_address
 from ._announce import announce_host, is_wildcard
 from ._errors import BootstrapError, ConfigError, SwarmError, collapse_exception_groups
 from ._identity import Identity
+from ._stdout import say
+from ._throughput import ThroughputMeter
 
 if TYPE_CHECKING:
     from trainer import (
@@ -37,10 +43,12 @@ if TYPE_CHECKING:
         DropCompute,
         PeerProgress,
         SwarmProgress,
+        Task,
     )
-    from trainer._loop import TrainingReport
+    from trainer._loop import TrainingConfig, TrainingReport
 
-    from ._peer import PeerConfig
+    from ._peer import Peer, PeerConfig
+    from ._run_settings import RunSettings
 
 log = logging.getLogger("swarm")
 
@@ -50,6 +58,8 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 DEFAULT_TASK = "digits"
 #: Records older than this are from peers presumed gone (CollaborativeConfig's default TTL).
 DEFAULT_STALE_AFTER = 30.0
+#: How long a peer that starts a run waits for a second one before it trains alone.
+DEFAULT_WAIT_FOR_PEERS = 60.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -152,9 +162,17 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
     peer.add_argument(
         "--min-peers",
         type=int,
-        default=1,
         metavar="N",
-        help="wait (up to a minute) until N peers are in the run before training (default 1)",
+        help="wait (up to --wait-for-peers) until N peers are in the run before training "
+        "(default: 2 for the peer that starts a run, 1 for one that joins)",
+    )
+    peer.add_argument(
+        "--wait-for-peers",
+        type=float,
+        default=DEFAULT_WAIT_FOR_PEERS,
+        metavar="SECONDS",
+        help="longest wait for --min-peers before training anyway (0: no wait; "
+        f"default {DEFAULT_WAIT_FOR_PEERS:g})",
     )
     peer.add_argument(
         "--eval-every",
@@ -172,6 +190,12 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
     peer.add_argument("--checkpoint-dir", metavar="DIR", help="save and resume checkpoints here")
     peer.add_argument(
         "--checkpoint-every", type=int, default=10, metavar="N", help="epochs between checkpoints"
+    )
+    peer.add_argument(
+        "--restart-from-scratch",
+        action="store_true",
+        help="when every checkpoint in --checkpoint-dir is damaged, set them aside and start "
+        "anew (without it the peer refuses to start)",
     )
     peer.add_argument(
         "--client-mode",
@@ -233,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_swarm_key_option(status)
     status.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    _add_demo_parser(commands)
     keygen = commands.add_parser(
         "keygen",
         help="create the key file of a new private swarm",
@@ -243,6 +268,48 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("--swarm-key", required=True, metavar="FILE", help="file to create")
     keygen.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
+
+
+def _add_demo_parser(commands: Any) -> None:
+    from ._demo import DemoConfig
+
+    defaults = DemoConfig()
+    demo = commands.add_parser(
+        "demo",
+        help="start a demo swarm: several local peers train together on 127.0.0.1",
+        description="Start a demo swarm on this machine: the first peer starts a run, the "
+        "others join it with the command it prints, all train together and the demo exits "
+        "0 when every peer has finished (non-zero if one fails). Each line shows its peer. "
+        "Ctrl-C stops every peer.",
+    )
+    demo.add_argument(
+        "--peers",
+        type=int,
+        default=defaults.peers,
+        metavar="N",
+        help=f"peers to start, one process each (default {defaults.peers})",
+    )
+    demo.add_argument(
+        "--max-epochs",
+        type=int,
+        default=defaults.max_epochs,
+        metavar="N",
+        help=f"global steps to train (default {defaults.max_epochs})",
+    )
+    demo.add_argument(
+        "--task",
+        default=defaults.task,
+        metavar="NAME|FILE.py:FACTORY",
+        help=f"the task every peer trains (default {defaults.task})",
+    )
+    demo.add_argument(
+        "--matchmaking-time",
+        type=float,
+        default=defaults.matchmaking_time,
+        metavar="SECONDS",
+        help=f"as for swarm train (default {defaults.matchmaking_time:g}: peers on one machine)",
+    )
+    demo.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
 def _configure_logging(verbose: bool) -> None:
@@ -295,10 +362,10 @@ async def _run_dht(args: argparse.Namespace) -> int:
         ) as node:
             toward = _first_initial_host(args.initial_peer)
             announce = args.announce or f"{_announce_host(args.host, toward)}:{node.port}"
-            print(f"peer {node.peer_id} listening on {args.host}:{node.port}", flush=True)
-            print(
-                f"join with: swarm dht --initial-peer {announce}{_swarm_key_option(args)}",
-                flush=True,
+            say(f"peer {node.peer_id} listening on {args.host}:{node.port}")
+            say(
+                f"join with: {_swarm_command()} dht --initial-peer {announce}"
+                f"{_swarm_key_option(args)}"
             )
             async with trio.open_nursery() as nursery:
 
@@ -372,7 +439,7 @@ def _drop_compute(value: str | None) -> DropCompute | None:
 
 def _check_train_args(args: argparse.Namespace) -> None:
     names = ("target_batch_size", "batch_size", "max_epochs", "threads", "checkpoint_every")
-    for name in (*names, "diloco"):
+    for name in (*names, "diloco", "min_peers"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -380,6 +447,25 @@ def _check_train_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--eval-every must be 0 or more, got {args.eval_every}")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port} is outside 0-65535")
+    if not (math.isfinite(args.wait_for_peers) and args.wait_for_peers >= 0):
+        raise ConfigError(f"--wait-for-peers must be 0 or more seconds, got {args.wait_for_peers}")
+
+
+def _startup_checks(args: argparse.Namespace) -> None:
+    """What can fail at start is checked before the peer starts: ``ConfigError``
+    (exit 2, one line) for a checkpoint directory that cannot be written or holds
+    only damaged checkpoints, and for a port that is taken."""
+    from ._startup_checks import (
+        check_checkpoints_loadable,
+        check_port_free,
+        check_writable_directory,
+    )
+
+    if args.checkpoint_dir is not None:
+        directory = Path(args.checkpoint_dir)
+        check_writable_directory(directory)
+        check_checkpoints_loadable(directory, restart_from_scratch=args.restart_from_scratch)
+    check_port_free(args.host, args.port)
 
 
 def _free_port(host: str) -> int:
@@ -418,22 +504,60 @@ def _peer_config(args: argparse.Namespace) -> PeerConfig:
     )
 
 
+def _swarm_command() -> str:
+    """How the ``swarm`` command is typed on this machine: ``swarm`` when that
+    name on PATH is this installation, else the path of this installation's
+    script (relative to the working directory when inside it, e.g.
+    ``.venv/bin/swarm``), else ``python -m swarm.cli``. Printed commands use it
+    so that they work as printed."""
+    invoked = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    script = invoked if invoked is not None and invoked.name == "swarm" else None
+    if script is None or not script.is_file():
+        script = Path(sys.executable).parent / "swarm"
+    if script.is_file():
+        on_path = shutil.which("swarm")
+        if on_path is not None and Path(on_path).resolve() == script.resolve():
+            return "swarm"
+        shown = os.path.relpath(script.absolute())
+        if shown.startswith(".."):
+            shown = str(script.absolute())
+        elif "/" not in shown:
+            shown = f"./{shown}"
+        return shlex.quote(shown)
+    return f"{shlex.quote(sys.executable)} -m swarm.cli"
+
+
+def _is_loopback(host: str) -> bool:
+    return host.startswith("127.") or host in ("::1", "localhost")
+
+
 def _join_command(args: argparse.Namespace, address: str, run_id: str) -> str:
-    """The command another machine runs to join this run."""
-    parts = ["swarm", "train", "--initial-peer", address, "--run-id", run_id]
+    """The command another machine runs to join this run: it names every run
+    setting that differs from the default (the joiner would adopt them from the
+    run anyway, see ``_run_settings``) and the run's end. A peer listening on
+    loopback can only be joined from this machine, so the joiner listens there too."""
+    parts = ["train", "--initial-peer", address, "--run-id", run_id]
+    if _is_loopback(args.host):
+        parts += ["--host", args.host]
     if args.swarm_key is not None:
         parts += ["--swarm-key", args.swarm_key]
     if args.task != DEFAULT_TASK:
         parts += ["--task", args.task]
     defaults = build_parser().parse_args(["train"])
-    for option in ("target_batch_size", "matchmaking_time", "target_group_size", "diloco"):
+    for option in (
+        "target_batch_size",
+        "matchmaking_time",
+        "target_group_size",
+        "diloco",
+        "max_epochs",
+    ):
         value = getattr(args, option)
-        if value != getattr(defaults, option):
+        if value is not None and value != getattr(defaults, option):
             parts += [
                 f"--{option.replace('_', '-')}",
                 f"{value:g}" if isinstance(value, float) else str(value),
             ]
-    return " ".join(parts)
+    return f"{_swarm_command()} {shlex.join(parts)}"
 
 
 def _peers(count: int) -> str:
@@ -444,15 +568,55 @@ def _format_metric(value: float | None, spec: str = ".4f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _report_epoch(opt: CollaborativeOptimizer, report: TrainingReport) -> None:
-    """One line per global step on stdout (diagnostics go to the log on stderr)."""
-    swarm = opt.swarm_progress()
-    accuracy = "" if opt.accuracy is None else f", accuracy {opt.accuracy:.3f}"
-    print(
-        f"epoch {opt.epoch}: loss {_format_metric(opt.loss)}{accuracy}, "
-        f"swarm {swarm.samples_per_second:.0f} samples/s, {_peers(swarm.num_peers)} alive",
-        flush=True,
-    )
+def _eval_metrics(metrics: dict[str, float]) -> list[str]:
+    """A peer's evaluation metrics, accuracy first; the evaluation's loss is
+    ``eval loss``, never plain ``loss`` (that name is the training loss's)."""
+    shown = []
+    for name in sorted(metrics, key=lambda n: (n != "accuracy", n)):
+        label = "eval loss" if name == "loss" else name
+        spec = ".3f" if name == "accuracy" else ".4f"
+        shown.append(f"{label} {metrics[name]:{spec}}")
+    return shown
+
+
+class _EpochReporter:
+    """Prints one line per global step on stdout (diagnostics go to the log on
+    stderr) and measures the swarm's real throughput (``ThroughputMeter``): the
+    first line has none yet, since one epoch gives no interval to measure."""
+
+    def __init__(self, target_batch_size: int, clock: Callable[[], float] = time.monotonic):
+        self.meter = ThroughputMeter(target_batch_size)
+        self._clock = clock
+        #: the training loss at the last epoch line (None: no epoch yet)
+        self.train_loss: float | None = None
+
+    def __call__(self, opt: CollaborativeOptimizer, report: TrainingReport) -> None:
+        self.meter.observe(opt.epoch, self._clock())
+        swarm = opt.swarm_progress()
+        self.train_loss = opt.loss
+        parts = [f"train loss {_format_metric(opt.loss)}", *_eval_metrics(report.metrics)]
+        line = f"epoch {opt.epoch}: " + ", ".join(parts)
+        throughput = self.meter.recent()
+        if throughput is not None:
+            line += (
+                f"; swarm {throughput.samples_per_second:.0f} samples/s, "
+                f"{throughput.seconds_per_epoch:.2f} s/epoch"
+            )
+        line += f"; compute {swarm.samples_per_second:.0f} samples/s"
+        line += f"; {_peers(swarm.num_peers)} alive"
+        say(line)
+
+    def final_line(self, how: str, report: TrainingReport) -> str:
+        """``finished at epoch N: <evaluation>, train loss X; swarm ... samples/s ...``."""
+        parts = [*_eval_metrics(report.metrics), f"train loss {_format_metric(self.train_loss)}"]
+        line = f"{how} at epoch {report.epochs}: " + ", ".join(parts)
+        overall = self.meter.overall()
+        if overall is not None:
+            line += (
+                f"; swarm {overall.samples_per_second:.0f} samples/s over {overall.epochs} "
+                f"epochs ({overall.seconds_per_epoch * overall.epochs:.1f} s)"
+            )
+        return line
 
 
 class _StopOnSignal:
@@ -482,48 +646,127 @@ class _StopOnSignal:
             signal.signal(signum, handler)
 
 
-def _run_train(args: argparse.Namespace) -> int:
+def _training_config(
+    args: argparse.Namespace, run_id: str, seed: int, *, starts_run: bool
+) -> TrainingConfig:
+    """What this peer trains, from the options (after the run's settings were adopted).
+
+    A peer that starts a run waits for a second one (up to ``--wait-for-peers``)
+    unless ``--min-peers`` says otherwise, so that the command it prints can join
+    before the run is over."""
+    from trainer._loop import TrainingConfig
+
+    min_peers = args.min_peers
+    if min_peers is None:
+        min_peers = 2 if starts_run and args.wait_for_peers > 0 else 1
+    return TrainingConfig(
+        run_id=run_id,
+        target_batch_size=args.target_batch_size,
+        batch_size=args.batch_size,
+        max_epochs=args.max_epochs,
+        eval_every=args.eval_every,
+        data_seed=seed,
+        min_peers=min_peers,
+        min_peers_timeout=args.wait_for_peers,
+        checkpoint_dir=None if args.checkpoint_dir is None else Path(args.checkpoint_dir),
+        optimizer=_collaborative_config(args),
+    )
+
+
+def _agree_on_settings(
+    peer: Peer, args: argparse.Namespace, given: frozenset[str], run_id: str, task: Task[Any]
+) -> tuple[argparse.Namespace, Task[Any]]:
+    """Join the run's settings (see ``_run_settings``): read them from the DHT,
+    adopt those this peer did not set, refuse a conflict, and keep them published.
+
+    Returns the options with the run's settings in place and the task to train
+    (the run's, when this peer named none). Raises ``SettingsConflictError`` for
+    a setting given with another value than the run's, and ``ConfigError`` when
+    the run's task cannot be loaded here."""
+    from trainer import load_task
+
+    from ._run_settings import RunSettings, read_run_settings, reconcile, serve_run_settings
+
+    dht = peer.async_peer.dht
+    run = peer.run(read_run_settings, dht, run_id) if args.initial_peer else None
+    mine = RunSettings(
+        task=args.task,
+        task_name=task.name,
+        target_batch_size=args.target_batch_size,
+        matchmaking_time=args.matchmaking_time,
+        target_group_size=args.target_group_size,
+        diloco=args.diloco,
+        max_epochs=args.max_epochs,
+        started=dht.now(),
+    )
+    settings = reconcile(run, mine, frozenset(given & RunSettings.OPTIONS.keys()))
+    if settings.task_name != task.name:
+        try:
+            task = load_task(settings.task)
+        except ConfigError as e:
+            raise ConfigError(f"cannot load the run's task {settings.task!r}: {e}") from e
+    adopted = argparse.Namespace(**vars(args))
+    changed = []
+    for name, option in RunSettings.OPTIONS.items():
+        value = getattr(settings, name)
+        if value != getattr(args, name):
+            setattr(adopted, name, value)
+            shown = f"{value:g}" if isinstance(value, float) else str(value)
+            changed.append(f"{option} {shown}")
+    if changed:
+        say(f"adopted the run's settings: {', '.join(changed)}")
+    _check_train_args(adopted)
+    peer.run(peer.async_peer.start_service, serve_run_settings, dht, run_id, settings)
+    return adopted, task
+
+
+def _waiting_line(config: TrainingConfig) -> str | None:
+    """What a peer that waits for others says before it waits (None: it does not)."""
+    if config.min_peers <= 1:
+        return None
+    return (
+        f"waiting up to {config.min_peers_timeout:g} s for peers to join; training starts "
+        f"once {config.min_peers} peers are in the run, or after the wait "
+        "(--wait-for-peers 0: no wait)"
+    )
+
+
+def _run_train(args: argparse.Namespace, given: frozenset[str] = frozenset()) -> int:
+    """``swarm train``: ``given`` names the options set on the command line
+    (the others may be adopted from the run's settings)."""
     stop = threading.Event()
     with _StopOnSignal(stop):
         _check_train_args(args)
+        _collaborative_config(args)  # this peer's own settings must be valid to begin with
+        _startup_checks(args)
         from trainer import load_task
-        from trainer._loop import TrainingConfig, train
+        from trainer._loop import train
 
         from ._peer import Peer
 
         peer_config = _peer_config(args)
-        optimizer_config = _collaborative_config(args)
         task = load_task(args.task)
         run_id = args.run_id or task.name
         identity = Identity.load_or_create(args.identity) if args.identity else Identity.generate()
         seed = args.seed
         if seed is None:
             seed = int.from_bytes(bytes(identity.peer_id)[:4], "big")
-        config = TrainingConfig(
-            run_id=run_id,
-            target_batch_size=args.target_batch_size,
-            batch_size=args.batch_size,
-            max_epochs=args.max_epochs,
-            eval_every=args.eval_every,
-            data_seed=seed,
-            min_peers=args.min_peers,
-            checkpoint_dir=None if args.checkpoint_dir is None else Path(args.checkpoint_dir),
-            optimizer=optimizer_config,
-        )
         if args.threads is not None:
             import torch
 
             torch.set_num_threads(args.threads)
         with Peer(identity, peer_config) as peer:
-            print(
-                f"peer {peer.peer_id} listening on {args.host}:{peer.async_peer.port}", flush=True
-            )
-            print(f"training task {task.name} in run {run_id}", flush=True)
-            print(f"join with: {_join_command(args, peer.address, run_id)}", flush=True)
-            report = train(peer, task, config, stop=stop, on_epoch=_report_epoch)
-        how = "stopped" if stop.is_set() else "finished"
-        metrics = ", ".join(f"{k} {v:.4f}" for k, v in sorted(report.metrics.items()))
-        print(f"{how} at epoch {report.epochs}: {metrics}", flush=True)
+            say(f"peer {peer.peer_id} listening on {args.host}:{peer.async_peer.port}")
+            args, task = _agree_on_settings(peer, args, given, run_id, task)
+            config = _training_config(args, run_id, seed, starts_run=not args.initial_peer)
+            say(f"training task {task.name} in run {run_id}")
+            say(f"join with: {_join_command(args, peer.address, run_id)}")
+            waiting = _waiting_line(config)
+            if waiting is not None:
+                say(waiting)
+            reporter = _EpochReporter(config.target_batch_size)
+            report = train(peer, task, config, stop=stop, on_epoch=reporter)
+        say(reporter.final_line("stopped" if stop.is_set() else "finished", report))
     return EXIT_OK
 
 
@@ -531,20 +774,38 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def _status_object(
-    run_id: str, swarm: SwarmProgress, live: list[PeerProgress], now: float
+    run_id: str,
+    swarm: SwarmProgress,
+    live: list[PeerProgress],
+    now: float,
+    settings: RunSettings | None,
 ) -> dict[str, Any]:
+    """``swarm status --json``. ``samples_per_second`` is the run's real
+    throughput since it began (samples of completed global steps per second of
+    wall time; null without the run's settings), ``compute_samples_per_second``
+    the sum of the live peers' compute rates. Each peer's ``loss`` is its running
+    training loss (also as ``train_loss``) and its ``samples_per_second`` its
+    compute rate (also as ``compute_samples_per_second``)."""
+    throughput: float | None = None
+    if settings is not None and swarm.epoch > 0 and now > settings.started:
+        throughput = swarm.epoch * settings.target_batch_size / (now - settings.started)
     return {
         "run_id": run_id,
         "epoch": swarm.epoch,
-        "samples_per_second": swarm.samples_per_second,
+        "samples_per_second": throughput,
+        "compute_samples_per_second": swarm.samples_per_second,
+        "seconds_since_start": None if settings is None else max(0.0, now - settings.started),
         "num_peers": swarm.num_peers,
+        "settings": None if settings is None else settings.to_value(),
         "peers": [
             {
                 "peer_id": str(record.peer_id),
                 "epoch": record.epoch,
                 "samples": record.samples,
                 "samples_per_second": record.samples_per_second,
+                "compute_samples_per_second": record.samples_per_second,
                 "loss": record.loss,
+                "train_loss": record.loss,
                 "accuracy": record.accuracy,
                 "client": record.client,
                 "age": max(0.0, now - record.time),
@@ -555,17 +816,24 @@ def _status_object(
 
 
 def _status_table(status: dict[str, Any]) -> str:
-    lines = [
-        f"run {status['run_id']}: epoch {status['epoch']}, {_peers(status['num_peers'])}, "
-        f"{status['samples_per_second']:.0f} samples/s"
-    ]
+    head = f"run {status['run_id']}: epoch {status['epoch']}, {_peers(status['num_peers'])}"
+    if status["samples_per_second"] is not None:
+        head += (
+            f", {status['samples_per_second']:.0f} samples/s since it began "
+            f"{status['seconds_since_start']:.0f} s ago"
+        )
+    head += f", compute {status['compute_samples_per_second']:.0f} samples/s"
+    lines = [head]
     if status["peers"]:
-        lines.append(f"{'peer':<40}  {'epoch':>5}  {'samples/s':>9}  {'loss':>7}  {'accuracy':>8}")
+        lines.append(
+            f"{'peer':<40}  {'epoch':>5}  {'compute samples/s':>17}  {'train loss':>10}  "
+            f"{'accuracy':>8}  {'age (s)':>7}"
+        )
     for p in status["peers"]:
         lines.append(
-            f"{p['peer_id']:<40}  {p['epoch']:>5}  {p['samples_per_second']:>9.1f}  "
-            f"{_format_metric(p['loss']):>7}  {_format_metric(p['accuracy'], '.3f'):>8}"
-            + ("  (client)" if p["client"] else "")
+            f"{p['peer_id']:<40}  {p['epoch']:>5}  {p['compute_samples_per_second']:>17.1f}  "
+            f"{_format_metric(p['train_loss']):>10}  {_format_metric(p['accuracy'], '.3f'):>8}  "
+            f"{p['age']:>7.1f}" + ("  (client)" if p["client"] else "")
         )
     return "\n".join(lines)
 
@@ -577,6 +845,8 @@ async def _run_status(args: argparse.Namespace) -> int:
     from dht import DHTConfig, open_dht_node
     from trainer import estimate, parse_progress, progress_key
 
+    from ._run_settings import read_run_settings
+
     # A client: this process lives for one query, so it must not be left
     # behind as a dead contact in the routing tables of the peers it asked.
     config = DHTConfig(swarm_key=_swarm_key(args), client_mode=True)
@@ -587,14 +857,31 @@ async def _run_status(args: argparse.Namespace) -> int:
         Identity.generate(), host=host, initial_peers=initial, config=config
     ) as node:
         records = parse_progress(await node.get(progress_key(args.run_id), latest=True))
+        settings = await read_run_settings(node, args.run_id)
         now = node.now()
     live = sorted(
         (r for r in records if now - r.time <= args.stale_after), key=lambda r: str(r.peer_id)
     )
     swarm = estimate(live, now=now, target_batch_size=1, stale_after=args.stale_after)
-    status = _status_object(args.run_id, swarm, live, now)
-    print(json.dumps(status) if args.json else _status_table(status), flush=True)
+    status = _status_object(args.run_id, swarm, live, now, settings)
+    say(json.dumps(status) if args.json else _status_table(status))
     return EXIT_OK
+
+
+# -- swarm demo -----------------------------------------------------------------------
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from ._demo import DemoConfig, run_demo
+
+    config = DemoConfig(
+        peers=args.peers,
+        max_epochs=args.max_epochs,
+        task=args.task,
+        matchmaking_time=args.matchmaking_time,
+        verbose=args.verbose,
+    )
+    return trio.run(run_demo, config)
 
 
 # -- swarm keygen ---------------------------------------------------------------------
@@ -604,10 +891,9 @@ def _run_keygen(args: argparse.Namespace) -> int:
     from ._swarm_key import create_swarm_key
 
     create_swarm_key(args.swarm_key)
-    print(
+    say(
         f"created swarm key {args.swarm_key} (mode 0600); copy it to every peer of the swarm "
-        f"and pass --swarm-key {args.swarm_key}",
-        flush=True,
+        f"and pass --swarm-key {args.swarm_key}"
     )
     return EXIT_OK
 
@@ -615,13 +901,32 @@ def _run_keygen(args: argparse.Namespace) -> int:
 # -- entry point ----------------------------------------------------------------------
 
 
+def _given_options(argv: Sequence[str] | None) -> frozenset[str]:
+    """The destinations of the options set on the command line ``argv`` (not
+    left at their defaults): parsed again with every default suppressed."""
+    parser = build_parser()
+
+    def suppress(p: argparse.ArgumentParser) -> None:
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    suppress(sub)
+            else:
+                action.default = argparse.SUPPRESS
+
+    suppress(parser)
+    return frozenset(vars(parser.parse_args(argv))) - {"command"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
+    given = _given_options(argv)
     runners: dict[str, Callable[[argparse.Namespace], int]] = {
         "dht": lambda a: trio.run(_run_dht, a),
-        "train": _run_train,
+        "train": lambda a: _run_train(a, given),
         "status": lambda a: trio.run(_run_status, a),
+        "demo": _run_demo,
         "keygen": _run_keygen,
     }
     try:

@@ -54,6 +54,26 @@ class CLIProcess:
         self.output: list[str] = []
         self._buffer = b""
 
+    async def read_stderr(self, timeout: float = 30.0) -> list[str]:
+        """The whole stderr (with ``capture_stderr``) once the process closes it."""
+        assert self.process.stderr is not None
+        data = b""
+        with trio.fail_after(timeout):
+            while chunk := await self.process.stderr.receive_some(65536):
+                data += chunk
+        return data.decode(errors="replace").splitlines()
+
+    async def finish(self, timeout: float = 60.0) -> int:
+        """Read stdout to its end (into ``output``), then wait for the exit code."""
+        assert self.process.stdout is not None
+        with trio.fail_after(timeout):
+            while chunk := await self.process.stdout.receive_some(4096):
+                self._buffer += chunk
+            lines = self._buffer.decode(errors="replace").split("\n")
+            self._buffer = b""
+            self.output.extend(line for line in lines if line)
+            return await self.process.wait()
+
     async def read_line_containing(self, text: str, timeout: float = 30.0) -> str:
         """Read stdout until a line contains ``text``; fail after ``timeout`` seconds."""
         assert self.process.stdout is not None
@@ -82,8 +102,17 @@ async def run_cli(*args: str, capture_stderr: bool = False) -> AsyncIterator[CLI
     """Run ``swarm *args`` with stdout (and with ``capture_stderr`` stderr) piped.
 
     On exit the process is killed if it still runs, and always reaped."""
+    async with run_command(
+        sys.executable, "-m", "swarm.cli", *args, capture_stderr=capture_stderr
+    ) as cli:
+        yield cli
+
+
+@asynccontextmanager
+async def run_command(*argv: str, capture_stderr: bool = False) -> AsyncIterator[CLIProcess]:
+    """Run ``argv`` as given (e.g. a command a peer printed), like ``run_cli``."""
     process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "swarm.cli", *args],
+        list(argv),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE if capture_stderr else subprocess.DEVNULL,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -64,8 +64,11 @@ async def test_three_peers_train_and_status_shows_them(tmp_path: Path) -> None:
     )  # fmt: skip
     async with run_cli(*train) as first:
         address = await _join_address(first)
-        join = f"swarm train --initial-peer {address} --run-id cli-test --task "
-        assert first.output[-1].startswith(f"join with: {join}"), first.output
+        join = f"train --initial-peer {address} --run-id cli-test --host 127.0.0.1 --task "
+        assert f" {join}" in first.output[-1], first.output
+        assert first.output[-1].endswith(" --max-epochs 5"), first.output
+        waiting = await first.read_line_containing("waiting up to", timeout=5)
+        assert waiting.startswith("waiting up to 60 s for peers to join"), waiting
         async with (
             run_cli(*train, "--initial-peer", address) as second,
             run_cli(*train, "--initial-peer", address) as third,
@@ -87,9 +90,18 @@ async def test_three_peers_train_and_status_shows_them(tmp_path: Path) -> None:
                     for peer_status in status["peers"]:
                         assert peer_status["epoch"] <= status["epoch"]
                         assert peer_status["samples_per_second"] >= 0
+                        rate = peer_status["compute_samples_per_second"]
+                        assert rate == peer_status["samples_per_second"]
+                        assert peer_status["train_loss"] == peer_status["loss"]
                         accuracy = peer_status["accuracy"]
                         assert accuracy is None or 0 <= accuracy <= 1
                         assert "loss" in peer_status
+                    # the run's settings, and its real throughput since it began
+                    assert status["settings"]["target_batch_size"] == 600
+                    assert status["settings"]["max_epochs"] == 5
+                    if status["epoch"] > 0:
+                        expected = status["epoch"] * 600 / status["seconds_since_start"]
+                        assert status["samples_per_second"] == pytest.approx(expected, rel=0.01)
                 if seen_three and epochs[-1] > epochs[0]:
                     break
             assert seen_three, epochs
@@ -98,6 +110,7 @@ async def test_three_peers_train_and_status_shows_them(tmp_path: Path) -> None:
             async def finishes(peer: CLIProcess) -> None:
                 line = await peer.read_line_containing("finished at epoch", timeout=60)
                 assert line.startswith("finished at epoch 5: accuracy 0."), line
+                assert ", eval loss " in line and ", train loss " in line, line
                 with trio.fail_after(20):
                     assert await peer.process.wait() == 0
 
@@ -109,6 +122,7 @@ async def test_three_peers_train_and_status_shows_them(tmp_path: Path) -> None:
 async def test_sigterm_mid_run_leaves_cleanly(tmp_path: Path) -> None:
     train = (
         "train", *FAST,
+        "--wait-for-peers", "0",
         "--task", throttled_task_file(tmp_path, 0.02),
         "--target-batch-size", "32",
         "--batch-size", "8",

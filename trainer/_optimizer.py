@@ -36,6 +36,7 @@ newcomer is always a whole step's state.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
 import threading
@@ -333,6 +334,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._prematch: _Prematch | None = None
         self._prematch_epoch = -1
         self._checkpoints = CheckpointDir(Path(checkpoint_dir)) if checkpoint_dir else None
+        #: kinds of checkpoint write failures already warned about (see _save_checkpoint)
+        self._checkpoint_failures: set[str] = set()
         #: the epoch of the last checkpoint written (None: none yet)
         self._checkpointed_epoch: int | None = None
         self._grad_averager = self._make_grad_averager()
@@ -1260,7 +1263,21 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             )
 
         checkpoint = self.peer.run_sync(capture)
-        path = self._checkpoints.save(checkpoint)
+        try:
+            path = self._checkpoints.save(checkpoint)
+        except OSError as e:
+            # A full or failing disk must not cost the run: train on, warn once
+            # per kind of failure, and try again at the next checkpoint.
+            kind = errno.errorcode.get(e.errno, type(e).__name__) if e.errno else type(e).__name__
+            report = log.debug if kind in self._checkpoint_failures else log.warning
+            self._checkpoint_failures.add(kind)
+            report(
+                "epoch %d: could not write a checkpoint (%s); training on, retrying at the "
+                "next checkpoint",
+                checkpoint.epoch,
+                e,
+            )
+            return
         self._checkpointed_epoch = checkpoint.epoch
         log.info("saved checkpoint %s", path)
 

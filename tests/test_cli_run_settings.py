@@ -1,0 +1,107 @@
+"""The pure parts behind ``swarm train``'s numbers and run settings: the
+throughput meter, the settings record and the rule that adopts or refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from dht import DHTValue, owner_marker
+from swarm import Identity, PeerID, ProtocolError
+from swarm._run_settings import (
+    RunSettings,
+    SettingsConflictError,
+    choose,
+    parse_run_settings,
+    reconcile,
+)
+from swarm._throughput import Throughput, ThroughputMeter
+
+RUN = RunSettings(
+    task="digits",
+    task_name="digits",
+    target_batch_size=256,
+    matchmaking_time=5.0,
+    target_group_size=16,
+    diloco=None,
+    max_epochs=30,
+    started=1000.0,
+)
+
+
+def test_throughput_counts_only_epochs_it_saw_taken() -> None:
+    meter = ThroughputMeter(target_batch_size=100, window=2)
+    assert meter.recent() is None and meter.overall() is None
+    meter.observe(1, 10.0)
+    assert meter.recent() is None  # one epoch is no interval
+    meter.observe(2, 12.0)  # 100 samples in 2 s
+    assert meter.recent() == Throughput(50.0, 2.0, 1)
+    meter.observe(2, 13.0)  # the same epoch again: nothing new
+    meter.observe(7, 14.0)  # a state download: when those steps happened is unknown
+    meter.observe(8, 15.0)  # 100 samples in 1 s
+    assert meter.recent() == Throughput(200 / 3, 1.5, 2)
+    meter.observe(9, 19.0)  # 100 samples in 4 s; the window keeps the last two
+    assert meter.recent() == Throughput(200 / 5, 2.5, 2)
+    assert meter.overall() == Throughput(300 / 7, 7 / 3, 3)
+    meter.observe(5, 20.0)  # a stale reading: the run does not go back
+    assert meter.overall() == Throughput(300 / 7, 7 / 3, 3)
+    with pytest.raises(ValueError):
+        ThroughputMeter(target_batch_size=0)
+
+
+def test_a_joiner_adopts_what_it_did_not_set_and_is_refused_otherwise() -> None:
+    mine = RunSettings("other.py:make", "digits", 512, 1.0, 4, 8, None, 2000.0)
+    # nothing set: the run's settings, start time included
+    assert reconcile(RUN, mine, frozenset()) == RUN
+    # the same task under another path is the same task: its own path is kept
+    adopted = reconcile(RUN, mine, frozenset({"task"}))
+    assert adopted.task == "other.py:make" and adopted.target_batch_size == 256
+    for name, option in RunSettings.OPTIONS.items():
+        if name == "task":
+            continue
+        with pytest.raises(SettingsConflictError, match=f"^{option} "):
+            reconcile(RUN, mine, frozenset({name}))
+    renamed = RunSettings("x.py:f", "another-task", 256, 5.0, 16, None, 30, 0.0)
+    with pytest.raises(
+        SettingsConflictError, match="--task another-task differs from run's digits"
+    ):
+        reconcile(RUN, renamed, frozenset({"task"}))
+    # the same values given explicitly: no conflict; no run yet: this peer's own
+    assert reconcile(RUN, RUN, frozenset(RunSettings.OPTIONS)) == RUN
+    assert reconcile(None, mine, frozenset({"task"})) == mine
+
+
+def test_settings_records_round_trip_and_every_peer_chooses_the_same() -> None:
+    assert RunSettings.from_value(RUN.to_value()) == RUN
+    for field, bad in [
+        ("target_batch_size", 0),
+        ("target_batch_size", True),
+        ("matchmaking_time", float("nan")),
+        ("matchmaking_time", -1.0),
+        ("task", ""),
+        ("diloco", "4"),
+        ("started", None),
+    ]:
+        with pytest.raises(ProtocolError):
+            RunSettings.from_value(RUN.to_value() | {field: bad})
+    with pytest.raises(ProtocolError):
+        RunSettings.from_value([1, 2])
+
+    a, b = (Identity.generate().peer_id for _ in range(2))
+    later = RunSettings(**(RUN.to_value() | {"started": 2000.0, "target_batch_size": 64}))
+    found = DHTValue(
+        {
+            owner_marker(a): DHTValue(later.to_value(), 0.0),
+            owner_marker(b): DHTValue(RUN.to_value(), 0.0),
+            "no-owner": DHTValue(RUN.to_value(), 0.0),
+            owner_marker(Identity.generate().peer_id): DHTValue({"task": 1}, 0.0),
+        },
+        0.0,
+    )
+    published = parse_run_settings(found)
+    assert published == {a: later, b: RUN}
+    assert choose(published) == RUN  # the earliest start
+    # a tie on the start: the lowest peer id, whichever order they arrive in
+    tie = {a: RUN, b: later.__class__(**(RUN.to_value() | {"target_batch_size": 8}))}
+    lowest = min((a, b), key=PeerID.hex)
+    assert choose(tie) == tie[lowest] and choose(dict(reversed(tie.items()))) == tie[lowest]
+    assert choose({}) is None and parse_run_settings(None) == {}
