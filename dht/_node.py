@@ -271,6 +271,16 @@ class DHTNode:
         kept = await self._loop.call(self._server.store_record, record)
         return kept > 0
 
+    async def store_record(self, record: Record) -> bool:
+        """Store a record made elsewhere (``make_record``, signed by its owner
+        when it names one): relaying another peer's record, which storing
+        nodes verify as they verify any. Returns and raises as ``store``;
+        ``RecordRejectedError`` (nothing sent) if it does not validate here."""
+        self._check_open()
+        validate(record, self._clock(), self.config.limits)
+        kept = await self._loop.call(self._server.store_record, record)
+        return kept > 0
+
     async def get(self, key: str | bytes, *, latest: bool = False) -> DHTValue | None:
         """Read ``key``: its value, or a dict of its sub-keys, or None.
 
