@@ -7,6 +7,7 @@ Modules:
 - ``_checkpoint``: atomic checkpoint files and checkpoint directories
 - ``_progress``: progress records in the DHT, the swarm's progress estimate, and
   ``ProgressTree``, the aggregation tree that scales it to thousands of peers
+- ``_round_timing``: ``RoundTiming``, matchmaking time and averaging timeout from measured rounds
 - ``_ef21m``: ``ArcTopK`` gradient compression with EF21M error feedback
 - ``_diloco``: DiLoCo mode: local inner steps, then an outer Nesterov step
 - ``_dropcompute``: DropCompute: a compute threshold per step, chosen from measured times
@@ -27,6 +28,7 @@ from ._progress import (
     parse_progress,
     progress_key,
 )
+from ._round_timing import RoundTiming, RoundTimingConfig
 from ._task import Task, builtin_task_names, default_optimizer, load_task, shuffled_batches
 from ._tasks_digits import make_digits_task
 
@@ -42,6 +44,8 @@ __all__ = [
     "PeerProgress",
     "ProgressSummary",
     "ProgressTree",
+    "RoundTiming",
+    "RoundTimingConfig",
     "SwarmProgress",
     "Task",
     "builtin_task_names",
