@@ -9,6 +9,7 @@ Modules, pure code first:
 - ``_robust``: CenteredClip, Byzantine-robust aggregation of a chunk
 - ``_faults``: fault plans, injected by composition into the real code
 - ``_moshpit``: the Moshpit grid, its key schedule and group placement
+- ``_grid``: ``GridAgreement``, one grid per epoch that every peer computes alike
 - ``_allreduce``: the fault-tolerant butterfly all-reduce over peer connections
 - ``_matchmaking``: leader-based group formation over the DHT
 - ``_averager``: ``Averager``, one Moshpit round per ``step()``
@@ -22,6 +23,7 @@ from ._arctopk import ArcTopKRound, RowSelection, arc_topk_compress, contraction
 from ._averager import Averager, AveragerConfig, StepInProgressError, StepResult
 from ._codecs import FLOAT16, NONE, UINT4, UINT8, Codec, CodecKind
 from ._faults import FaultPlan, InjectedFault, MemberFault
+from ._grid import GridAgreement, GridProposal
 from ._group import Group, GroupMember, MemberMode
 from ._matchmaking import MatchmakingConfig
 from ._moshpit import MoshpitGrid, MoshpitState
@@ -51,6 +53,8 @@ __all__ = [
     "Codec",
     "CodecKind",
     "FaultPlan",
+    "GridAgreement",
+    "GridProposal",
     "Group",
     "GroupMember",
     "HostStaging",

@@ -19,7 +19,7 @@ Modules, from pure code up to the node:
 
 from ._node import DHTConfig, DHTNode, DHTStats, DHTValue, open_dht_node
 from ._ratelimit import RequestRateLimit
-from ._records import RecordLimits, owner_marker
+from ._records import Record, RecordLimits, make_record, owner_marker
 from ._storage import StorageQuota
 
 __all__ = [
@@ -27,9 +27,11 @@ __all__ = [
     "DHTNode",
     "DHTStats",
     "DHTValue",
+    "Record",
     "RecordLimits",
     "RequestRateLimit",
     "StorageQuota",
+    "make_record",
     "open_dht_node",
     "owner_marker",
 ]

@@ -223,7 +223,7 @@ class RecordCrawl(LookupCrawl):
         self._limits = limits
         self._clock = clock
         self.merged: dict[bytes | None, Record] = {}
-        #: responder -> (node, what it returned by sub-key, whether it truncated)
+        #: responder -> (node, what it returned by sub-key, whether it is incomplete)
         self.replies: dict[bytes, tuple[Node, dict[bytes | None, Record], bool]] = {}
 
     async def find(self) -> dict[bytes | None, Record]:
@@ -232,7 +232,7 @@ class RecordCrawl(LookupCrawl):
         return self.merged
 
     def _answered(self, peer: Node, answer: Any) -> None:
-        records, contacts, truncated = answer
+        records, contacts, incomplete = answer
         kept: dict[bytes | None, Record] = {}
         now = self._clock()
         for record in records:
@@ -246,7 +246,7 @@ class RecordCrawl(LookupCrawl):
             merge(kept, record)
         for record in kept.values():
             merge(self.merged, record)
-        self.replies[peer.id] = (peer, kept, truncated)
+        self.replies[peer.id] = (peer, kept, incomplete)
         self.nearest.push([Node(*c) for c in contacts if c[0] not in self.nearest])
 
     def _satisfied(self) -> bool:
@@ -257,10 +257,11 @@ class RecordCrawl(LookupCrawl):
 
     def stale_responders(self, limit: int) -> list[tuple[Node, list[Record]]]:
         """Responders (closest first) that lack some of the merged records, with
-        the records each lacks. Truncated replies are skipped: they may hold more."""
+        the records each lacks. Incomplete replies (a page failed to arrive) are
+        skipped: they may hold more."""
         stale = []
-        for node, kept, truncated in self.replies.values():
-            if truncated:
+        for node, kept, incomplete in self.replies.values():
+            if incomplete:
                 continue
             missing = [r for sk, r in self.merged.items() if kept.get(sk) != r]
             if missing:

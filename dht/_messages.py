@@ -13,6 +13,14 @@ message id and the body bytes, so:
 - a response signs the requester's fresh random ``msg_id``, so an old response
   cannot be replayed as the answer to a new request.
 
+Every datagram fits in one Ethernet frame without IP fragmentation
+(``MAX_DATAGRAM_SIZE``, 1,400 bytes of UDP payload): a 65 kB datagram is 45
+IP fragments, and on a real link losing any one of them loses all of it.
+``encode`` is the one place that enforces it (``DatagramTooLargeError``); what
+could outgrow it (a key's records, a list of contacts) is cut into pages by
+the code that builds the body, which budgets with ``MAX_BODY_SIZE``, and the
+reader is told that more remains (``_protocol``).
+
 In a private swarm, ``swarm_proof`` is ``HMAC-SHA256(dht_key, signed part ||
 sender_public_key || signature)`` with ``dht_key`` derived from the swarm key
 (``derive_proof_key``); in a public swarm it is empty. A node checks the proof
@@ -29,17 +37,28 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from swarm._errors import ProtocolError
+from swarm._errors import ProtocolError, SwarmError
 from swarm._identity import PUBLIC_KEY_SIZE, SIGNATURE_SIZE, Identity, PeerID, verify_signature
 from swarm._wire import expect_bytes, expect_int, expect_list, pack, unpack
 
 VERSION = 1
 MSG_ID_SIZE = 20
-#: Largest datagram we send or accept: under the 65,507-byte UDP payload limit.
-MAX_DATAGRAM_SIZE = 65_000
+#: Largest datagram we send or accept: an Ethernet frame (1,500 bytes) less the
+#: IPv6 and UDP headers (48) and room for tunnels and PPPoE on the way.
+MAX_DATAGRAM_SIZE = 1_400
+#: Most bytes the envelope adds to a body: the list header, version, kind,
+#: message id, public key, the body's bin16 header, signature and swarm proof.
+ENVELOPE_OVERHEAD = 1 + 1 + 1 + (2 + MSG_ID_SIZE) + (2 + 32) + 3 + (2 + 64) + (2 + 32)
+#: Largest msgpack-encoded body that ``encode`` accepts.
+MAX_BODY_SIZE = MAX_DATAGRAM_SIZE - ENVELOPE_OVERHEAD
 _DOMAIN = b"swarm.dht.datagram.v1\x00"
 _PROOF_KEY_LABEL = b"swarm.dht.swarm-key-proof.v1"
 _PROOF_SIZE = 32
+
+
+class DatagramTooLargeError(SwarmError, ValueError):
+    """A datagram to send would exceed ``MAX_DATAGRAM_SIZE``: the local side
+    built a body that does not fit (a bug, or a record over its limits)."""
 
 
 class Kind(enum.IntEnum):
@@ -77,15 +96,22 @@ def encode(
     identity: Identity, kind: Kind, msg_id: bytes, body: Any, *, proof_key: bytes | None = None
 ) -> bytes:
     """Sign and encode one datagram; with ``proof_key`` (a private swarm), prove
-    the swarm key too. Raises ``ValueError`` if it would be too large."""
-    body_bytes = pack(body, max_size=MAX_DATAGRAM_SIZE)
+    the swarm key too. Raises ``DatagramTooLargeError`` (nothing is signed) if
+    it would exceed ``MAX_DATAGRAM_SIZE``, and ``ValueError`` if ``body`` is
+    not msgpack-able."""
+    body_bytes = pack(body, max_size=2**32)
+    if len(body_bytes) > MAX_BODY_SIZE:
+        raise DatagramTooLargeError(
+            f"a datagram body of {len(body_bytes)} bytes exceeds {MAX_BODY_SIZE} "
+            f"(datagrams are at most {MAX_DATAGRAM_SIZE} bytes)"
+        )
     signed = _signed_part(kind, msg_id, body_bytes)
     signature = identity.sign(signed)
     proof = b"" if proof_key is None else _proof(proof_key, signed, identity.public_key, signature)
-    return pack(
-        [VERSION, int(kind), msg_id, identity.public_key, body_bytes, signature, proof],
-        max_size=MAX_DATAGRAM_SIZE,
-    )
+    data = pack([VERSION, int(kind), msg_id, identity.public_key, body_bytes, signature, proof])
+    if len(data) > MAX_DATAGRAM_SIZE:  # cannot happen: ENVELOPE_OVERHEAD is the most it adds
+        raise DatagramTooLargeError(f"a datagram of {len(data)} bytes exceeds {MAX_DATAGRAM_SIZE}")
+    return data
 
 
 def decode(data: bytes, *, proof_key: bytes | None = None) -> Datagram:

@@ -64,8 +64,9 @@ class DHTConfig:
     #: for a reply after srtt + 2 rttvar, asking another node instead.
     rpc_timeout: float = 1.0
     #: the shortest wait learned from round trips: below it, a pause of the
-    #: process (not a dead node) is the likely cause of silence
-    rpc_timeout_floor: float = 0.25
+    #: process (not a dead node) is the likely cause of silence. None: 0.25 s,
+    #: or ``rpc_timeout`` if that is shorter
+    rpc_timeout_floor: float | None = None
     #: how long bootstrapping may take before the initial peers count as unreachable
     bootstrap_timeout: float = 10.0
     #: routing buckets and records untouched this long are refreshed / re-stored
@@ -95,7 +96,9 @@ class DHTConfig:
             raise ConfigError("DHTConfig: ksize and alpha must be at least 1")
         if not 0 < self.rpc_timeout <= 60:
             raise ConfigError("DHTConfig: rpc_timeout must be in (0, 60] seconds")
-        if not 0.01 <= self.rpc_timeout_floor <= self.rpc_timeout:
+        if self.rpc_timeout_floor is not None and not (
+            0.01 <= self.rpc_timeout_floor <= self.rpc_timeout
+        ):
             raise ConfigError(
                 f"DHTConfig: rpc_timeout_floor ({self.rpc_timeout_floor}s) must be between "
                 f"0.01s and rpc_timeout ({self.rpc_timeout}s)"
@@ -117,6 +120,13 @@ class DHTConfig:
                 f"quota.max_records_per_host ({self.quota.max_records_per_host}), "
                 "or one host could fill the whole storage"
             )
+
+    @property
+    def timeout_floor(self) -> float:
+        """``rpc_timeout_floor``, or its default."""
+        if self.rpc_timeout_floor is not None:
+            return self.rpc_timeout_floor
+        return min(0.25, self.rpc_timeout)
 
 
 class DHTValue(NamedTuple):
@@ -261,6 +271,16 @@ class DHTNode:
         kept = await self._loop.call(self._server.store_record, record)
         return kept > 0
 
+    async def store_record(self, record: Record) -> bool:
+        """Store a record made elsewhere (``make_record``, signed by its owner
+        when it names one): relaying another peer's record, which storing
+        nodes verify as they verify any. Returns and raises as ``store``;
+        ``RecordRejectedError`` (nothing sent) if it does not validate here."""
+        self._check_open()
+        validate(record, self._clock(), self.config.limits)
+        kept = await self._loop.call(self._server.store_record, record)
+        return kept > 0
+
     async def get(self, key: str | bytes, *, latest: bool = False) -> DHTValue | None:
         """Read ``key``: its value, or a dict of its sub-keys, or None.
 
@@ -384,7 +404,7 @@ async def open_dht_node(
                 ksize=config.ksize,
                 alpha=config.alpha,
                 rpc_timeout=config.rpc_timeout,
-                rpc_timeout_floor=config.rpc_timeout_floor,
+                rpc_timeout_floor=config.timeout_floor,
                 limits=config.limits,
                 max_records=config.max_records,
                 quota=config.quota,

@@ -9,7 +9,11 @@ table and crawlers work unchanged, and replaces what kademlia gets wrong for us:
   is a dictionary look-up), so a request costs no asyncio task;
 - ``rpc_store`` validates before it stores, ``rpc_find_value`` returns the
   records of a key and the closest nodes together (a crawl can merge the replies
-  of several nodes), bounded to one datagram;
+  of several nodes), a page at a time: no datagram exceeds 1,400 bytes
+  (``_messages``), a reply says whether more records follow, and
+  ``request_find_value`` fetches every page before it reports;
+- how long to wait for a reply is learned from the replies (``RoundTrips``),
+  and a look-up is told when a reply is late, so it can ask another node;
 - every source UDP address and every proven node id has its own request
   budget (``RequestRateLimit``, a token bucket each): a datagram over budget is
   dropped before its signature is checked, so a flood from one source costs
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import itertools
 import logging
 import math
 import socket
@@ -64,8 +69,9 @@ from ._storage import RecordStorage, Source
 
 log = logging.getLogger(__name__)
 
-#: Room kept in a find_value reply for the envelope and the node list.
-_REPLY_OVERHEAD = 4096
+#: Most pages of one key's records read from one node: a node holds at most
+#: ``max_subkeys_per_key`` (1,024 by default) records of a key, at least one a page.
+_MAX_PAGES = 2048
 #: Most contacts we accept in one find_node/find_value reply.
 _MAX_NODES_PER_REPLY = 64
 #: The flag a client-mode node appends to its requests' ``[method, args]``.
@@ -121,15 +127,23 @@ def decode_nodes(obj: Any) -> list[tuple[bytes, str, int]]:
 def decode_find_value_reply(
     obj: Any, limits: RecordLimits
 ) -> tuple[list[Record], list[tuple[bytes, str, int]], bool]:
-    """Decode ``[records, contacts, truncated]``; records are decoded, not validated.
+    """Decode ``[records, contacts, more]``; records are decoded, not validated.
 
     Raises ``ProtocolError`` (and nothing else) if it is malformed.
     """
-    records_wire, nodes, truncated = expect_list(obj, 3, "find_value reply")
+    records_wire, nodes, more = expect_list(obj, 3, "find_value reply")
     if not isinstance(records_wire, list):
         raise ProtocolError("find_value reply: records must be a list")
+    if not isinstance(more, bool):
+        raise ProtocolError("find_value reply: 'more' must be a bool")
     records = [Record.from_wire(w, limits) for w in records_wire]
-    return records, decode_nodes(nodes), bool(truncated)
+    return records, decode_nodes(nodes), more
+
+
+def page_key(record: Record) -> bytes:
+    """Where a record comes in the pages of a find_value reply: by sub-key,
+    the plain value (no sub-key) first. Sub-keys are never empty msgpack."""
+    return record.subkey if record.subkey is not None else b""
 
 
 def parse_request(body: Any) -> tuple[Any, Any, bool]:
@@ -459,24 +473,59 @@ class SwarmProtocol(KademliaProtocol):
     def _rpc_find_node(self, sender: Node, args: list[Any]) -> Any:
         (target,) = expect_list(args, 1, "find_node args")
         target = expect_bytes(target, "find_node target", size=PEER_ID_SIZE)
-        neighbors = self.router.find_neighbors(Node(target), exclude=sender)
-        return [[n.id, n.ip, n.port] for n in neighbors]
+        return self._contacts_near(sender, target, messages.MAX_BODY_SIZE)
+
+    def _contacts_near(self, sender: Node, target: bytes, budget: int) -> list[list[Any]]:
+        """The k contacts closest to ``target`` (not ``sender``), closest first,
+        as many as encode to ``budget`` bytes: all 20 of IPv4 contacts fit in a
+        datagram, about 17 of IPv6 ones; the farthest are the ones a look-up
+        needs least, and it asks the closest for more anyway."""
+        contacts: list[list[Any]] = []
+        used = 3  # the list header
+        for n in self.router.find_neighbors(Node(target), exclude=sender):
+            contact = [n.id, n.ip, n.port]
+            size = len(pack(contact))
+            if used + size > budget:
+                break
+            used += size
+            contacts.append(contact)
+        return contacts
 
     def _rpc_find_value(self, sender: Node, args: list[Any]) -> Any:
-        (dkey,) = expect_list(args, 1, "find_value args")
-        dkey = expect_bytes(dkey, "find_value key", size=PEER_ID_SIZE)
-        nodes = self._rpc_find_node(sender, [dkey])
-        budget = messages.MAX_DATAGRAM_SIZE - _REPLY_OVERHEAD - len(pack(nodes))
-        records, truncated = [], False
-        for record in self.storage.records(dkey):  # newest first
+        """One page of a key's records: ``[records, contacts, more]``.
+
+        ``[key]`` asks for the first page, which carries the closest contacts
+        too; ``[key, None]`` for all records from the first, without contacts;
+        ``[key, after]`` for those whose sort key (``page_key``) follows
+        ``after``. Records come in sort key order, as many as fit in one
+        datagram; ``more`` says whether others follow (the reader asks for them
+        with the last sort key it got). Nothing is ever left out unannounced.
+        """
+        if not isinstance(args, list) or len(args) not in (1, 2):
+            raise ProtocolError("find_value args: expected [key] or [key, after]")
+        dkey = expect_bytes(args[0], "find_value key", size=PEER_ID_SIZE)
+        after: bytes | None = None
+        if len(args) == 2 and args[1] is not None:
+            limit = self._limits.max_subkey_size
+            after = expect_bytes(args[1], "find_value cursor", max_size=limit)
+        # the reply's list header, the records' list header, the ``more`` flag
+        budget = messages.MAX_BODY_SIZE - 1 - 3 - 1
+        nodes: list[list[Any]] = []
+        if len(args) == 1:
+            nodes = self._contacts_near(sender, dkey, budget // 2)
+        budget -= len(pack(nodes))
+        ordered = sorted(self.storage.records(dkey), key=page_key)
+        if after is not None:
+            ordered = [r for r in ordered if page_key(r) > after]
+        records: list[Any] = []
+        for record in ordered:
             wire = record.to_wire()
             size = len(pack(wire))
             if size > budget:
-                truncated = True
                 break
             budget -= size
             records.append(wire)
-        return [records, nodes, truncated]
+        return [records, nodes, len(records) < len(ordered)]
 
     def _rpc_store(self, sender: Node, args: list[Any]) -> Any:
         (wire,) = expect_list(args, 1, "store args")
@@ -515,7 +564,7 @@ class SwarmProtocol(KademliaProtocol):
         return await _awaitable(self.request_find_node, node_to_ask, node_to_find)
 
     async def call_find_value(self, node_to_ask: Node, node_to_find: Node) -> Result:
-        """``(True, (records, contacts, truncated))``; records are decoded, not validated."""
+        """``(True, (records, contacts, incomplete))``; records are decoded, not validated."""
         return await _awaitable(self.request_find_value, node_to_ask, node_to_find)
 
     def request_find_node(
@@ -541,13 +590,58 @@ class SwarmProtocol(KademliaProtocol):
         on_late: Callable[[], None] | None = None,
     ) -> None:
         """``call_find_value`` for look-ups: ``on_result`` gets its result, and
-        ``on_late`` is called if it is late (see ``request``)."""
+        ``on_late`` is called if the first page is late (see ``request``).
 
-        def decode(body: Any) -> Any:
-            records, nodes, truncated = decode_find_value_reply(body, self._limits)
-            return records, self._live(nodes), truncated
+        Fetches every page of the node's records (``_rpc_find_value``) before
+        it reports ``(True, (records, contacts, incomplete))``: ``incomplete``
+        is True when a later page failed to arrive or the node broke the
+        paging rules, so the caller knows it holds part of the node's records.
+        A first page that fails is ``(False, None)``.
+        """
+        addr = (node_to_ask.ip, node_to_ask.port)
+        records: list[Record] = []
+        contacts: list[tuple[bytes, str, int]] = []
+        pages = 0
 
-        self._ask(node_to_ask, "find_value", node_to_find, decode, on_result, on_late)
+        def ask(cursor: list[Any]) -> None:
+            args = [node_to_find.id, *cursor]
+            late = on_late if not cursor else None
+            self.request(addr, "find_value", args, node_to_ask.id, on_page, late)
+
+        def on_page(reply: Result) -> None:
+            nonlocal pages, contacts
+            page: tuple[list[Record], list[tuple[bytes, str, int]], bool] | None = None
+            if reply[0]:
+                try:
+                    page = decode_find_value_reply(reply[1][1], self._limits)
+                except ProtocolError as e:
+                    log.debug("bad find_value reply from %s: %s", node_to_ask, e)
+            if pages == 0:
+                if page is None:
+                    on_result(self.handle_call_response((False, None), node_to_ask))
+                    return
+                self.handle_call_response((True, None), node_to_ask)
+                contacts = self._live(page[1])
+            elif page is None:
+                on_result((True, (records, contacts, True)))
+                return
+            pages += 1
+            got, _, more = page
+            keys = [page_key(r) for r in got]
+            previous = page_key(records[-1]) if records else None
+            ordered = all(a < b for a, b in itertools.pairwise(keys))
+            if not ordered or (previous is not None and keys and keys[0] <= previous):
+                # not in page order: a broken or lying node; keep what came in
+                # order and say that more may remain
+                on_result((True, (records, contacts, True)))
+                return
+            records.extend(got)
+            if more and pages < _MAX_PAGES and (got or pages == 1):
+                ask([keys[-1] if keys else None])
+                return
+            on_result((True, (records, contacts, more)))
+
+        ask([])
 
     def _ask(
         self,

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 from swarm._errors import ConfigError
 
+from ._messages import MAX_DATAGRAM_SIZE
+
 MonotonicClock = Callable[[], float]
 
 
@@ -56,10 +58,10 @@ class RequestRateLimit:
             raise ConfigError("RequestRateLimit.burst must be at least 1 datagram")
         if self.max_sources < 1:
             raise ConfigError("RequestRateLimit.max_sources must be at least 1")
-        if not self.reply_bytes_per_second > 0 or self.reply_bytes_burst < 65_536:
+        if not self.reply_bytes_per_second > 0 or self.reply_bytes_burst < MAX_DATAGRAM_SIZE:
             raise ConfigError(
                 "RequestRateLimit: reply_bytes_per_second must be > 0 and reply_bytes_burst "
-                "at least 65536, the largest datagram"
+                f"at least {MAX_DATAGRAM_SIZE}, the largest datagram"
             )
 
 

@@ -31,8 +31,18 @@ from swarm._identity import (
 )
 from swarm._wire import expect_bytes, expect_float, expect_list, pack, unpack
 
+from ._messages import MAX_BODY_SIZE
+
 _SIGNING_DOMAIN = b"swarm.dht.record.v1\x00"
 _OWNER_PATTERN = re.compile(rb"\[owner:([0-9a-f]{40})\]")
+
+#: Most bytes a record's wire list adds to its key, sub-key and value: the
+#: list header, three bin16 headers, the float64 expiration, the public key
+#: and the signature with their bin8 headers.
+_RECORD_OVERHEAD = 1 + 3 * 3 + 9 + (2 + PUBLIC_KEY_SIZE) + (2 + SIGNATURE_SIZE)
+#: Largest encoded record: what one store request (``["store", [record], flag]``)
+#: carries in one datagram.
+MAX_RECORD_SIZE = MAX_BODY_SIZE - len(pack(["store", [b""], 1]))
 
 #: The type of a sub-key as users pass it. Sub-keys travel msgpack-encoded.
 Subkey = str | bytes | int
@@ -42,14 +52,15 @@ Subkey = str | bytes | int
 class RecordLimits:
     """Size and lifetime limits that every storing node enforces.
 
-    The defaults keep a whole record (with signature) far below one UDP
-    datagram, so a store request is always one datagram.
+    A record at all the limits, with its signature, must fit in one store
+    request, which is one datagram of at most 1,400 bytes (``_messages``):
+    ``RecordLimits`` raises ``ValueError`` for sizes that add up to more.
     """
 
     max_key_size: int = 256
     max_subkey_size: int = 256
     #: Largest msgpack-encoded value. Larger data belongs on a peer connection.
-    max_value_size: int = 4096
+    max_value_size: int = 512
     #: Expirations further ahead than this are refused (a record cannot pin
     #: storage forever).
     max_ttl: float = 24 * 3600.0
@@ -65,6 +76,13 @@ class RecordLimits:
                 raise ValueError(f"RecordLimits.{name} must be positive")
         if self.max_ttl <= 0 or self.max_clock_skew < 0:
             raise ValueError("RecordLimits.max_ttl must be positive and max_clock_skew >= 0")
+        largest = self.max_key_size + self.max_subkey_size + self.max_value_size + _RECORD_OVERHEAD
+        if largest > MAX_RECORD_SIZE:
+            raise ValueError(
+                f"RecordLimits: a record of max_key_size + max_subkey_size + max_value_size "
+                f"would encode to {largest} bytes, more than the {MAX_RECORD_SIZE} that fit "
+                "in one datagram: lower them"
+            )
 
 
 def owner_marker(peer_id: PeerID) -> str:

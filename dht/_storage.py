@@ -56,7 +56,7 @@ class Source(NamedTuple):
 class StorageQuota:
     """How much of one node's storage one sender may hold.
 
-    With the default ``RecordLimits`` a record is at most about 4.7 kB, so one
+    With the default ``RecordLimits`` a record is at most about 1.2 kB, so one
     node id can fill at most ``max_bytes_per_peer`` (2 MiB) and one host at
     most ``max_bytes_per_host`` (16 MiB) of a node's memory. An honest peer
     writes a few records per run; the per-peer count leaves room for a

@@ -5,7 +5,9 @@ Modules:
 - ``_task``: the task API (model, data stream, loss, evaluation) and ``load_task``
 - ``_tasks_digits``: the built-in ``digits`` task (scikit-learn's bundled data set)
 - ``_checkpoint``: atomic checkpoint files and checkpoint directories
-- ``_progress``: progress records in the DHT and the swarm's progress estimate
+- ``_progress``: progress records in the DHT, the swarm's progress estimate, and
+  ``ProgressTree``, the aggregation tree that scales it to thousands of peers
+- ``_round_timing``: ``RoundTiming``, matchmaking time and averaging timeout from measured rounds
 - ``_ef21m``: ``ArcTopK`` gradient compression with EF21M error feedback
 - ``_diloco``: DiLoCo mode: local inner steps, then an outer Nesterov step
 - ``_dropcompute``: DropCompute: a compute threshold per step, chosen from measured times
@@ -20,7 +22,16 @@ from ._diloco import DiLoCo
 from ._dropcompute import DropCompute, choose_threshold
 from ._ef21m import ArcTopK
 from ._optimizer import CollaborativeConfig, CollaborativeOptimizer, GlobalStep, GradHook
-from ._progress import PeerProgress, SwarmProgress, estimate, parse_progress, progress_key
+from ._progress import (
+    PeerProgress,
+    ProgressSummary,
+    ProgressTree,
+    SwarmProgress,
+    estimate,
+    parse_progress,
+    progress_key,
+)
+from ._round_timing import RoundTiming, RoundTimingConfig
 from ._task import Task, builtin_task_names, default_optimizer, load_task, shuffled_batches
 from ._tasks_digits import make_digits_task
 
@@ -35,6 +46,10 @@ __all__ = [
     "GlobalStep",
     "GradHook",
     "PeerProgress",
+    "ProgressSummary",
+    "ProgressTree",
+    "RoundTiming",
+    "RoundTimingConfig",
     "SwarmProgress",
     "Task",
     "builtin_task_names",

@@ -1,24 +1,71 @@
 """Progress tracking: how far the swarm has got toward the next global step.
 
-Every peer publishes a signed record under ``{run_id}.progress`` (its sub-key
-names it, so nobody can write another peer's progress): its epoch, the samples
-it accumulated in this epoch, its samples per second, when it reported, its
-latest loss and accuracy. Every peer reads all records and estimates, for the
-swarm's current epoch, how many samples the live peers hold now and when the
-target batch size will be reached (DeDLOC, Diskin et al. 2021, section 3.2).
-
+Every peer publishes a signed record (its sub-key names it, so nobody can
+write another peer's progress): its epoch, the samples it accumulated in this
+epoch, its samples per second, when it reported, its latest loss and
+accuracy. From these the swarm's progress is estimated: for the swarm's
+current epoch, how many samples the live peers hold now and when the target
+batch size will be reached (DeDLOC, Diskin et al. 2021, section 3.2).
 ``estimate`` is pure: records and a clock in, ``SwarmProgress`` out.
+
+How it scales: an aggregation tree (``ProgressTree``)
+-----------------------------------------------------
+One key that every peer writes (``progress_key``, the layout before this
+tree) makes every reader fetch every record: at 1,000 peers that is 1,000
+signed records (about 300 kB) per peer per refresh, a million for the swarm,
+and a reply of one datagram used to hold about 200 of them, so readers
+silently under-counted. Three ways were weighed:
+
+- sharded keys, every reader reading every shard: exact, but a reader's
+  traffic still grows linearly with the swarm;
+- sampling a few shards and scaling up: traffic stays flat, but the error of
+  the count is statistical (about 1/sqrt(sample)), and the target batch and
+  the Moshpit grid need an exact count, not an unbiased guess;
+- aggregation: a tree of partial sums. Exact in a steady swarm and flat
+  traffic per peer. Chosen.
+
+The tree has ``depth`` levels of ``fanout`` branches (16 x 16 x 16 = 4,096
+leaves by default). A peer's leaf is a hash of its peer id. It writes its own
+record under its leaf's key; the summary of each sub-tree
+(``ProgressSummary``: the highest epoch, samples at that epoch extrapolated to
+the summary's time, samples reported, rate, peers, peers at that epoch) lives
+under its parent's summary key, with the branch digit as sub-key, and the
+root's key holds the summaries of the ``fanout`` top sub-trees: the whole
+swarm. One refresh of a peer (``ProgressTree.refresh``) reads its leaf and the
+``depth`` summary keys on its path (in parallel), recomputes the summaries of
+its path bottom-up with its own fresh record in place, writes its record and
+(see below) those summaries (in parallel), and takes the root's sum as the
+swarm's progress. So a peer reads ``depth + 1`` keys of at most ``fanout``
+entries (plus the few peers that share its leaf) and writes at most
+``depth + 1`` records per refresh: with a DHT look-up of O(log N) hops each,
+its traffic grows with log N, and summaries stay ``fanout`` entries long
+however large the swarm.
+
+A summary sub-key is written by any peer of its sub-tree (it names no owner,
+so it is unsigned; the merge keeps the latest). To keep the hot keys near the
+root from taking N writes per refresh, a peer writes the summary of a
+sub-tree that holds ``n`` peers (as it counted them last) with probability
+``min(1, writers / n)``: about ``writers`` (3) writes per summary per
+refresh, whatever N. A summary older than ``stale_after`` is ignored, like a
+record: its sub-tree is gone. Counts are exact once every peer has refreshed
+once since the last change; samples between refreshes are extrapolated from
+the rates. Trust: a summary can be forged by any peer of the run (records
+cannot); in a private swarm only members can write at all.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Mapping
+import random
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from dht import DHTValue
-from swarm import PeerID, ProtocolError
+import trio
+
+from dht import DHTValue, owner_marker
+from swarm import ConfigError, PeerID, ProtocolError
 from swarm._wire import expect_float, expect_int
 
 #: Fields of a progress record, in order.
@@ -177,3 +224,273 @@ class RateMeter:
     def pause(self) -> None:
         """Forget the last time: waiting (averaging) is not compute."""
         self._last = None
+
+
+# -- the aggregation tree (see the module docstring) ------------------------------------
+
+_LEAF_PERSON = b"swarm.progress.l"
+#: How much later than a live version a withdrawal expires (seconds): enough to
+#: win the merge, little enough that a write after it wins again.
+_LATER = 1e-3
+
+
+class ProgressDHT(Protocol):
+    """What the progress tree needs from a DHT node (``dht.DHTNode`` has it)."""
+
+    async def store(
+        self, key: str, value: Any, expiration_time: float, *, subkey: str | None = None
+    ) -> bool: ...
+
+    async def get(self, key: str, *, latest: bool = False) -> DHTValue | None: ...
+
+
+@dataclass(frozen=True)
+class ProgressSummary:
+    """The progress of the live peers of one sub-tree, as of ``time``."""
+
+    #: the highest epoch a live peer of the sub-tree reports
+    epoch: int
+    #: samples of its peers at ``epoch``, extrapolated to ``time``
+    samples: float
+    #: samples those peers reported (not extrapolated)
+    reported: int
+    #: their samples per second
+    samples_per_second: float
+    #: live peers (any epoch), and those at ``epoch``
+    peers: int
+    peers_at_epoch: int
+    time: float
+
+    def to_value(self) -> list[Any]:
+        return [
+            self.epoch,
+            self.samples,
+            self.reported,
+            self.samples_per_second,
+            self.peers,
+            self.peers_at_epoch,
+            self.time,
+        ]
+
+    @classmethod
+    def from_value(cls, value: Any) -> ProgressSummary:
+        """Decode a summary from the DHT; raises ``ProtocolError`` if malformed."""
+        if not isinstance(value, list) or len(value) != 7:
+            raise ProtocolError("a progress summary is a list of 7 numbers")
+        epoch, samples, reported, rate, peers, at_epoch, when = value
+        summary = cls(
+            expect_int(epoch, "epoch", lo=0, hi=2**62),
+            expect_float(samples, "samples"),
+            expect_int(reported, "reported", lo=0, hi=2**62),
+            expect_float(rate, "samples_per_second"),
+            expect_int(peers, "peers", lo=1, hi=2**40),
+            expect_int(at_epoch, "peers_at_epoch", lo=1, hi=2**40),
+            expect_float(when, "time"),
+        )
+        if summary.samples < 0 or summary.samples_per_second < 0:
+            raise ProtocolError("samples and samples_per_second must be >= 0")
+        if summary.peers_at_epoch > summary.peers:
+            raise ProtocolError("peers_at_epoch exceeds peers")
+        return summary
+
+    @classmethod
+    def of_records(
+        cls, records: Iterable[PeerProgress], *, now: float, stale_after: float
+    ) -> ProgressSummary | None:
+        """The summary of peers' records at ``now`` (None if none is live)."""
+        summaries = [
+            cls(r.epoch, float(r.samples), r.samples, r.samples_per_second, 1, 1, r.time)
+            for r in records
+        ]
+        return cls.combine(summaries, now=now, stale_after=stale_after)
+
+    @classmethod
+    def combine(
+        cls, summaries: Iterable[ProgressSummary], *, now: float, stale_after: float
+    ) -> ProgressSummary | None:
+        """The summary of disjoint sub-trees at ``now``: those older than
+        ``stale_after`` are left out; samples are extrapolated with the rates."""
+        live = [s for s in summaries if now - s.time <= stale_after]
+        if not live:
+            return None
+        epoch = max(s.epoch for s in live)
+        current = [s for s in live if s.epoch == epoch]
+        return cls(
+            epoch=epoch,
+            samples=sum(s.samples + s.samples_per_second * max(0.0, now - s.time) for s in current),
+            reported=sum(s.reported for s in current),
+            samples_per_second=sum(s.samples_per_second for s in current),
+            peers=sum(s.peers for s in live),
+            peers_at_epoch=sum(s.peers_at_epoch for s in current),
+            time=now,
+        )
+
+    def progress(self, target_batch_size: int, now: float) -> SwarmProgress:
+        """The swarm's progress if this summary covers the whole swarm."""
+        samples = self.samples + self.samples_per_second * max(0.0, now - self.time)
+        missing = max(0.0, target_batch_size - samples)
+        rate = self.samples_per_second
+        eta = 0.0 if missing == 0 else (missing / rate if rate > 0 else math.inf)
+        return SwarmProgress(
+            epoch=self.epoch,
+            samples=int(samples),
+            target_batch_size=target_batch_size,
+            samples_per_second=rate,
+            num_peers=self.peers,
+            num_peers_at_epoch=self.peers_at_epoch,
+            eta=eta,
+            reported=self.reported,
+        )
+
+
+@dataclass(frozen=True)
+class ProgressTree:
+    """The layout of a run's progress tree and one peer's refresh of it.
+
+    Keys: a leaf ``{run_id}.progress.L.{d1}...{dD}`` holds the records of its
+    peers (owner sub-keys); the summary key of a path ``{run_id}.progress.S``
+    plus ``.{d}`` per level holds the summaries of its ``fanout`` children
+    (sub-key: the child's digit). Raises ``ConfigError`` for a fanout below 2,
+    a depth outside 1..8, or fewer than 1 writer.
+    """
+
+    run_id: str
+    fanout: int = 16
+    depth: int = 3
+    #: summary writes aimed at per sub-tree and refresh (see the module docstring)
+    writers: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.fanout < 2 or not 1 <= self.depth <= 8 or self.writers < 1:
+            raise ConfigError(
+                "ProgressTree: fanout must be at least 2, depth between 1 and 8 "
+                "and writers at least 1"
+            )
+
+    def leaf(self, peer_id: PeerID) -> tuple[int, ...]:
+        """The digits of ``peer_id``'s leaf: uniform, and fixed for the peer."""
+        digest = hashlib.blake2b(bytes(peer_id), digest_size=16, person=_LEAF_PERSON).digest()
+        value = int.from_bytes(digest, "big")
+        digits = []
+        for _ in range(self.depth):
+            value, digit = divmod(value, self.fanout)
+            digits.append(digit)
+        return tuple(digits)
+
+    def leaf_key(self, leaf: Sequence[int]) -> str:
+        return f"{self.run_id}.progress.L." + ".".join(str(d) for d in leaf)
+
+    def summary_key(self, path: Sequence[int]) -> str:
+        """The key holding the summaries of the children of the sub-tree at ``path``
+        (``()``: the root, whose children together are the whole swarm)."""
+        return f"{self.run_id}.progress.S" + "".join(f".{d}" for d in path)
+
+    async def refresh(
+        self,
+        dht: ProgressDHT,
+        mine: PeerProgress,
+        *,
+        now: float,
+        ttl: float,
+        stale_after: float,
+        rng: random.Random,
+    ) -> ProgressSummary:
+        """Publish ``mine`` and return the whole swarm's summary (see the module
+        docstring). Reads and writes each run in parallel; raises what the DHT
+        raises (``SwarmError``); on cancellation, writes may be half done,
+        which the next refresh repairs."""
+        summary = await self._update(
+            dht, mine, now=now, ttl=ttl, stale_after=stale_after, rng=rng, leaving=False
+        )
+        assert summary is not None  # ``mine`` is live at ``now``
+        return summary
+
+    async def withdraw(
+        self, dht: ProgressDHT, mine: PeerProgress, *, now: float, ttl: float, stale_after: float
+    ) -> None:
+        """Leave the tree: replace this peer's record, and the summaries on its
+        path, with versions without it, so readers stop counting it at once.
+        A sub-tree left empty gets a summary that is already stale. Each
+        replacement expires just after the versions written before ``now``
+        (the merge keeps the latest expiration), so a later write wins."""
+        await self._update(
+            dht,
+            mine,
+            now=now,
+            ttl=ttl,
+            stale_after=stale_after,
+            rng=random.Random(0),
+            leaving=True,
+        )
+
+    async def _update(
+        self,
+        dht: ProgressDHT,
+        mine: PeerProgress,
+        *,
+        now: float,
+        ttl: float,
+        stale_after: float,
+        rng: random.Random,
+        leaving: bool,
+    ) -> ProgressSummary | None:
+        leaf = self.leaf(mine.peer_id)
+        keys = [self.leaf_key(leaf)]
+        keys += [self.summary_key(leaf[:level]) for level in range(self.depth)]
+        found: list[DHTValue | None] = [None] * len(keys)
+
+        async def read(index: int) -> None:
+            found[index] = await dht.get(keys[index])
+
+        async with trio.open_nursery() as nursery:
+            for index in range(len(keys)):
+                nursery.start_soon(read, index)
+
+        # a replacement must beat whatever was written before now
+        expiration = now + ttl + (_LATER if leaving else 0.0)
+        gone = now - 2 * stale_after
+        records = [r for r in parse_progress(found[0]) if r.peer_id != mine.peer_id]
+        own = mine.to_value() | ({"time": gone} if leaving else {})
+        writes: list[tuple[str, Any, str]] = [(keys[0], own, owner_marker(mine.peer_id))]
+        if not leaving:
+            records.append(mine)
+        summary = ProgressSummary.of_records(records, now=now, stale_after=stale_after)
+        for level in reversed(range(self.depth)):
+            children = _parse_summaries(found[level + 1], self.fanout)
+            previous = children.pop(leaf[level], None)
+            if summary is not None:
+                children[leaf[level]] = summary
+            if leaving or previous is None or rng.random() < self.writers / previous.peers:
+                written = summary or ProgressSummary(0, 0.0, 0, 0.0, 1, 1, gone)
+                writes.append((keys[level + 1], written.to_value(), str(leaf[level])))
+            summary = ProgressSummary.combine(children.values(), now=now, stale_after=stale_after)
+
+        async def write(key: str, value: Any, subkey: str) -> None:
+            await dht.store(key, value, expiration, subkey=subkey)
+
+        async with trio.open_nursery() as nursery:
+            for key, value, subkey in writes:
+                nursery.start_soon(write, key, value, subkey)
+        return summary
+
+    async def read(
+        self, dht: ProgressDHT, *, now: float, stale_after: float
+    ) -> ProgressSummary | None:
+        """The whole swarm's summary from the root alone (for observers)."""
+        children = _parse_summaries(await dht.get(self.summary_key(()), latest=True), self.fanout)
+        return ProgressSummary.combine(children.values(), now=now, stale_after=stale_after)
+
+
+def _parse_summaries(found: DHTValue | None, fanout: int) -> dict[int, ProgressSummary]:
+    """The valid child summaries under a summary key, by digit (others skipped)."""
+    if found is None or not isinstance(found.value, Mapping):
+        return {}
+    children = {}
+    for subkey, entry in found.value.items():
+        if not isinstance(subkey, str) or not subkey.isdigit() or int(subkey) >= fanout:
+            continue
+        try:
+            children[int(subkey)] = ProgressSummary.from_value(entry.value)
+        except ProtocolError:
+            continue
+    return children
