@@ -20,6 +20,21 @@ gloo; the median CPU time per peer and round (``process_time``, all threads:
 steadier than wall time on a shared machine); peak RSS per peer
 (``ru_maxrss``) of each, and the size of the vector.
 
+Emulated home links (``--link-rate RATE``, needs root): every peer runs in a
+network namespace of its own (``tests/netbed.py``), its upload and download
+capped at RATE with tbf; ``--loss P`` drops packets arriving at every peer with
+probability P (so P on every path), ``--slow-peer RATE`` caps peer 0's upload
+at RATE. gloo (float32), ours in plaintext, encrypted, float16 and 8-bit run
+one after the other on the same bed, and each is printed as a share of the
+time the links allow: for equal links the link limit 2(n-1)/n x wire bytes /
+rate (wire bytes: the codec's payload bytes of the vector, so TCP/IP and frame
+headers count against us, about 4%); with a slow peer the bound of that
+heterogeneous group, ``link_bound`` (below). ``tcp_congestion_control`` is
+printed with the figures.
+
+    sudo python benchmarks/allreduce.py --link-rate 100mbit --size 5000000 --rounds 3
+                                        [--loss 0.01] [--slow-peer 10mbit]
+
 ``--split N`` hands our all-reduce the vector as N tensors of their own, as a
 model's parameters are, which it copies into one vector and back every round;
 by default it gets one vector, as it gets tensors from ``flat_zeros_like``
@@ -51,6 +66,8 @@ CHECK_CHUNK = 1 << 20
 # would shadow the dht package that averaging imports.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+#: the network test bed (``--link-rate``) lives with the tests that use it too
+sys.path.append(str(_HERE.parent / "tests"))
 
 
 def fill(x: torch.Tensor, rank: int) -> None:
@@ -118,6 +135,8 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     from swarm._connections import ConnectionConfig, open_connections
 
     identities = [Identity.from_seed(bytes([r + 1]) * 32) for r in range(args.peers)]
+    bandwidths = [float(b) for b in args.bandwidths.split(",")] if args.bandwidths else None
+    bandwidths = bandwidths or [1.0] * args.peers
     config = AllReduceConfig(
         sender_timeout=60.0,
         reducer_timeout=120.0,
@@ -132,10 +151,15 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     cpu_times: list[float] = []
     contributors_ok = True
 
+    codec = codec_by_name(args.codec)
+    hosts = args.hosts.split(",") if args.hosts else ["127.0.0.1"] * args.peers
+
     async def main() -> None:
         nonlocal contributors_ok
         net_config = ConnectionConfig(encrypt=args.encrypt)
-        async with open_connections(identities[args.rank], config=net_config) as net:
+        async with open_connections(
+            identities[args.rank], host=hosts[args.rank], config=net_config
+        ) as net:
             # Before anyone can enter a round: a peer that reaches round 0 first
             # must not find the others without a handler (and exclude them).
             serve_allreduce(net)
@@ -147,8 +171,9 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
             members = tuple(
                 GroupMember(
                     identities[r].peer_id,
-                    "127.0.0.1",
+                    hosts[r],
                     int((directory / f"port.{r}").read_text()),
+                    bandwidths[r],
                 )
                 for r in range(args.peers)
             )
@@ -162,7 +187,9 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
                     file_barrier, directory, f"ours-{round_}", args.rank, args.peers
                 )
                 start, cpu = time.perf_counter(), time.process_time()
-                result = await all_reduce(net, group, tensors, weight=1.0, config=config)
+                result = await all_reduce(
+                    net, group, tensors, weight=1.0, codec=codec, config=config
+                )
                 times.append(time.perf_counter() - start)
                 cpu_times.append(time.process_time() - cpu)
                 if args.split > 1:
@@ -186,6 +213,10 @@ def worker(args: argparse.Namespace) -> None:
     # The all-reduce logs only when it excludes a member: say why on stderr.
     logging.basicConfig(level=logging.WARNING, format=f"[{args.impl} {args.rank}] %(message)s")
     logging.getLogger("averaging").setLevel(logging.INFO)
+    # ... but not the line every round logs (whose data is in the result)
+    logging.getLogger("averaging._allreduce").addFilter(
+        lambda record: "senders in every part" not in record.msg
+    )
     torch.set_num_threads(args.threads)
     directory = Path(args.dir)
     if args.profile:
@@ -203,37 +234,89 @@ def worker(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------- driver
 
 
-def launch(args: argparse.Namespace, impl: str, encrypt: bool) -> dict[str, Any]:
+#: codecs by name, and how far each one's result may be from the true mean
+#: (per peer: the values are up to P + sin, quantized twice)
+CODECS = ("none", "float16", "uint8")
+TOLERANCE = {"none": 1e-4, "float16": 1e-2, "uint8": 0.1}
+
+
+def codec_by_name(name: str) -> Any:
+    from averaging._codecs import FLOAT16, NONE, UINT8
+
+    return {"none": NONE, "float16": FLOAT16, "uint8": UINT8}[name]
+
+
+def wire_bytes(size: int, codec: str) -> int:
+    """Payload bytes of the whole vector under ``codec`` (block scales included)."""
+    return int(codec_by_name(codec).payload_size(size))
+
+
+def link_bound(wire: int, up: list[float], down: list[float]) -> float:
+    """Seconds the links allow an all-reduce of ``wire`` bytes per peer at least
+    (rates in bit/s). In a butterfly with part sizes s_i (sum V), peer i
+    uploads V - s_i + (n-1) s_i = V + (n-2) s_i bytes and downloads as many,
+    so a round of T seconds needs V + (n-2) s_i <= min(up_i, down_i) T for
+    every i. The best parts give T = max(2(n-1) V / sum(m), max(V / m_i)),
+    m_i = min(up_i, down_i); for equal links, 2(n-1)/n V / rate."""
+    n = len(up)
+    m = [min(u, d) / 8 for u, d in zip(up, down, strict=True)]
+    return max(2 * (n - 1) * wire / sum(m), max(wire / x for x in m))
+
+
+def launch(
+    args: argparse.Namespace,
+    impl: str,
+    encrypt: bool,
+    codec: str = "none",
+    bed: Any = None,
+    bandwidths: list[float] | None = None,
+) -> dict[str, Any]:
+    """Run one implementation's workers (in ``bed``'s namespaces, if given)."""
     with tempfile.TemporaryDirectory(prefix=f"allreduce-{impl}-") as tmp:
+        extra = ["--codec", codec]
+        if bed is not None:
+            extra += ["--hosts", ",".join(bed.addresses)]
+        if bandwidths is not None:
+            extra += ["--bandwidths", ",".join(f"{b:g}" for b in bandwidths)]
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0"} if bed is not None else None
+
+        def command(rank: int, argv: list[str]) -> list[str]:
+            return argv if bed is None else list(bed.exec(rank, argv))
+
         procs = [
             subprocess.Popen(
-                [
-                    sys.executable,
-                    os.path.abspath(__file__),
-                    "--worker",
-                    "--impl",
-                    impl,
-                    "--rank",
-                    str(rank),
-                    "--peers",
-                    str(args.peers),
-                    "--size",
-                    str(args.size),
-                    "--rounds",
-                    str(args.rounds),
-                    "--chunk-elements",
-                    str(args.chunk_elements),
-                    "--threads",
-                    str(args.threads),
-                    "--split",
-                    str(args.split),
-                    "--dir",
-                    tmp,
-                ]
-                + (["--profile", args.profile] if args.profile else [])
-                + (["--encrypt"] if encrypt else []),
+                command(
+                    rank,
+                    [
+                        sys.executable,
+                        os.path.abspath(__file__),
+                        "--worker",
+                        "--impl",
+                        impl,
+                        "--rank",
+                        str(rank),
+                        "--peers",
+                        str(args.peers),
+                        "--size",
+                        str(args.size),
+                        "--rounds",
+                        str(args.rounds),
+                        "--chunk-elements",
+                        str(args.chunk_elements),
+                        "--threads",
+                        str(args.threads),
+                        "--split",
+                        str(args.split),
+                        "--dir",
+                        tmp,
+                    ]
+                    + extra
+                    + (["--profile", args.profile] if args.profile else [])
+                    + (["--encrypt"] if encrypt else []),
+                ),
                 stdout=subprocess.PIPE,
                 text=True,
+                env=env,
             )
             for rank in range(args.peers)
         ]
@@ -245,7 +328,7 @@ def launch(args: argparse.Namespace, impl: str, encrypt: bool) -> dict[str, Any]
             outputs.append(json.loads(out.strip().splitlines()[-1]))
     per_round = [max(o["times"][i] for o in outputs) for i in range(args.rounds)]
     error = max(o["error"] for o in outputs)
-    if not error <= 1e-4 * max(1, args.peers):
+    if not error <= TOLERANCE[codec] * max(1, args.peers):
         raise SystemExit(f"{impl}: result differs from the true mean by {error}")
     if not all(o.get("contributors_ok", True) for o in outputs):
         raise SystemExit(f"{impl}: some member was excluded in a fault-free run")
@@ -286,6 +369,17 @@ def main() -> None:
     parser.add_argument(
         "--profile", help="write cProfile stats of each worker to PROFILE.IMPL.RANK"
     )
+    parser.add_argument("--link-rate", help="emulated links: tc rate each way, e.g. 100mbit")
+    parser.add_argument("--loss", type=float, default=0.0, help="with --link-rate: loss rate")
+    parser.add_argument("--slow-peer", help="with --link-rate: peer 0's upload rate")
+    parser.add_argument(
+        "--codecs",
+        default=",".join(CODECS),
+        help="with --link-rate: our codecs to run (comma-separated: none,float16,uint8)",
+    )
+    parser.add_argument("--codec", default="none", choices=CODECS, help=argparse.SUPPRESS)
+    parser.add_argument("--hosts", help=argparse.SUPPRESS)
+    parser.add_argument("--bandwidths", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.chunk_elements is None:
         from averaging import AllReduceConfig
@@ -296,6 +390,9 @@ def main() -> None:
         return
     if args.peers < 2 or args.size < 1 or args.rounds < 1 or not 1 <= args.split <= args.size:
         parser.error("need --peers >= 2, --size >= 1, --rounds >= 1, 1 <= --split <= --size")
+    if args.link_rate:
+        link_main(args)
+        return
     gloo = launch(args, "gloo", False)
     plain = launch(args, "ours", False)
     encrypted = plain if args.plain_only else launch(args, "ours", True)
@@ -345,6 +442,56 @@ def main() -> None:
         f" {'met' if report['peak_rss_mb'] <= budget else 'EXCEEDED'}"
     )
     assert math.isfinite(report["ratio"])
+
+
+def link_main(args: argparse.Namespace) -> None:
+    """``--link-rate``: gloo and ours on one bed of emulated links (module docstring)."""
+    from netbed import Link, NetBed, rate_bits
+
+    rate = rate_bits(args.link_rate)
+    codecs = args.codecs.split(",")
+    if not set(codecs) <= set(CODECS) or not 0 <= args.loss < 1:
+        raise SystemExit(f"--codecs must name some of {CODECS}; --loss must be in [0, 1)")
+    links = [Link(args.link_rate, args.link_rate) for _ in range(args.peers)]
+    if args.slow_peer:
+        links[0] = Link(args.slow_peer, args.link_rate)
+    up = [rate_bits(link.up or args.link_rate) for link in links]
+    down = [rate] * args.peers
+    congestion = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    rows: list[tuple[str, dict[str, Any], float]] = []
+    with NetBed(links) as bed:
+        if args.loss:
+            for peer in range(args.peers):
+                bed.drop_arriving(peer, args.loss)
+        runs: list[tuple[str, str, bool, str, list[float] | None]] = [
+            ("gloo (float32)", "gloo", False, "none", None)
+        ]
+        for codec in codecs:
+            runs.append((f"ours, plaintext, {codec}", "ours", False, codec, None))
+        if "none" in codecs:
+            runs.insert(2, ("ours, encrypted, none", "ours", True, "none", None))
+        if args.slow_peer:
+            # what part sizes in proportion to the links would give
+            runs.append(("ours, parts by link rate", "ours", False, "none", up))
+        for name, impl, encrypt, codec, bandwidths in runs:
+            result = launch(args, impl, encrypt, codec, bed, bandwidths)
+            bound = link_bound(wire_bytes(args.size, codec), up, down)
+            rows.append((name, result, bound))
+    print(
+        f"all-reduce of {args.size:,} float32 over {args.peers} peers on emulated links:"
+        f" {args.link_rate} each way"
+        + (f", peer 0 uploads at {args.slow_peer}" if args.slow_peer else "")
+        + (f", {args.loss:.1%} loss" if args.loss else "")
+        + f"; congestion control {congestion}; median of {args.rounds} rounds"
+    )
+    print(f"  {'':28} {'time':>8} {'bound':>8} {'share':>6} {'CPU/peer':>9}")
+    for name, result, bound in rows:
+        print(
+            f"  {name:28} {result['median_s']:7.2f}s {bound:7.2f}s"
+            f" {bound / result['median_s']:6.1%} {result['cpu_s']:8.2f}s"
+        )
+    if args.json:
+        print(json.dumps([{"run": n, "bound_s": b, **r} for n, r, b in rows]))
 
 
 if __name__ == "__main__":

@@ -198,16 +198,22 @@ class NetBed:
     def add_loss(self, peer: int, probability: float) -> None:
         """From now on, drop packets of peer ``peer``'s link at random, each way
         (on top of any loss it has)."""
+        self.drop_arriving(peer, probability)
+        for j in range(len(self.peer_ns)):
+            if j != peer:
+                self.drop_arriving(j, probability, source=self.addresses[peer])
+
+    def drop_arriving(self, peer: int, probability: float, *, source: str | None = None) -> None:
+        """From now on, drop packets arriving at peer ``peer`` (from ``source``
+        only, if given) at random. On every peer of a bed, it is a loss rate
+        of ``probability`` on every path."""
         if not 0 < probability < 1:
             raise ValueError(f"probability={probability} must be in (0, 1)")
         ensure_iptables()
+        match = [] if source is None else ["-s", source]
         drop = ["-m", "statistic", "--mode", "random", "--probability", f"{probability}",
                 "-j", "DROP"]  # fmt: skip
-        _run("ip", "netns", "exec", self.peer_ns[peer], "iptables", "-A", "INPUT", *drop)
-        for j, ns in enumerate(self.peer_ns):
-            if j != peer:
-                _run("ip", "netns", "exec", ns, "iptables", "-A", "INPUT",
-                     "-s", self.addresses[peer], *drop)  # fmt: skip
+        _run("ip", "netns", "exec", self.peer_ns[peer], "iptables", "-A", "INPUT", *match, *drop)
 
     def exec(self, peer: int, argv: Sequence[str]) -> list[str]:
         """The command line that runs ``argv`` inside peer ``peer``'s namespace."""

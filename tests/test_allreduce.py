@@ -40,8 +40,13 @@ from swarm._connections import ConnectionConfig, Connections, Stream, open_conne
 TOTAL = 1000
 CHUNK = 64
 # Generous against a loaded machine; faults are slower than these by far.
+# min_chunks_per_part=1: the chunks are exactly chunk_elements, as the tests lay them out
 CONFIG = AllReduceConfig(
-    sender_timeout=2.0, reducer_timeout=4.0, round_timeout=15.0, chunk_elements=CHUNK
+    sender_timeout=2.0,
+    reducer_timeout=4.0,
+    round_timeout=15.0,
+    chunk_elements=CHUNK,
+    min_chunks_per_part=1,
 )
 FOREVER = 1e6
 MODES = pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
