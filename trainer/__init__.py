@@ -3,7 +3,7 @@
 Modules:
 
 - ``_task``: the task API (model, data stream, loss, evaluation) and ``load_task``
-- ``_tasks_digits``: the built-in ``digits`` task (scikit-learn's bundled data set)
+- ``_tasks_digits``: the built-in ``digits`` (MLP) and ``digits-cnn`` (BatchNorm CNN) tasks
 - ``_checkpoint``: atomic checkpoint files and checkpoint directories
 - ``_progress``: progress records in the DHT and the swarm's progress estimate
 - ``_ef21m``: ``ArcTopK`` gradient compression with EF21M error feedback
@@ -21,8 +21,17 @@ from ._dropcompute import DropCompute, choose_threshold
 from ._ef21m import ArcTopK
 from ._optimizer import CollaborativeConfig, CollaborativeOptimizer, GlobalStep, GradHook
 from ._progress import PeerProgress, SwarmProgress, estimate, parse_progress, progress_key
-from ._task import Task, builtin_task_names, default_optimizer, load_task, shuffled_batches
-from ._tasks_digits import make_digits_task
+from ._task import (
+    Task,
+    builtin_task_names,
+    default_optimizer,
+    load_task,
+    model_device,
+    model_dtype,
+    shuffled_batches,
+    to_device,
+)
+from ._tasks_digits import DigitsCNN, make_digits_cnn_task, make_digits_task
 
 __all__ = [
     "ArcTopK",
@@ -31,6 +40,7 @@ __all__ = [
     "CollaborativeConfig",
     "CollaborativeOptimizer",
     "DiLoCo",
+    "DigitsCNN",
     "DropCompute",
     "GlobalStep",
     "GradHook",
@@ -44,11 +54,15 @@ __all__ = [
     "load_checkpoint",
     "load_plain_state_dict",
     "load_task",
+    "make_digits_cnn_task",
     "make_digits_task",
     "model_buffers",
+    "model_device",
+    "model_dtype",
     "parse_progress",
     "plain_state_dict",
     "progress_key",
     "save_checkpoint",
     "shuffled_batches",
+    "to_device",
 ]
