@@ -12,6 +12,14 @@ in a file and pass ``--task thatfile.py:make_my_task``.
 
 The last tenth of the text is held out; ``evaluate`` reports the mean
 next-character loss on it and its perplexity.
+
+For a realistic shape, ``make_generated_task(embed=..., layers=..., ...)``
+trains the same transformer on tokens generated from a seeded Markov chain
+(nothing to download; every peer generates the same chain): its presets
+``make_25m_task`` and ``make_50m_task`` have about 25 and 50 million
+parameters::
+
+    swarm train --task examples/tiny_lm.py:make_25m_task
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from swarm import ConfigError
-from trainer import Task
+from trainer import Task, model_device, to_device
 
 CONTEXT = 64
 EMBED = 64
@@ -75,27 +83,35 @@ LMBatch = tuple[torch.Tensor, torch.Tensor]
 
 
 class TinyLM(nn.Module):
-    """A causal transformer over characters; output weights tied to the embedding."""
+    """A causal transformer over tokens; output weights tied to the embedding."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        *,
+        embed: int = EMBED,
+        heads: int = HEADS,
+        layers: int = LAYERS,
+        context: int = CONTEXT,
+    ) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab_size, EMBED)
+        self.embed = nn.Embedding(vocab_size, embed)
         # Small, as in GPT-2: with tied output weights, N(0, 1) would start at a huge loss.
         nn.init.normal_(self.embed.weight, std=0.02)
-        self.position = nn.Parameter(torch.randn(CONTEXT, EMBED) * 0.02)
+        self.position = nn.Parameter(torch.randn(context, embed) * 0.02)
         layer = nn.TransformerEncoderLayer(
-            EMBED,
-            HEADS,
-            dim_feedforward=4 * EMBED,
+            embed,
+            heads,
+            dim_feedforward=4 * embed,
             dropout=0.0,
             batch_first=True,
             norm_first=True,
         )
-        self.blocks = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
-        self.norm = nn.LayerNorm(EMBED)
-        self.head = nn.Linear(EMBED, vocab_size, bias=False)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(embed)
+        self.head = nn.Linear(embed, vocab_size, bias=False)
         self.head.weight = self.embed.weight
-        mask = nn.Transformer.generate_square_subsequent_mask(CONTEXT)
+        mask = nn.Transformer.generate_square_subsequent_mask(context)
         self.register_buffer("causal_mask", mask, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -144,26 +160,93 @@ def make_task(text_path: str | None = None) -> Task[LMBatch]:
             starts = torch.randint(len(train) - CONTEXT, (batch_size,), generator=generator)
             yield _windows(train, starts)
 
-    def loss(model: nn.Module, batch: LMBatch) -> tuple[torch.Tensor, int]:
-        inputs, targets = batch
-        logits = model(inputs)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()), len(inputs)
-
     evaluation_starts = torch.arange(0, len(held_out) - CONTEXT, CONTEXT)
 
     def evaluate(model: nn.Module) -> dict[str, float]:
-        inputs, targets = _windows(held_out, evaluation_starts)
-        logits = model(inputs)
-        mean_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
-        return {"loss": mean_loss, "perplexity": math.exp(min(mean_loss, 50.0))}
+        return _evaluate(model, _windows(held_out, evaluation_starts))
 
     return Task(
         name="tiny-lm",
         make_model=lambda: TinyLM(len(vocabulary)),
         batches=batches,
-        loss=loss,
+        loss=_loss,
         evaluate=evaluate,
         make_optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01),
         batch_size=16,
         train_size=len(train) - CONTEXT,
     )
+
+
+def _loss(model: nn.Module, batch: LMBatch) -> tuple[torch.Tensor, int]:
+    """Mean next-token loss (in float32), the batch moved to the model's device."""
+    inputs, targets = to_device(batch, model_device(model))
+    logits = model(inputs).float()
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten()), len(inputs)
+
+
+def _evaluate(model: nn.Module, batch: LMBatch) -> dict[str, float]:
+    mean_loss = _loss(model, batch)[0].item()
+    return {"loss": mean_loss, "perplexity": math.exp(min(mean_loss, 50.0))}
+
+
+def _markov_windows(
+    table: torch.Tensor, count: int, length: int, generator: torch.Generator
+) -> LMBatch:
+    """``count`` windows of a Markov chain: each token follows its predecessor's
+    successor in ``table`` nine times in ten, and is uniform otherwise."""
+    vocab = len(table)
+    tokens = torch.empty(count, length + 1, dtype=torch.int64)
+    tokens[:, 0] = torch.randint(vocab, (count,), generator=generator)
+    for t in range(length):
+        follow = torch.rand(count, generator=generator) < 0.9
+        noise = torch.randint(vocab, (count,), generator=generator)
+        tokens[:, t + 1] = torch.where(follow, table[tokens[:, t]], noise)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def make_generated_task(
+    *,
+    embed: int = 512,
+    heads: int = 8,
+    layers: int = 8,
+    context: int = 256,
+    vocab: int = 8192,
+    batch_size: int = 8,
+) -> Task[LMBatch]:
+    """The transformer LM at a chosen shape, on generated tokens (no download).
+
+    The chain is fixed by a seed every peer shares; each peer's ``batches``
+    seed draws its own windows of it. A model that learns the chain reaches a
+    loss near 0.9 * 0 + the noise's entropy share (about 1.2 nats for 8,192
+    tokens) instead of ln(vocab). Raises ``ConfigError`` for a shape that does
+    not fit (heads must divide embed; every size positive).
+    """
+    if min(embed, heads, layers, context, vocab, batch_size) < 1 or embed % heads:
+        raise ConfigError("every size must be positive, and heads must divide embed")
+    table = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))
+    held_out = _markov_windows(table, 16, context, torch.Generator().manual_seed(1))
+
+    def batches(seed: int, size: int) -> Iterator[LMBatch]:
+        generator = torch.Generator().manual_seed(1000 + seed)
+        while True:
+            yield _markov_windows(table, size, context, generator)
+
+    return Task(
+        name=f"lm-d{embed}-l{layers}-h{heads}-c{context}-v{vocab}",
+        make_model=lambda: TinyLM(vocab, embed=embed, heads=heads, layers=layers, context=context),
+        batches=batches,
+        loss=_loss,
+        evaluate=lambda model: _evaluate(model, held_out),
+        make_optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4, weight_decay=0.01),
+        batch_size=batch_size,
+    )
+
+
+def make_25m_task() -> Task[LMBatch]:
+    """About 29 million parameters: 8 layers of width 512, 8,192 tokens."""
+    return make_generated_task(embed=512, heads=8, layers=8, context=256, vocab=8192)
+
+
+def make_50m_task() -> Task[LMBatch]:
+    """About 51 million parameters: 10 layers of width 640, 16,384 tokens."""
+    return make_generated_task(embed=640, heads=10, layers=10, context=256, vocab=16384)

@@ -26,8 +26,10 @@ def _model(dtype: torch.dtype) -> torch.nn.Module:
     ).to(dtype)
 
 
-def _train(peer: Peer, i: int, dtype: torch.dtype, out: dict[int, Any], count: int) -> None:
-    model = _model(dtype)
+def _train(
+    peer: Peer, i: int, model: torch.nn.Module, out: dict[int, Any], count: int
+) -> None:
+    dtype = next(model.parameters()).dtype
     opt = CollaborativeOptimizer(
         peer,
         run_id=f"mixed-{str(dtype)[6:]}",
@@ -78,9 +80,12 @@ def test_a_low_precision_model_trains_in_a_swarm_with_every_contributor_counted(
     errors: list[BaseException] = []
     with training_peers(count) as (_, peers):
 
+        # built here: torch's global RNG is shared by the threads
+        models = [_model(dtype) for _ in range(count)]
+
         def run(i: int) -> None:
             try:
-                _train(peers[i], i, dtype, out, count)
+                _train(peers[i], i, models[i], out, count)
             except BaseException as e:  # re-raised below
                 errors.append(e)
 

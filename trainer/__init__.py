@@ -3,7 +3,7 @@
 Modules:
 
 - ``_task``: the task API (model, data stream, loss, evaluation) and ``load_task``
-- ``_tasks_digits``: the built-in ``digits`` task (scikit-learn's bundled data set)
+- ``_tasks_digits``: the built-in ``digits`` (MLP) and ``digits-cnn`` (BatchNorm CNN) tasks
 - ``_checkpoint``: atomic checkpoint files and checkpoint directories
 - ``_progress``: progress records in the DHT, the swarm's progress estimate, and
   ``ProgressTree``, the aggregation tree that scales it to thousands of peers
@@ -32,8 +32,17 @@ from ._progress import (
     progress_key,
 )
 from ._round_timing import RoundTiming, RoundTimingConfig
-from ._task import Task, builtin_task_names, default_optimizer, load_task, shuffled_batches
-from ._tasks_digits import make_digits_task
+from ._task import (
+    Task,
+    builtin_task_names,
+    default_optimizer,
+    load_task,
+    model_device,
+    model_dtype,
+    shuffled_batches,
+    to_device,
+)
+from ._tasks_digits import DigitsCNN, make_digits_cnn_task, make_digits_task
 
 __all__ = [
     "ArcTopK",
@@ -42,6 +51,7 @@ __all__ = [
     "CollaborativeConfig",
     "CollaborativeOptimizer",
     "DiLoCo",
+    "DigitsCNN",
     "DropCompute",
     "GlobalStep",
     "GradHook",
@@ -59,11 +69,15 @@ __all__ = [
     "load_checkpoint",
     "load_plain_state_dict",
     "load_task",
+    "make_digits_cnn_task",
     "make_digits_task",
     "model_buffers",
+    "model_device",
+    "model_dtype",
     "parse_progress",
     "plain_state_dict",
     "progress_key",
     "save_checkpoint",
     "shuffled_batches",
+    "to_device",
 ]

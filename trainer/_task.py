@@ -114,13 +114,20 @@ class Task(Generic[Batch]):
             raise ConfigError(f"task {self.name}: train_size must be an integer >= 1 or None")
 
     def build(
-        self, *, seed: int | None = None
+        self,
+        *,
+        seed: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> tuple[nn.Module, torch.optim.Optimizer, LRScheduler | None]:
         """A new model with its optimizer and scheduler (``None`` if the task has none).
 
         With ``seed``, the model is initialised from that seed without disturbing
         the global random state, so peers that pass the same seed start from
-        identical weights.
+        identical weights. The weights are always drawn on the CPU (a GPU's
+        random numbers depend on its model) and then moved to ``device`` and
+        cast to ``dtype`` (floating point parameters and buffers only), before
+        the optimizer is made.
         """
         with _seeded(seed):
             model = self.make_model()
@@ -128,6 +135,12 @@ class Task(Generic[Batch]):
             raise ConfigError(
                 f"task {self.name}: make_model returned {type(model).__name__}, not an nn.Module"
             )
+        if device is not None:
+            model = model.to(torch.device(device))
+        if dtype is not None:
+            if not dtype.is_floating_point:
+                raise ConfigError(f"task {self.name}: dtype {dtype} is not floating point")
+            model = model.to(dtype)
         optimizer = self.make_optimizer(model.parameters())
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(
@@ -163,6 +176,40 @@ class Task(Generic[Batch]):
                     f"task {self.name}: metric {key!r} is not a number: {value!r}"
                 ) from e
         return result
+
+
+def to_device(batch: Batch, device: torch.device | str) -> Batch:
+    """``batch`` with every tensor in it (in tuples, lists and dicts, at any
+    depth) moved to ``device``; other values are kept. A task's ``loss`` and
+    ``evaluate`` call it with the model's device (see ``model_device``), so
+    one task runs on any device. Copies from pinned memory are asynchronous."""
+    target = torch.device(device)
+    if isinstance(batch, torch.Tensor):
+        if batch.device == target:
+            return batch
+        return batch.to(target, non_blocking=batch.is_pinned())  # type: ignore[return-value]
+    if isinstance(batch, tuple):
+        return type(batch)(to_device(item, target) for item in batch)
+    if isinstance(batch, list):
+        return [to_device(item, target) for item in batch]  # type: ignore[return-value]
+    if isinstance(batch, dict):
+        return {key: to_device(v, target) for key, v in batch.items()}  # type: ignore[return-value]
+    return batch
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (the CPU for a model without)."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating point parameter (float32 if none)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
 
 
 def shuffled_batches(
@@ -212,9 +259,9 @@ def _seeded(seed: int | None) -> Iterator[None]:
 
 def _builtin_tasks() -> dict[str, Callable[[], Task[Any]]]:
     # Imported here so that loading a user's task never pays for the built-ins.
-    from ._tasks_digits import make_digits_task
+    from ._tasks_digits import make_digits_cnn_task, make_digits_task
 
-    return {"digits": make_digits_task}
+    return {"digits": make_digits_task, "digits-cnn": make_digits_cnn_task}
 
 
 def builtin_task_names() -> list[str]:

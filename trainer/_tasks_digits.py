@@ -23,7 +23,7 @@ from torch.optim.optimizer import ParamsT
 
 from swarm import ConfigError
 
-from ._task import Task, shuffled_batches
+from ._task import Task, model_device, model_dtype, shuffled_batches, to_device
 
 #: Seed of the train/test split; the same on every peer, whatever its stream seed.
 SPLIT_SEED = 0
@@ -77,18 +77,64 @@ def _batches(seed: int, batch_size: int) -> Iterator[DigitsBatch]:
     return ((x, y) for x, y in stream)
 
 
+def _on_model(model: nn.Module, batch: DigitsBatch) -> DigitsBatch:
+    """The batch on the model's device, features in the model's dtype."""
+    features, labels = to_device(batch, model_device(model))
+    return features.to(model_dtype(model)), labels
+
+
 def _loss(model: nn.Module, batch: DigitsBatch) -> tuple[torch.Tensor, int]:
-    features, labels = batch
-    return F.cross_entropy(model(features), labels), len(labels)
+    features, labels = _on_model(model, batch)
+    # the loss in float32 also for a bf16/fp16 model
+    return F.cross_entropy(model(features).float(), labels), len(labels)
 
 
 def _evaluate(model: nn.Module) -> dict[str, float]:
-    _, (features, labels) = digits_split()
+    features, labels = _on_model(model, digits_split()[1])
     with torch.no_grad():
-        logits = model(features)
+        logits = model(features).float()
         loss = F.cross_entropy(logits, labels).item()
         accuracy = (logits.argmax(dim=1) == labels).float().mean().item()
     return {"accuracy": accuracy, "loss": loss}
+
+
+class DigitsCNN(nn.Module):
+    """A small CNN with BatchNorm on the digits as 1x8x8 images (~10k parameters)."""
+
+    def __init__(self, channels: int = 16) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, channels, 3, padding=1),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(),
+            nn.Conv2d(channels, 2 * channels, 3, padding=1),
+            nn.BatchNorm2d(2 * channels),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.head = nn.Linear(2 * channels * 16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x.view(-1, 1, 8, 8)).flatten(1))
+
+
+def make_digits_cnn_task(channels: int = 16) -> Task[DigitsBatch]:
+    """The ``digits-cnn`` task: ``DigitsCNN`` (BatchNorm: its running statistics
+    are buffers the swarm must share), Adam (lr 1e-2), batches of 64.
+    ``ConfigError`` unless 1 <= channels <= 256."""
+    if isinstance(channels, bool) or not isinstance(channels, int) or not 1 <= channels <= 256:
+        raise ConfigError(f"channels={channels!r} must be an integer in [1, 256]")
+    (_, train_labels), _ = digits_split()
+    return Task(
+        name="digits-cnn" if channels == 16 else f"digits-cnn-c{channels}",
+        make_model=functools.partial(DigitsCNN, channels),
+        batches=_batches,
+        loss=_loss,
+        evaluate=_evaluate,
+        make_optimizer=_make_optimizer,
+        batch_size=64,
+        train_size=len(train_labels),
+    )
 
 
 def make_digits_task(hidden: int = HIDDEN) -> Task[DigitsBatch]:
