@@ -34,7 +34,7 @@ from ._announce import announce_host, is_wildcard
 from ._errors import BootstrapError, ConfigError, SwarmError, collapse_exception_groups
 from ._identity import Identity
 from ._stdout import say
-from ._throughput import ThroughputMeter
+from ._throughput import Throughput, ThroughputMeter
 
 if TYPE_CHECKING:
     from trainer import (
@@ -584,8 +584,17 @@ class _EpochReporter:
     stderr) and measures the swarm's real throughput (``ThroughputMeter``): the
     first line has none yet, since one epoch gives no interval to measure."""
 
-    def __init__(self, target_batch_size: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        target_batch_size: int,
+        *,
+        diloco: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.meter = ThroughputMeter(target_batch_size)
+        #: DiLoCo: an epoch is every peer's local steps, not the target batch,
+        #: so samples per epoch are unknown here and only s/epoch is shown
+        self._diloco = diloco
         self._clock = clock
         #: the training loss at the last epoch line (None: no epoch yet)
         self.train_loss: float | None = None
@@ -598,10 +607,7 @@ class _EpochReporter:
         line = f"epoch {opt.epoch}: " + ", ".join(parts)
         throughput = self.meter.recent()
         if throughput is not None:
-            line += (
-                f"; swarm {throughput.samples_per_second:.0f} samples/s, "
-                f"{throughput.seconds_per_epoch:.2f} s/epoch"
-            )
+            line += f"; swarm {self._rate(throughput)}{throughput.seconds_per_epoch:.2f} s/epoch"
         line += f"; compute {swarm.samples_per_second:.0f} samples/s"
         line += f"; {_peers(swarm.num_peers)} alive"
         say(line)
@@ -613,10 +619,13 @@ class _EpochReporter:
         overall = self.meter.overall()
         if overall is not None:
             line += (
-                f"; swarm {overall.samples_per_second:.0f} samples/s over {overall.epochs} "
-                f"epochs ({overall.seconds_per_epoch * overall.epochs:.1f} s)"
+                f"; swarm {self._rate(overall)}{overall.seconds_per_epoch:.2f} s/epoch over "
+                f"{overall.epochs} epochs ({overall.seconds_per_epoch * overall.epochs:.1f} s)"
             )
         return line
+
+    def _rate(self, throughput: Throughput) -> str:
+        return "" if self._diloco else f"{throughput.samples_per_second:.0f} samples/s, "
 
 
 class _StopOnSignal:
@@ -764,7 +773,7 @@ def _run_train(args: argparse.Namespace, given: frozenset[str] = frozenset()) ->
             waiting = _waiting_line(config)
             if waiting is not None:
                 say(waiting)
-            reporter = _EpochReporter(config.target_batch_size)
+            reporter = _EpochReporter(config.target_batch_size, diloco=args.diloco is not None)
             report = train(peer, task, config, stop=stop, on_epoch=reporter)
         say(reporter.final_line("stopped" if stop.is_set() else "finished", report))
     return EXIT_OK
@@ -787,7 +796,9 @@ def _status_object(
     training loss (also as ``train_loss``) and its ``samples_per_second`` its
     compute rate (also as ``compute_samples_per_second``)."""
     throughput: float | None = None
-    if settings is not None and swarm.epoch > 0 and now > settings.started:
+    # (DiLoCo: an epoch is H local steps of every peer, not the target batch)
+    known = settings is not None and settings.diloco is None
+    if settings is not None and known and swarm.epoch > 0 and now > settings.started:
         throughput = swarm.epoch * settings.target_batch_size / (now - settings.started)
     return {
         "run_id": run_id,

@@ -157,7 +157,7 @@ async def test_bad_configuration_exits_2_with_one_line(tmp_path: Path) -> None:
     }
 
     async def check(args: tuple[str, ...], expected: str) -> None:
-        result = await run_to_completion(*args, "--host", "127.0.0.1", timeout=40)
+        result = await run_to_completion(*args, "--host", "127.0.0.1", timeout=90)
         lines = result.stderr.decode().strip().splitlines()
         assert result.returncode == 2, (args, lines)
         assert len(lines) == 1 and lines[0].startswith(f"swarm {args[0]}: error:"), lines
