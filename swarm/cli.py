@@ -19,6 +19,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ from ._errors import BootstrapError, ConfigError, SwarmError, collapse_exception
 from ._identity import Identity
 
 if TYPE_CHECKING:
+    from averaging import MatchmakingConfig
     from trainer import (
         CollaborativeConfig,
         CollaborativeOptimizer,
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
         PeerProgress,
         SwarmProgress,
     )
-    from trainer._loop import TrainingReport
+    from trainer._loop import TrainingConfig, TrainingReport
 
     from ._peer import PeerConfig
 
@@ -58,9 +60,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-def _add_peer_options(parser: argparse.ArgumentParser) -> None:
+def _add_peer_options(parser: argparse.ArgumentParser | _Group, *, verbose: bool = True) -> None:
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
-    parser.add_argument("--port", type=int, default=0, help="UDP+TCP port (default: any free port)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=_peer_defaults().port,
+        help="UDP+TCP port (default: any free port)",
+    )
     parser.add_argument(
         "--initial-peer",
         action="append",
@@ -73,10 +80,11 @@ def _add_peer_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--announce", metavar="HOST:PORT", help="address others should dial, if not --host:--port"
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    if verbose:
+        parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
-def _add_swarm_key_option(parser: argparse.ArgumentParser) -> None:
+def _add_swarm_key_option(parser: argparse.ArgumentParser | _Group) -> None:
     parser.add_argument(
         "--swarm-key",
         metavar="FILE",
@@ -100,6 +108,18 @@ def _swarm_key_option(args: argparse.Namespace) -> str:
 
 
 def _add_train_options(parser: argparse.ArgumentParser) -> None:
+    """The options of ``swarm train``, in the groups ``--help`` shows. Their
+    defaults are read from the config dataclasses (``_TrainDefaults``), so a
+    default is stated once; this imports the trainer, so it runs only when
+    ``train`` is the command (``_LazySubParsers``)."""
+    d = _TrainDefaults.read()
+    network = parser.add_argument_group("peer and network")
+    _add_peer_options(network, verbose=False)
+    network.add_argument(
+        "--client-mode",
+        action="store_true",
+        help="accept no incoming connections (behind NAT); still trains and averages",
+    )
     run = parser.add_argument_group("the run (every peer of a run passes the same values)")
     run.add_argument(
         "--task",
@@ -112,23 +132,23 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--target-batch-size",
         type=int,
-        default=256,
+        default=d.training.target_batch_size,
         metavar="N",
-        help="samples the whole swarm processes per global step (default 256)",
+        help="samples the whole swarm processes per global step (default %(default)s)",
     )
     run.add_argument(
         "--matchmaking-time",
         type=float,
-        default=5.0,
+        default=d.matchmaking.matchmaking_time,
         metavar="SECONDS",
-        help="how long a group leader gathers peers to average with (default 5)",
+        help="how long a group leader gathers peers to average with (default %(default)g)",
     )
     run.add_argument(
         "--target-group-size",
         type=int,
-        default=16,
+        default=d.matchmaking.target_group_size,
         metavar="N",
-        help="peers per averaging group (Moshpit; default 16)",
+        help="peers per averaging group (Moshpit; default %(default)s)",
     )
     run.add_argument(
         "--diloco",
@@ -137,62 +157,140 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         help="DiLoCo: H local steps per peer, then an outer step on the averaged "
         "pseudo-gradients (float16); for slow links (default: off)",
     )
-    peer = parser.add_argument_group("this peer")
-    peer.add_argument(
+    training = parser.add_argument_group("training (this peer)")
+    training.add_argument(
         "--batch-size", type=int, metavar="N", help="samples per local step (default: the task's)"
     )
-    peer.add_argument(
+    training.add_argument(
+        "--lr",
+        type=float,
+        metavar="RATE",
+        help="learning rate of the inner optimizer (default: the task's)",
+    )
+    training.add_argument(
         "--max-epochs", type=int, metavar="N", help="leave after this global step (default: never)"
     )
-    peer.add_argument(
+    training.add_argument(
         "--averaging-timeout",
         type=float,
         metavar="SECONDS",
         help="longest wait for one averaging round (default: max(60, 2 x matchmaking bound))",
     )
-    peer.add_argument(
+    training.add_argument(
         "--min-peers",
         type=int,
-        default=1,
+        default=d.training.min_peers,
         metavar="N",
-        help="wait (up to a minute) until N peers are in the run before training (default 1)",
+        help=f"wait (up to {d.training.min_peers_timeout:g} s) until N peers are in the run "
+        "before training (default %(default)s)",
     )
-    peer.add_argument(
+    training.add_argument(
         "--eval-every",
         type=int,
-        default=5,
+        default=d.training.eval_every,
         metavar="N",
-        help="evaluate every N epochs (0: only at the end; default 5)",
+        help="evaluate every N epochs (0: only at the end; default %(default)s)",
     )
-    peer.add_argument(
+    training.add_argument(
         "--seed",
         type=int,
         metavar="N",
         help="seed of this peer's data order (default: derived from the peer id)",
     )
-    peer.add_argument("--checkpoint-dir", metavar="DIR", help="save and resume checkpoints here")
-    peer.add_argument(
-        "--checkpoint-every", type=int, default=10, metavar="N", help="epochs between checkpoints"
-    )
-    peer.add_argument(
-        "--client-mode",
-        action="store_true",
-        help="accept no incoming connections (behind NAT); still trains and averages",
-    )
-    peer.add_argument(
+    training.add_argument(
         "--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)"
     )
-    peer.add_argument(
+    training.add_argument(
         "--drop-compute",
         metavar="SECONDS|auto",
         help="DropCompute: stop computing after SECONDS per global step and average what "
         "this peer has; 'auto' chooses it from the first steps (default: off)",
     )
+    checkpoints = parser.add_argument_group("checkpointing")
+    checkpoints.add_argument(
+        "--checkpoint-dir", metavar="DIR", help="save and resume checkpoints here"
+    )
+    checkpoints.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=d.optimizer.checkpoint_every,
+        metavar="N",
+        help="epochs between checkpoints (default %(default)s)",
+    )
+    output = parser.add_argument_group("output")
+    output.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    _add_config_option(output)
+
+
+@dataclass(frozen=True)
+class _TrainDefaults:
+    """The config dataclasses whose defaults are ``swarm train``'s defaults."""
+
+    training: TrainingConfig
+    optimizer: CollaborativeConfig
+    matchmaking: MatchmakingConfig
+
+    @classmethod
+    def read(cls) -> _TrainDefaults:
+        from averaging import MatchmakingConfig
+        from trainer import CollaborativeConfig
+        from trainer._loop import TrainingConfig
+
+        return cls(TrainingConfig(), CollaborativeConfig(), MatchmakingConfig())
+
+
+def _peer_defaults() -> PeerConfig:
+    from ._peer import PeerConfig
+
+    return PeerConfig()
+
+
+if TYPE_CHECKING:
+    _SubParsersAction = argparse._SubParsersAction[argparse.ArgumentParser]
+else:  # not subscriptable at run time
+    _SubParsersAction = argparse._SubParsersAction
+
+
+class _LazySubParsers(_SubParsersAction):
+    """Subcommands whose options are added only when the command is chosen:
+    ``swarm train``'s defaults come from the trainer's dataclasses, and
+    ``swarm dht`` should not pay for importing torch to read them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pending: dict[str, Callable[[argparse.ArgumentParser], None]] = {}
+
+    def add_lazily(
+        self, name: str, add_options: Callable[[argparse.ArgumentParser], None], **kwargs: Any
+    ) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = self.add_parser(name, **kwargs)
+        self._pending[name] = add_options
+        return parser
+
+    def command(self, name: str) -> argparse.ArgumentParser | None:
+        """The parser of command ``name`` with all its options, or None."""
+        add_options = self._pending.pop(name, None)
+        parser = self.choices.get(name)
+        if add_options is not None and parser is not None:
+            add_options(parser)
+        return parser
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        self.command(values[0])
+        super().__call__(parser, namespace, values, option_string)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="swarm", description="Train one model on many unreliable machines.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    commands: _LazySubParsers = parser.add_subparsers(  # type: ignore[assignment]
+        dest="command", required=True, parser_class=_Parser, action=_LazySubParsers
+    )
     dht = commands.add_parser("dht", help="run a DHT-only peer (e.g. a long-lived bootstrap node)")
     _add_peer_options(dht)
     dht.add_argument(
@@ -201,15 +299,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds between routing/storage reports in the log",
     )
-    train = commands.add_parser(
+    commands.add_lazily(
         "train",
+        _add_train_options,
         help="train with a swarm (starts a new one without --initial-peer)",
         description="Train a task with the swarm. Without --initial-peer this peer starts a "
         "new swarm and prints the command other machines run to join it. "
         "Ctrl-C or SIGTERM leaves after the current step.",
     )
-    _add_peer_options(train)
-    _add_train_options(train)
     status = commands.add_parser(
         "status", help="show who is training in a run and how far it has got"
     )
@@ -243,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     keygen.add_argument("--swarm-key", required=True, metavar="FILE", help="file to create")
     keygen.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    _add_export_command(commands)
     return parser
 
 
@@ -501,6 +599,7 @@ def _run_train(args: argparse.Namespace) -> int:
     stop = threading.Event()
     with _StopOnSignal(stop):
         _check_train_args(args)
+        _check_dashboard_args(args)
         from trainer import load_task
         from trainer._loop import TrainingConfig, train
 
@@ -518,6 +617,7 @@ def _run_train(args: argparse.Namespace) -> int:
             run_id=run_id,
             target_batch_size=args.target_batch_size,
             batch_size=args.batch_size,
+            lr=args.lr,
             max_epochs=args.max_epochs,
             eval_every=args.eval_every,
             data_seed=seed,
@@ -627,17 +727,90 @@ def _run_keygen(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- config file and options of the dashboard (issue 20) -----------------------------
+
+#: An argument group of a parser, where options are registered like on the parser.
+_Group = argparse._ArgumentGroup
+
+
+def _add_config_option(group: _Group) -> None:
+    group.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        help="read options from a TOML file: the long option names, with dashes or "
+        "underscores (e.g. target-batch-size = 512); flags given here override it",
+    )
+
+
+def _parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed, with a ``--config`` file's values as the command's defaults.
+
+    Raises ``ConfigError`` (one line naming the file and key) for a bad file;
+    argparse exits 2 for bad flags."""
+    from ._config_file import parse_with_config
+
+    commands = next(a for a in parser._actions if isinstance(a, _LazySubParsers))
+    chosen = commands.command(argv[0]) if argv else None
+    return parse_with_config(parser, {} if chosen is None else {argv[0]: chosen}, argv)
+
+
+def _check_dashboard_args(args: argparse.Namespace) -> None:
+    """The options of this section that can be checked before anything starts."""
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        raise ConfigError(f"--lr {args.lr:g} must be a positive number")
+
+
+# -- swarm export ---------------------------------------------------------------------
+
+
+def _add_export_command(commands: _LazySubParsers) -> None:
+    export = commands.add_parser(
+        "export",
+        help="write the trained model's weights to a safetensors file",
+        description="Write the model weights of the newest valid checkpoint in DIR to a "
+        "safetensors file that loads without Swarm (names as in the model's state_dict).",
+    )
+    export.add_argument("--checkpoint-dir", required=True, metavar="DIR", help="the peer's")
+    export.add_argument("--out", required=True, metavar="FILE.safetensors", help="file to write")
+    export.add_argument(
+        "--task",
+        default=DEFAULT_TASK,
+        metavar="NAME|FILE.py:FACTORY",
+        help=f"the task the run trained: its model names the weights (default {DEFAULT_TASK})",
+    )
+    export.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from trainer import export_model, load_task
+
+    model, _, _ = load_task(args.task).build(seed=0)
+    exported = export_model(args.checkpoint_dir, args.out, model)
+    print(
+        f"exported epoch {exported.epoch} ({exported.tensors} tensors) to {exported.path}",
+        flush=True,
+    )
+    return EXIT_OK
+
+
 # -- entry point ----------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = _parse_args(parser, arguments)
+    except ConfigError as e:
+        print(f"swarm {arguments[0]}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     _configure_logging(args.verbose)
     runners: dict[str, Callable[[argparse.Namespace], int]] = {
         "dht": lambda a: trio.run(_run_dht, a),
         "train": _run_train,
         "status": lambda a: trio.run(_run_status, a),
         "keygen": _run_keygen,
+        "export": _run_export,
     }
     try:
         with collapse_exception_groups():

@@ -35,6 +35,8 @@ class TrainingConfig:
     target_batch_size: int = 256
     #: per-peer batch size; None: the task's default
     batch_size: int | None = None
+    #: learning rate of the inner optimizer; None: the task's (see ``Task.build``)
+    lr: float | None = None
     #: stop after this many global steps (epochs); None: until stopped
     max_epochs: int | None = None
     #: evaluate every this many epochs (0: only at the end)
@@ -83,7 +85,7 @@ def train(
     gradients hold NaN or Inf is skipped with a warning; ``NonFiniteError`` once
     ``MAX_NONFINITE_BATCHES`` come in a row (the model has diverged).
     """
-    model, inner, scheduler = task.build(seed=config.model_seed)
+    model, inner, scheduler = task.build(seed=config.model_seed, lr=config.lr)
     batch_size = config.batch_size or task.batch_size
     report = TrainingReport()
     started = time.monotonic()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import math
 import re
 import sys
 import threading
@@ -114,14 +115,19 @@ class Task(Generic[Batch]):
             raise ConfigError(f"task {self.name}: train_size must be an integer >= 1 or None")
 
     def build(
-        self, *, seed: int | None = None
+        self, *, seed: int | None = None, lr: float | None = None
     ) -> tuple[nn.Module, torch.optim.Optimizer, LRScheduler | None]:
         """A new model with its optimizer and scheduler (``None`` if the task has none).
 
         With ``seed``, the model is initialised from that seed without disturbing
         the global random state, so peers that pass the same seed start from
-        identical weights.
+        identical weights. With ``lr``, every parameter group of the optimizer
+        starts at that learning rate, set before the scheduler is made so that a
+        schedule scales from it. Raises ``ConfigError`` for an ``lr`` that is not
+        a positive finite number.
         """
+        if lr is not None and (isinstance(lr, bool) or not (math.isfinite(lr) and lr > 0)):
+            raise ConfigError(f"learning rate {lr!r} must be a positive finite number")
         with _seeded(seed):
             model = self.make_model()
         if not isinstance(model, nn.Module):
@@ -134,6 +140,9 @@ class Task(Generic[Batch]):
                 f"task {self.name}: make_optimizer returned {type(optimizer).__name__}, "
                 "not a torch.optim.Optimizer"
             )
+        if lr is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
         scheduler = None if self.make_scheduler is None else self.make_scheduler(optimizer)
         return model, optimizer, scheduler
 
