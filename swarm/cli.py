@@ -11,6 +11,7 @@ one-line message that says what to change).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     )
     from trainer._loop import TrainingConfig, TrainingReport
 
+    from ._dashboard import Dashboard, Display, Throughput
     from ._peer import PeerConfig
 
 log = logging.getLogger("swarm")
@@ -220,6 +222,7 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
     output = parser.add_argument_group("output")
     output.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     _add_config_option(output)
+    _add_output_options(output)
 
 
 @dataclass(frozen=True)
@@ -341,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("--swarm-key", required=True, metavar="FILE", help="file to create")
     keygen.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     _add_export_command(commands)
+    _add_plot_command(commands)
     return parser
 
 
@@ -600,6 +604,7 @@ def _run_train(args: argparse.Namespace) -> int:
     with _StopOnSignal(stop):
         _check_train_args(args)
         _check_dashboard_args(args)
+        _open_log_file(args)
         from trainer import load_task
         from trainer._loop import TrainingConfig, train
 
@@ -629,13 +634,23 @@ def _run_train(args: argparse.Namespace) -> int:
             import torch
 
             torch.set_num_threads(args.threads)
-        with Peer(identity, peer_config) as peer:
+        with _open_dashboard(args, config) as dashboard, Peer(identity, peer_config) as peer:
+            dashboard.attach(peer)
             print(
                 f"peer {peer.peer_id} listening on {args.host}:{peer.async_peer.port}", flush=True
             )
             print(f"training task {task.name} in run {run_id}", flush=True)
             print(f"join with: {_join_command(args, peer.address, run_id)}", flush=True)
-            report = train(peer, task, config, stop=stop, on_epoch=_report_epoch)
+            report = train(
+                peer,
+                task,
+                config,
+                stop=stop,
+                on_epoch=dashboard.on_epoch,
+                on_start=dashboard.on_start,
+            )
+            dashboard.close()  # the live display ends before the last line
+            dashboard.finish(report.epochs, report.metrics)
         how = "stopped" if stop.is_set() else "finished"
         metrics = ", ".join(f"{k} {v:.4f}" for k, v in sorted(report.metrics.items()))
         print(f"{how} at epoch {report.epochs}: {metrics}", flush=True)
@@ -758,6 +773,65 @@ def _check_dashboard_args(args: argparse.Namespace) -> None:
     """The options of this section that can be checked before anything starts."""
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
         raise ConfigError(f"--lr {args.lr:g} must be a positive number")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise ConfigError(f"--metrics-port {args.metrics_port} is outside 0-65535")
+
+
+def _add_output_options(group: _Group) -> None:
+    from ._log_file import LOG_FORMATS
+
+    group.add_argument(
+        "--log-file",
+        metavar="PATH",
+        help="also write the log to PATH (appended); without --checkpoint-dir the metric "
+        "history goes beside it (PATH's name + .history.jsonl)",
+    )
+    group.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text, or json: one JSON object per line, with time, level, logger, message "
+        "and the record's fields (the log file's, else stderr's; default text)",
+    )
+    group.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on --host:PORT (0: any free port, logged)",
+    )
+
+
+def _open_log_file(args: argparse.Namespace) -> None:
+    from ._log_file import configure_log_output
+
+    configure_log_output(args.log_file, args.log_format)
+
+
+def _open_dashboard(
+    args: argparse.Namespace, config: TrainingConfig
+) -> contextlib.AbstractContextManager[Dashboard]:
+    """The history, metrics and display of ``swarm train`` (``_dashboard``):
+    a live display when stdout is a terminal, else the plain epoch lines."""
+    from ._dashboard import PlainLines, open_dashboard
+    from ._history import history_path
+
+    def display(throughput: Throughput) -> Display:
+        if sys.stdout.isatty():
+            from ._live import LiveDisplay
+
+            return LiveDisplay(
+                target_batch_size=config.target_batch_size,
+                max_epochs=config.max_epochs,
+                throughput=throughput,
+            )
+        return PlainLines(_report_epoch)
+
+    return open_dashboard(
+        target_batch_size=config.target_batch_size,
+        history_path=history_path(args.checkpoint_dir, args.log_file),
+        metrics_address=None if args.metrics_port is None else (args.host, args.metrics_port),
+        display=display,
+    )
 
 
 # -- swarm export ---------------------------------------------------------------------
@@ -793,6 +867,39 @@ def _run_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- swarm plot -----------------------------------------------------------------------
+
+
+def _add_plot_command(commands: _LazySubParsers) -> None:
+    plot = commands.add_parser(
+        "plot",
+        help="draw a run's loss, accuracy and throughput over time as a PNG",
+        description="Draw the metric history a training peer keeps (history.jsonl in its "
+        "--checkpoint-dir, or beside its --log-file) as a PNG.",
+    )
+    source = plot.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint-dir", metavar="DIR", help="the peer's checkpoint directory")
+    source.add_argument("--history", metavar="FILE", help="a history file (*.history.jsonl)")
+    plot.add_argument("--out", required=True, metavar="FILE.png", help="the PNG to write")
+    plot.add_argument("--width", type=int, default=1200, metavar="PIXELS", help="default 1200")
+    plot.add_argument("--height", type=int, default=900, metavar="PIXELS", help="default 900")
+    plot.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _run_plot(args: argparse.Namespace) -> int:
+    from ._history import history_path, read_history
+    from ._plot import plot_history
+
+    path = Path(args.history) if args.history else history_path(args.checkpoint_dir, None)
+    assert path is not None
+    if not path.is_file():
+        raise ConfigError(f"no metric history at {path}: train with --checkpoint-dir first")
+    records = read_history(path)
+    out = plot_history(records, args.out, width=args.width, height=args.height)
+    print(f"plotted {len(records)} records to {out} ({args.width}x{args.height})", flush=True)
+    return EXIT_OK
+
+
 # -- entry point ----------------------------------------------------------------------
 
 
@@ -811,6 +918,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "status": lambda a: trio.run(_run_status, a),
         "keygen": _run_keygen,
         "export": _run_export,
+        "plot": _run_plot,
     }
     try:
         with collapse_exception_groups():

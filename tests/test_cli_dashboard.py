@@ -1,6 +1,8 @@
 """The tools around ``swarm train`` as a user runs them, through the CLI with
 real processes on 127.0.0.1: ``--config`` and its precedence, ``--lr``,
-``swarm export``.
+``swarm export``, the metric history and ``swarm plot``, ``--log-file`` in
+JSON, Prometheus metrics scraped over HTTP, and the progress display (plain
+lines through a pipe, a live display on a terminal).
 
 One finished run (a module fixture: one peer, a few epochs of the built-in
 digits task) is shared by the tests that inspect what a run leaves behind.
@@ -8,15 +10,24 @@ digits task) is shared by the tests that inspect what a run leaves behind.
 
 from __future__ import annotations
 
+import json
 import os
+import pty
+import select
+import signal
+import socket
+import struct
 import subprocess
 import sys
+import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from cli_harness import run_to_completion
+import trio
+from cli_harness import run_cli, run_to_completion, throttled_task_file
 
 #: The run's settings in its config file; the command line overrides one of them.
 RUN_TOML = """
@@ -58,6 +69,7 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> FinishedRun:
     config.write_text(RUN_TOML.format(checkpoint_dir=checkpoint_dir))
     result = _swarm(
         "train", "--config", str(config), "--host", "127.0.0.1", "--target-batch-size", "64",
+        "--log-file", str(directory / "run.log"), "--log-format", "json",
         timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -80,6 +92,16 @@ def test_lr_sets_the_inner_optimizers_learning_rate(finished_run: FinishedRun) -
     assert groups and all(group["lr"] == 0.05 for group in groups)
 
 
+def _main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[str]]:
+    """``swarm *argv`` in this process (the same ``main`` the console script
+    runs): its exit code and the lines it wrote to stderr."""
+    from swarm.cli import main
+
+    capsys.readouterr()
+    code = main(list(argv))
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
 @pytest.mark.parametrize(
     ("toml", "expected"),
     [
@@ -88,39 +110,54 @@ def test_lr_sets_the_inner_optimizers_learning_rate(finished_run: FinishedRun) -
         ("matchmaking-time = true", "key 'matchmaking-time' must be a number"),
         ("client-mode = 1", "key 'client-mode' must be true or false"),
         ("initial-peer = [1]", "key 'initial-peer' must be a string"),
+        ("log-format = 'xml'", "key 'log-format' must be one of text, json"),
         ("lr = 0.1\nlr_x = 2", "unknown key 'lr_x'"),
         ("max-epochs = 2\nmax_epochs = 3", "key 'max_epochs' repeats 'max-epochs'"),
         ("config = 'other.toml'", "unknown key 'config'"),
         ("target-batch-size = ", "is not valid TOML"),
     ],
 )
-async def test_bad_config_file_exits_2_with_one_line_naming_the_key(
-    tmp_path: Path, toml: str, expected: str
+def test_bad_config_file_exits_2_with_one_line_naming_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], toml: str, expected: str
 ) -> None:
     config = tmp_path / "run.toml"
     config.write_text(toml + "\n")
-    result = await run_to_completion("train", "--config", str(config), timeout=60)
-    lines = result.stderr.decode().strip().splitlines()
-    assert result.returncode == 2, lines
+    code, lines = _main(capsys, "train", "--config", str(config))
+    assert code == 2, lines
     assert len(lines) == 1 and lines[0].startswith("swarm train: error:"), lines
     assert expected in lines[0] and str(config) in lines[0], lines
 
 
-async def test_bad_lr_and_missing_config_file_exit_2(tmp_path: Path) -> None:
+async def test_bad_config_file_through_the_cli(tmp_path: Path) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text("target-batch-size = 64\nbatch_size = 'large'\n")
+    result = await run_to_completion("train", "--config", str(config), timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.decode().strip().splitlines() == [
+        f"swarm train: error: {config}: key 'batch_size' must be an integer, got 'large'"
+    ]
+
+
+def test_bad_lr_missing_config_and_start_up_checks_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    unwritable = tmp_path / "no-such-dir" / "run.log"
     for args, expected in [
         (("--lr", "0"), "--lr 0 must be a positive number"),
         (("--lr", "nan"), "--lr nan must be a positive number"),
+        (("--metrics-port", "70000"), "--metrics-port 70000 is outside 0-65535"),
         (("--config", str(tmp_path / "none.toml")), "cannot read config file"),
+        (("--log-file", str(unwritable)), f"--log-file {unwritable}: cannot write it"),
     ]:
-        result = await run_to_completion("train", "--host", "127.0.0.1", *args, timeout=60)
-        lines = result.stderr.decode().strip().splitlines()
-        assert result.returncode == 2, (args, lines)
+        code, lines = _main(capsys, "train", "--host", "127.0.0.1", *args)
+        assert code == 2, (args, lines)
         assert len(lines) == 1 and expected in lines[0], (args, lines)
 
 
 # -- swarm export ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_export_round_trip_gives_the_same_outputs(
     finished_run: FinishedRun, tmp_path: Path
 ) -> None:
@@ -184,7 +221,9 @@ def test_export_names_the_checkpoints_parameters_by_the_tasks_model() -> None:
         named_model_state(model, params)
 
 
-async def test_export_without_a_valid_checkpoint_exits_2_with_one_line(tmp_path: Path) -> None:
+def test_export_without_a_valid_checkpoint_exits_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "model.safetensors"
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -196,11 +235,194 @@ async def test_export_without_a_valid_checkpoint_exits_2_with_one_line(tmp_path:
         (damaged, "(1 damaged: checkpoint-0000000004.swarm)"),
         (tmp_path / "missing", "does not exist"),
     ]:
-        result = await run_to_completion(
-            "export", "--checkpoint-dir", str(directory), "--out", str(out), timeout=60
-        )
-        lines = result.stderr.decode().strip().splitlines()
-        assert result.returncode == 2, lines
+        code, lines = _main(capsys, "export", "--checkpoint-dir", str(directory), "--out", str(out))
+        assert code == 2, lines
         assert len(lines) == 1 and lines[0].startswith("swarm export: error:"), lines
         assert expected in lines[0], lines
         assert not out.exists()
+
+
+# -- the progress display ---------------------------------------------------------------
+
+
+def test_through_a_pipe_one_plain_line_per_epoch(finished_run: FinishedRun) -> None:
+    lines = finished_run.stdout
+    assert lines[0].startswith("peer ") and " listening on 127.0.0.1:" in lines[0], lines
+    assert lines[1] == "training task digits in run digits", lines
+    assert lines[2].startswith("join with: swarm train --initial-peer 127.0.0.1:"), lines
+    assert [line.split(":")[0] for line in lines[3:-1]] == ["epoch 1", "epoch 2", "epoch 3"]
+    assert lines[-1].startswith("finished at epoch 3: accuracy "), lines
+    assert len(lines) == 7
+    assert not any("\x1b" in line or "\r" in line for line in lines), lines
+
+
+@pytest.mark.slow
+def test_on_a_terminal_a_live_display(tmp_path: Path) -> None:
+    controller, terminal = pty.openpty()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "swarm.cli", "train", "--host", "127.0.0.1", "--threads", "1",
+         "--target-batch-size", "64", "--max-epochs", "2", "--eval-every", "0"],
+        stdin=subprocess.DEVNULL,
+        stdout=terminal,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "COLUMNS": "160", "TERM": "xterm"},
+    )  # fmt: skip
+    os.close(terminal)
+    output = b""
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([controller], [], [], 1.0)
+            if not ready:
+                continue
+            try:
+                chunk = os.read(controller, 65536)
+            except OSError:  # EIO: the process closed the terminal
+                break
+            if not chunk:
+                break
+            output += chunk
+        assert process.wait(timeout=30) == 0, output[-2000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        os.close(controller)
+    text = output.decode(errors="replace")
+    assert "\x1b[" in text  # the display redraws itself in place
+    assert "samples of the global batch" in text and "ETA" in text and "peer alive" in text
+    assert "epoch 1: train loss " in text and "epoch 2: train loss " in text
+    assert "finished at epoch 2:" in text
+
+
+# -- history, plot and log file -----------------------------------------------------------
+
+
+def test_the_peer_keeps_its_metric_history(finished_run: FinishedRun) -> None:
+    from swarm._history import read_history
+
+    records = read_history(finished_run.checkpoint_dir / "history.jsonl")
+    assert [(r.epoch, r.final) for r in records] == [(1, False), (2, False), (3, False), (3, True)]
+    for r in records:
+        assert r.samples_per_second is not None and r.samples_per_second > 0
+        assert r.accuracy is not None and 0 <= r.accuracy <= 1
+        assert r.eval_loss is not None and r.peers == 1
+    assert all(r.train_loss is not None for r in records[:3])
+    assert [r.time for r in records] == sorted(r.time for r in records)
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", data[:8]
+    length, kind = struct.unpack(">I4s", data[8:16])
+    assert kind == b"IHDR" and length == 13
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def test_plot_writes_a_png_of_the_expected_size(finished_run: FinishedRun, tmp_path: Path) -> None:
+    out = tmp_path / "curves.png"
+    result = _swarm(
+        "plot", "--checkpoint-dir", str(finished_run.checkpoint_dir), "--out", str(out),
+        "--width", "640", "--height", "480",
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("plotted 4 records to "), result.stdout
+    assert _png_size(out) == (640, 480)
+    default = tmp_path / "default.png"
+    history = finished_run.checkpoint_dir / "history.jsonl"
+    result = _swarm("plot", "--history", str(history), "--out", str(default), timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert _png_size(default) == (1200, 900)
+
+
+async def test_plot_without_a_history_exits_2_with_one_line(tmp_path: Path) -> None:
+    result = await run_to_completion(
+        "plot", "--checkpoint-dir", str(tmp_path), "--out", str(tmp_path / "c.png"), timeout=60
+    )
+    lines = result.stderr.decode().strip().splitlines()
+    assert result.returncode == 2, lines
+    assert len(lines) == 1 and "no metric history at" in lines[0], lines
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_log_file_in_json_has_one_object_per_record(finished_run: FinishedRun) -> None:
+    lines = (finished_run.directory / "run.log").read_text().splitlines()
+    entries = [json.loads(line) for line in lines]
+    assert entries
+    for entry in entries:
+        assert {"time", "level", "logger", "message"} <= set(entry), entry
+    steps = [e for e in entries if e["logger"] == "swarm.metrics" and "epoch" in e]
+    assert [e["epoch"] for e in steps] == [1, 2, 3, 3]
+    assert all(e["averaging"] == "alone" for e in steps[:3])  # structured fields
+    assert all(isinstance(e["samples_per_second"], float) for e in steps)
+
+
+# -- metrics ------------------------------------------------------------------------------
+
+
+def _free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _scrape(port: int) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
+@pytest.mark.slow
+async def test_metrics_scraped_over_http_from_a_training_peer(tmp_path: Path) -> None:
+    port = _free_tcp_port()
+    task = throttled_task_file(tmp_path, 0.02)
+    common = (
+        "--host", "127.0.0.1", "--threads", "1", "--task", task, "--run-id", "metrics",
+        "--target-batch-size", "96", "--matchmaking-time", "1", "--averaging-timeout", "6",
+    )  # fmt: skip
+    async with run_cli("train", *common, "--metrics-port", str(port)) as first:
+        line = await first.read_line_containing("join with:", timeout=60)
+        address = line.split("--initial-peer", 1)[1].split()[0]
+        async with run_cli("train", *common, "--initial-peer", address) as second:
+            await second.read_line_containing("epoch ", timeout=90)
+            await first.read_line_containing("epoch ", timeout=90)
+            line = await first.read_line_containing("2 peers alive", timeout=90)
+            metrics = await trio.to_thread.run_sync(_scrape, port)
+            assert await second.stop(signal.SIGTERM, timeout=30) == 0
+        assert await first.stop(signal.SIGTERM, timeout=30) == 0
+    epoch = metrics["swarm_epoch"]
+    assert epoch >= 2, metrics
+    assert metrics["swarm_peers_alive"] == 2
+    # every global step of this peer has one outcome (it started at epoch 0)
+    rounds = sum(v for k, v in metrics.items() if k.startswith("swarm_averaging_rounds_total"))
+    assert rounds == epoch, metrics
+    assert metrics["swarm_averaging_seconds_count"] == epoch
+    failures = sum(
+        v for k, v in metrics.items() if k.startswith("swarm_averaging_round_failures_total")
+    )
+    assert failures == metrics.get("swarm_averaging_rounds_total{outcome=failed}", 0.0)
+    # the second peer downloaded the state from this one and averaged with it
+    assert metrics["swarm_bytes_sent_total"] > 0 and metrics["swarm_bytes_received_total"] > 0
+    assert metrics["swarm_dht_contacts"] >= 1
+    assert metrics["swarm_train_loss"] > 0
+    assert metrics["swarm_samples_per_second"] > 0
+
+
+def test_metrics_port_in_use_exits_2_at_start(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, lines = _main(capsys, "train", "--host", "127.0.0.1", "--metrics-port", str(port))
+    assert code == 2, lines
+    assert len(lines) == 1 and f"--metrics-port {port}: cannot listen" in lines[0], lines
