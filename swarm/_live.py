@@ -61,11 +61,12 @@ class LiveDisplay:
 
     def start(self, opt: Any) -> None:
         self._opt = opt
-        self._live.start()
+        self._live.start(refresh=True)
         self._started = True
 
     def epoch(self, opt: Any, report: Any, record: EpochRecord) -> None:
         self._live.console.print(f"epoch {record.epoch}: {summary(record)}", highlight=False)
+        self._live.refresh()  # the line below shows the new epoch now, not at the next tick
 
     def close(self) -> None:
         if self._started:

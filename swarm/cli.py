@@ -334,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_swarm_key_option(status)
     status.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    _add_status_watch_options(status)
     keygen = commands.add_parser(
         "keygen",
         help="create the key file of a new private swarm",
@@ -834,6 +835,65 @@ def _open_dashboard(
     )
 
 
+# -- swarm status --watch -------------------------------------------------------------
+
+
+def _add_status_watch_options(status: argparse.ArgumentParser) -> None:
+    status.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        metavar="SECONDS",
+        help="refresh the table every SECONDS (default 2), in place on a terminal, until Ctrl-C",
+    )
+    status.add_argument(
+        "--count", type=int, metavar="N", help="with --watch: leave after N refreshes"
+    )
+
+
+def _run_status_command(args: argparse.Namespace) -> int:
+    if args.watch is None:
+        if args.count is not None:
+            raise ConfigError("--count needs --watch")
+        return trio.run(_run_status, args)
+    if not (math.isfinite(args.watch) and args.watch > 0):
+        raise ConfigError(f"--watch {args.watch:g} must be a positive number of seconds")
+    if args.count is not None and args.count < 1:
+        raise ConfigError(f"--count {args.count} must be at least 1")
+    try:
+        return trio.run(_watch_status, args)
+    except KeyboardInterrupt:
+        return EXIT_OK  # Ctrl-C is how a watch ends
+
+
+async def _watch_status(args: argparse.Namespace) -> int:
+    """``swarm status`` every ``--watch`` seconds, ``--count`` times or until
+    Ctrl-C. On a terminal each table replaces the last (the cursor moves up
+    over it); otherwise the tables follow each other, a blank line apart."""
+    import io
+
+    redraw = sys.stdout.isatty() and not args.json
+    shown = 0  # lines of the table on screen
+    refreshes = 0
+    while True:
+        table = io.StringIO()
+        with contextlib.redirect_stdout(table):
+            await _run_status(args)
+        text = table.getvalue()
+        if redraw:
+            # up to the first line of the last table, and clear from there down
+            sys.stdout.write((f"\x1b[{shown}F" if shown else "") + "\x1b[J" + text)
+            shown = text.count("\n")
+        else:
+            sys.stdout.write(("\n" if refreshes and not args.json else "") + text)
+        sys.stdout.flush()
+        refreshes += 1
+        if args.count is not None and refreshes >= args.count:
+            return EXIT_OK
+        await trio.sleep(args.watch)
+
+
 # -- swarm export ---------------------------------------------------------------------
 
 
@@ -915,7 +975,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runners: dict[str, Callable[[argparse.Namespace], int]] = {
         "dht": lambda a: trio.run(_run_dht, a),
         "train": _run_train,
-        "status": lambda a: trio.run(_run_status, a),
+        "status": _run_status_command,
         "keygen": _run_keygen,
         "export": _run_export,
         "plot": _run_plot,

@@ -258,37 +258,10 @@ def test_through_a_pipe_one_plain_line_per_epoch(finished_run: FinishedRun) -> N
 
 @pytest.mark.slow
 def test_on_a_terminal_a_live_display(tmp_path: Path) -> None:
-    controller, terminal = pty.openpty()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "swarm.cli", "train", "--host", "127.0.0.1", "--threads", "1",
-         "--target-batch-size", "64", "--max-epochs", "2", "--eval-every", "0"],
-        stdin=subprocess.DEVNULL,
-        stdout=terminal,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "COLUMNS": "160", "TERM": "xterm"},
-    )  # fmt: skip
-    os.close(terminal)
-    output = b""
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([controller], [], [], 1.0)
-            if not ready:
-                continue
-            try:
-                chunk = os.read(controller, 65536)
-            except OSError:  # EIO: the process closed the terminal
-                break
-            if not chunk:
-                break
-            output += chunk
-        assert process.wait(timeout=30) == 0, output[-2000:]
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        os.close(controller)
-    text = output.decode(errors="replace")
+    train = ["train", "--host", "127.0.0.1", "--threads", "1", "--target-batch-size", "64",
+             "--max-epochs", "2", "--eval-every", "0"]  # fmt: skip
+    code, text = _run_in_terminal(train, timeout=120)
+    assert code == 0, text[-2000:]
     assert "\x1b[" in text  # the display redraws itself in place
     assert "samples of the global batch" in text and "ETA" in text and "peer alive" in text
     assert "epoch 1: train loss " in text and "epoch 2: train loss " in text
@@ -426,3 +399,75 @@ def test_metrics_port_in_use_exits_2_at_start(capsys: pytest.CaptureFixture[str]
         code, lines = _main(capsys, "train", "--host", "127.0.0.1", "--metrics-port", str(port))
     assert code == 2, lines
     assert len(lines) == 1 and f"--metrics-port {port}: cannot listen" in lines[0], lines
+
+
+# -- swarm status --watch ------------------------------------------------------------------
+
+
+def _run_in_terminal(argv: list[str], timeout: float) -> tuple[int, str]:
+    """Run ``swarm *argv`` with a pseudo-terminal as stdout; its exit code and
+    what it wrote there. Killed after ``timeout`` seconds, and always reaped."""
+    controller, terminal = pty.openpty()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "swarm.cli", *argv],
+        stdin=subprocess.DEVNULL,
+        stdout=terminal,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "COLUMNS": "160", "TERM": "xterm"},
+    )
+    os.close(terminal)
+    output = b""
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([controller], [], [], 1.0)
+            if not ready:
+                continue
+            try:
+                chunk = os.read(controller, 65536)
+            except OSError:  # EIO: the process closed the terminal
+                break
+            if not chunk:
+                break
+            output += chunk
+        code = process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        os.close(controller)
+    return code, output.decode(errors="replace")
+
+
+@pytest.mark.slow
+async def test_status_watch_refreshes_count_times(tmp_path: Path) -> None:
+    async with run_cli("dht", "--host", "127.0.0.1") as node:
+        line = await node.read_line_containing("join with:", timeout=60)
+        address = line.split("--initial-peer", 1)[1].split()[0]
+        status = ("status", "--initial-peer", address, "--run-id", "watched", "--watch", "0.2")
+        result = await run_to_completion(*status, "--count", "3", timeout=90)
+        assert result.returncode == 0, result.stderr
+        tables = result.stdout.decode().split("\n\n")
+        assert len(tables) == 3, tables
+        assert all(t.startswith("run watched: epoch 0, 0 peers") for t in tables), tables
+        assert "\x1b" not in result.stdout.decode()
+
+        code, text = await trio.to_thread.run_sync(
+            _run_in_terminal, [*status, "--count", "2"], 90.0
+        )
+        assert code == 0, text
+        # the second table is drawn over the first: cursor up one line, clear below
+        assert text.count("run watched: epoch 0") == 2, text
+        assert "\x1b[1F\x1b[J" in text, repr(text)
+        assert await node.stop(signal.SIGINT) == 0
+
+
+def test_status_watch_options_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    for args, expected in [
+        (("--count", "2"), "--count needs --watch"),
+        (("--watch", "0"), "--watch 0 must be a positive number"),
+        (("--watch", "1", "--count", "0"), "--count 0 must be at least 1"),
+    ]:
+        code, lines = _main(capsys, "status", "--initial-peer", "127.0.0.1:9", *args)
+        assert code == 2, (args, lines)
+        assert len(lines) == 1 and expected in lines[0], (args, lines)
