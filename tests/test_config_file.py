@@ -68,3 +68,10 @@ def test_a_string_for_a_string_option_and_choices_are_checked() -> None:
         option_defaults(parser, {"mode": "c"}, source="f")
     with pytest.raises(ConfigError, match="f: key 'name' must be a string, got 3"):
         option_defaults(parser, {"name": 3}, source="f")
+
+
+def test_swarm_dht_takes_a_config_file_too(tmp_path: Path) -> None:
+    config = tmp_path / "dht.toml"
+    config.write_text('port = 31337\ninitial-peer = "10.0.0.1:31337"\nreport_interval = 5\n')
+    args = _parse_args(build_parser(), ["dht", "--config", str(config), "--port", "4000"])
+    assert (args.port, args.initial_peer, args.report_interval) == (4000, ["10.0.0.1:31337"], 5.0)
