@@ -16,7 +16,12 @@ application on top of them:
 - the peer facade (``open_peer``, ``Peer``, ``PeerConfig``): identity, DHT node
   and connections on one port; ``Peer`` runs trio in a background thread for
   synchronous training loops
-- ``swarm.cli``: the ``swarm`` command
+- ``swarm.cli``: the ``swarm`` command, and around ``swarm train`` (application
+  modules, imported by the CLI only): ``_config_file`` (``--config run.toml``),
+  ``_dashboard`` (each global step to the history, the metrics, the log and the
+  display), ``_history`` (the metric history file), ``_metrics`` (Prometheus,
+  one registry per peer), ``_plot`` (``swarm plot``), ``_log_file``
+  (``--log-file``, JSON lines), ``_live`` (the live display on a terminal)
 
 Implementation lives in private modules (``_identity.py`` ...); this module
 only re-exports the public names.

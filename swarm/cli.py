@@ -11,6 +11,7 @@ one-line message that says what to change).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -23,6 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -37,6 +39,7 @@ from ._stdout import say
 from ._throughput import Throughput, ThroughputMeter
 
 if TYPE_CHECKING:
+    from averaging import MatchmakingConfig
     from trainer import (
         CollaborativeConfig,
         CollaborativeOptimizer,
@@ -47,6 +50,7 @@ if TYPE_CHECKING:
     )
     from trainer._loop import TrainingConfig, TrainingReport
 
+    from ._dashboard import Dashboard, Display
     from ._peer import Peer, PeerConfig
     from ._run_settings import RunSettings
 
@@ -67,9 +71,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-def _add_peer_options(parser: argparse.ArgumentParser) -> None:
+def _add_peer_options(parser: argparse.ArgumentParser | _Group, *, verbose: bool = True) -> None:
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
-    parser.add_argument("--port", type=int, default=0, help="UDP+TCP port (default: any free port)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=_peer_defaults().port,
+        help="UDP+TCP port (default: any free port)",
+    )
     parser.add_argument(
         "--initial-peer",
         action="append",
@@ -82,10 +91,11 @@ def _add_peer_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--announce", metavar="HOST:PORT", help="address others should dial, if not --host:--port"
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    if verbose:
+        parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
-def _add_swarm_key_option(parser: argparse.ArgumentParser) -> None:
+def _add_swarm_key_option(parser: argparse.ArgumentParser | _Group) -> None:
     parser.add_argument(
         "--swarm-key",
         metavar="FILE",
@@ -109,6 +119,18 @@ def _swarm_key_option(args: argparse.Namespace) -> str:
 
 
 def _add_train_options(parser: argparse.ArgumentParser) -> None:
+    """The options of ``swarm train``, in the groups ``--help`` shows. Their
+    defaults are read from the config dataclasses (``_TrainDefaults``), so a
+    default is stated once; this imports the trainer, so it runs only when
+    ``train`` is the command (``_LazySubParsers``)."""
+    d = _TrainDefaults.read()
+    network = parser.add_argument_group("peer and network")
+    _add_peer_options(network, verbose=False)
+    network.add_argument(
+        "--client-mode",
+        action="store_true",
+        help="accept no incoming connections (behind NAT); still trains and averages",
+    )
     run = parser.add_argument_group("the run (every peer of a run passes the same values)")
     run.add_argument(
         "--task",
@@ -121,23 +143,23 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--target-batch-size",
         type=int,
-        default=256,
+        default=d.training.target_batch_size,
         metavar="N",
-        help="samples the whole swarm processes per global step (default 256)",
+        help="samples the whole swarm processes per global step (default %(default)s)",
     )
     run.add_argument(
         "--matchmaking-time",
         type=float,
-        default=5.0,
+        default=d.matchmaking.matchmaking_time,
         metavar="SECONDS",
-        help="how long a group leader gathers peers to average with (default 5)",
+        help="how long a group leader gathers peers to average with (default %(default)g)",
     )
     run.add_argument(
         "--target-group-size",
         type=int,
-        default=16,
+        default=d.matchmaking.target_group_size,
         metavar="N",
-        help="peers per averaging group (Moshpit; default 16)",
+        help="peers per averaging group (Moshpit; default %(default)s)",
     )
     run.add_argument(
         "--diloco",
@@ -146,76 +168,154 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         help="DiLoCo: H local steps per peer, then an outer step on the averaged "
         "pseudo-gradients (float16); for slow links (default: off)",
     )
-    peer = parser.add_argument_group("this peer")
-    peer.add_argument(
+    training = parser.add_argument_group("training (this peer)")
+    training.add_argument(
         "--batch-size", type=int, metavar="N", help="samples per local step (default: the task's)"
     )
-    peer.add_argument(
+    training.add_argument(
+        "--lr",
+        type=float,
+        metavar="RATE",
+        help="learning rate of the inner optimizer (default: the task's)",
+    )
+    training.add_argument(
         "--max-epochs", type=int, metavar="N", help="leave after this global step (default: never)"
     )
-    peer.add_argument(
+    training.add_argument(
         "--averaging-timeout",
         type=float,
         metavar="SECONDS",
         help="longest wait for one averaging round (default: max(60, 2 x matchmaking bound))",
     )
-    peer.add_argument(
+    training.add_argument(
         "--min-peers",
         type=int,
         metavar="N",
         help="wait (up to --wait-for-peers) until N peers are in the run before training "
         "(default: 2 for the peer that starts a run, 1 for one that joins)",
     )
-    peer.add_argument(
+    training.add_argument(
         "--wait-for-peers",
         type=float,
-        default=DEFAULT_WAIT_FOR_PEERS,
+        default=d.training.min_peers_timeout,
         metavar="SECONDS",
         help="longest wait for --min-peers before training anyway (0: no wait; "
-        f"default {DEFAULT_WAIT_FOR_PEERS:g})",
+        "default %(default)g)",
     )
-    peer.add_argument(
+    training.add_argument(
         "--eval-every",
         type=int,
-        default=5,
+        default=d.training.eval_every,
         metavar="N",
-        help="evaluate every N epochs (0: only at the end; default 5)",
+        help="evaluate every N epochs (0: only at the end; default %(default)s)",
     )
-    peer.add_argument(
+    training.add_argument(
         "--seed",
         type=int,
         metavar="N",
         help="seed of this peer's data order (default: derived from the peer id)",
     )
-    peer.add_argument("--checkpoint-dir", metavar="DIR", help="save and resume checkpoints here")
-    peer.add_argument(
-        "--checkpoint-every", type=int, default=10, metavar="N", help="epochs between checkpoints"
-    )
-    peer.add_argument(
-        "--restart-from-scratch",
-        action="store_true",
-        help="when every checkpoint in --checkpoint-dir is damaged, set them aside and start "
-        "anew (without it the peer refuses to start)",
-    )
-    peer.add_argument(
-        "--client-mode",
-        action="store_true",
-        help="accept no incoming connections (behind NAT); still trains and averages",
-    )
-    peer.add_argument(
+    training.add_argument(
         "--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)"
     )
-    peer.add_argument(
+    training.add_argument(
         "--drop-compute",
         metavar="SECONDS|auto",
         help="DropCompute: stop computing after SECONDS per global step and average what "
         "this peer has; 'auto' chooses it from the first steps (default: off)",
     )
+    checkpoints = parser.add_argument_group("checkpointing")
+    checkpoints.add_argument(
+        "--checkpoint-dir", metavar="DIR", help="save and resume checkpoints here"
+    )
+    checkpoints.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=d.optimizer.checkpoint_every,
+        metavar="N",
+        help="epochs between checkpoints (default %(default)s)",
+    )
+    checkpoints.add_argument(
+        "--restart-from-scratch",
+        action="store_true",
+        help="when every checkpoint in --checkpoint-dir is damaged, set them aside and start "
+        "anew (without it the peer refuses to start)",
+    )
+    output = parser.add_argument_group("output")
+    output.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    _add_config_option(output)
+    _add_output_options(output)
+
+
+@dataclass(frozen=True)
+class _TrainDefaults:
+    """The config dataclasses whose defaults are ``swarm train``'s defaults."""
+
+    training: TrainingConfig
+    optimizer: CollaborativeConfig
+    matchmaking: MatchmakingConfig
+
+    @classmethod
+    def read(cls) -> _TrainDefaults:
+        from averaging import MatchmakingConfig
+        from trainer import CollaborativeConfig
+        from trainer._loop import TrainingConfig
+
+        return cls(TrainingConfig(), CollaborativeConfig(), MatchmakingConfig())
+
+
+def _peer_defaults() -> PeerConfig:
+    from ._peer import PeerConfig
+
+    return PeerConfig()
+
+
+if TYPE_CHECKING:
+    _SubParsersAction = argparse._SubParsersAction[argparse.ArgumentParser]
+else:  # not subscriptable at run time
+    _SubParsersAction = argparse._SubParsersAction
+
+
+class _LazySubParsers(_SubParsersAction):
+    """Subcommands whose options are added only when the command is chosen:
+    ``swarm train``'s defaults come from the trainer's dataclasses, and
+    ``swarm dht`` should not pay for importing torch to read them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pending: dict[str, Callable[[argparse.ArgumentParser], None]] = {}
+
+    def add_lazily(
+        self, name: str, add_options: Callable[[argparse.ArgumentParser], None], **kwargs: Any
+    ) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = self.add_parser(name, **kwargs)
+        self._pending[name] = add_options
+        return parser
+
+    def command(self, name: str) -> argparse.ArgumentParser | None:
+        """The parser of command ``name`` with all its options, or None."""
+        add_options = self._pending.pop(name, None)
+        parser = self.choices.get(name)
+        if add_options is not None and parser is not None:
+            add_options(parser)
+        return parser
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        self.command(values[0])
+        super().__call__(parser, namespace, values, option_string)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="swarm", description="Train one model on many unreliable machines.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    commands: _LazySubParsers = parser.add_subparsers(  # type: ignore[assignment]
+        dest="command", required=True, parser_class=_Parser, action=_LazySubParsers
+    )
     dht = commands.add_parser("dht", help="run a DHT-only peer (e.g. a long-lived bootstrap node)")
     _add_peer_options(dht)
     dht.add_argument(
@@ -224,15 +324,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds between routing/storage reports in the log",
     )
-    train = commands.add_parser(
+    _add_config_option(dht)
+    commands.add_lazily(
         "train",
+        _add_train_options,
         help="train with a swarm (starts a new one without --initial-peer)",
         description="Train a task with the swarm. Without --initial-peer this peer starts a "
         "new swarm and prints the command other machines run to join it. "
         "Ctrl-C or SIGTERM leaves after the current step.",
     )
-    _add_peer_options(train)
-    _add_train_options(train)
     status = commands.add_parser(
         "status", help="show who is training in a run and how far it has got"
     )
@@ -257,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_swarm_key_option(status)
     status.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    _add_status_watch_options(status)
     _add_demo_parser(commands)
     keygen = commands.add_parser(
         "keygen",
@@ -267,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     keygen.add_argument("--swarm-key", required=True, metavar="FILE", help="file to create")
     keygen.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    _add_export_command(commands)
+    _add_plot_command(commands)
     return parser
 
 
@@ -677,6 +780,7 @@ def _training_config(
         data_seed=seed,
         min_peers=min_peers,
         min_peers_timeout=args.wait_for_peers,
+        lr=args.lr,
         checkpoint_dir=None if args.checkpoint_dir is None else Path(args.checkpoint_dir),
         optimizer=_collaborative_config(args),
     )
@@ -746,8 +850,10 @@ def _run_train(args: argparse.Namespace, given: frozenset[str] = frozenset()) ->
     stop = threading.Event()
     with _StopOnSignal(stop):
         _check_train_args(args)
+        _check_dashboard_args(args)
         _collaborative_config(args)  # this peer's own settings must be valid to begin with
         _startup_checks(args)
+        _open_log_file(args)
         from trainer import load_task
         from trainer._loop import train
 
@@ -768,13 +874,24 @@ def _run_train(args: argparse.Namespace, given: frozenset[str] = frozenset()) ->
             say(f"peer {peer.peer_id} listening on {args.host}:{peer.async_peer.port}")
             args, task = _agree_on_settings(peer, args, given, run_id, task)
             config = _training_config(args, run_id, seed, starts_run=not args.initial_peer)
-            say(f"training task {task.name} in run {run_id}")
-            say(f"join with: {_join_command(args, peer.address, run_id)}")
-            waiting = _waiting_line(config)
-            if waiting is not None:
-                say(waiting)
             reporter = _EpochReporter(config.target_batch_size, diloco=args.diloco is not None)
-            report = train(peer, task, config, stop=stop, on_epoch=reporter)
+            with _open_dashboard(args, config, reporter) as dashboard:
+                dashboard.attach(peer)
+                say(f"training task {task.name} in run {run_id}")
+                say(f"join with: {_join_command(args, peer.address, run_id)}")
+                waiting = _waiting_line(config)
+                if waiting is not None:
+                    say(waiting)
+                report = train(
+                    peer,
+                    task,
+                    config,
+                    stop=stop,
+                    on_epoch=dashboard.on_epoch,
+                    on_start=dashboard.on_start,
+                )
+                dashboard.close()  # the live display ends before the last line
+                dashboard.finish(report.epochs, report.metrics)
         say(reporter.final_line("stopped" if stop.is_set() else "finished", report))
     return EXIT_OK
 
@@ -909,6 +1026,225 @@ def _run_keygen(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- config file and options of the dashboard (issue 20) -----------------------------
+
+#: An argument group of a parser, where options are registered like on the parser.
+_Group = argparse._ArgumentGroup
+
+
+def _add_config_option(group: argparse.ArgumentParser | _Group) -> None:
+    group.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        help="read options from a TOML file: the long option names, with dashes or "
+        "underscores (e.g. target-batch-size = 512); flags given here override it",
+    )
+
+
+def _parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed, with a ``--config`` file's values as the command's defaults.
+
+    Raises ``ConfigError`` (one line naming the file and key) for a bad file;
+    argparse exits 2 for bad flags."""
+    from ._config_file import parse_with_config
+
+    commands = next(a for a in parser._actions if isinstance(a, _LazySubParsers))
+    chosen = commands.command(argv[0]) if argv else None
+    return parse_with_config(parser, {} if chosen is None else {argv[0]: chosen}, argv)
+
+
+def _check_dashboard_args(args: argparse.Namespace) -> None:
+    """The options of this section that can be checked before anything starts."""
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        raise ConfigError(f"--lr {args.lr:g} must be a positive number")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise ConfigError(f"--metrics-port {args.metrics_port} is outside 0-65535")
+
+
+def _add_output_options(group: _Group) -> None:
+    from ._log_file import LOG_FORMATS
+
+    group.add_argument(
+        "--log-file",
+        metavar="PATH",
+        help="also write the log to PATH (appended); without --checkpoint-dir the metric "
+        "history goes beside it (PATH's name + .history.jsonl)",
+    )
+    group.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text, or json: one JSON object per line, with time, level, logger, message "
+        "and the record's fields (the log file's, else stderr's; default text)",
+    )
+    group.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on --host:PORT (0: any free port, logged)",
+    )
+
+
+def _open_log_file(args: argparse.Namespace) -> None:
+    from ._log_file import configure_log_output
+
+    configure_log_output(args.log_file, args.log_format)
+
+
+def _open_dashboard(
+    args: argparse.Namespace, config: TrainingConfig, lines: _EpochReporter
+) -> contextlib.AbstractContextManager[Dashboard]:
+    """The history, metrics and display of ``swarm train`` (``_dashboard``):
+    a live display when stdout is a terminal, else the plain epoch ``lines``
+    (which share the dashboard's throughput meter)."""
+    from ._dashboard import PlainLines, open_dashboard
+    from ._history import history_path
+
+    def display(throughput: ThroughputMeter) -> Display:
+        if sys.stdout.isatty():
+            from ._live import LiveDisplay
+
+            return LiveDisplay(
+                target_batch_size=config.target_batch_size,
+                max_epochs=config.max_epochs,
+                throughput=throughput,
+            )
+        return PlainLines(lines)
+
+    return open_dashboard(
+        target_batch_size=config.target_batch_size,
+        history_path=history_path(args.checkpoint_dir, args.log_file),
+        metrics_address=None if args.metrics_port is None else (args.host, args.metrics_port),
+        display=display,
+        meter=lines.meter,
+    )
+
+
+# -- swarm status --watch -------------------------------------------------------------
+
+
+def _add_status_watch_options(status: argparse.ArgumentParser) -> None:
+    status.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        metavar="SECONDS",
+        help="refresh the table every SECONDS (default 2), in place on a terminal, until Ctrl-C",
+    )
+    status.add_argument(
+        "--count", type=int, metavar="N", help="with --watch: leave after N refreshes"
+    )
+
+
+def _run_status_command(args: argparse.Namespace) -> int:
+    if args.watch is None:
+        if args.count is not None:
+            raise ConfigError("--count needs --watch")
+        return trio.run(_run_status, args)
+    if not (math.isfinite(args.watch) and args.watch > 0):
+        raise ConfigError(f"--watch {args.watch:g} must be a positive number of seconds")
+    if args.count is not None and args.count < 1:
+        raise ConfigError(f"--count {args.count} must be at least 1")
+    try:
+        return trio.run(_watch_status, args)
+    except KeyboardInterrupt:
+        return EXIT_OK  # Ctrl-C is how a watch ends
+
+
+async def _watch_status(args: argparse.Namespace) -> int:
+    """``swarm status`` every ``--watch`` seconds, ``--count`` times or until
+    Ctrl-C. On a terminal each table replaces the last (the cursor moves up
+    over it); otherwise the tables follow each other, a blank line apart."""
+    import io
+
+    redraw = sys.stdout.isatty() and not args.json
+    shown = 0  # lines of the table on screen
+    refreshes = 0
+    while True:
+        table = io.StringIO()
+        with contextlib.redirect_stdout(table):
+            await _run_status(args)
+        text = table.getvalue()
+        if redraw:
+            # up to the first line of the last table, and clear from there down
+            sys.stdout.write((f"\x1b[{shown}F" if shown else "") + "\x1b[J" + text)
+            shown = text.count("\n")
+        else:
+            sys.stdout.write(("\n" if refreshes and not args.json else "") + text)
+        sys.stdout.flush()
+        refreshes += 1
+        if args.count is not None and refreshes >= args.count:
+            return EXIT_OK
+        await trio.sleep(args.watch)
+
+
+# -- swarm export ---------------------------------------------------------------------
+
+
+def _add_export_command(commands: _LazySubParsers) -> None:
+    export = commands.add_parser(
+        "export",
+        help="write the trained model's weights to a safetensors file",
+        description="Write the model weights of the newest valid checkpoint in DIR to a "
+        "safetensors file that loads without Swarm (names as in the model's state_dict).",
+    )
+    export.add_argument("--checkpoint-dir", required=True, metavar="DIR", help="the peer's")
+    export.add_argument("--out", required=True, metavar="FILE.safetensors", help="file to write")
+    export.add_argument(
+        "--task",
+        default=DEFAULT_TASK,
+        metavar="NAME|FILE.py:FACTORY",
+        help=f"the task the run trained: its model names the weights (default {DEFAULT_TASK})",
+    )
+    export.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from trainer import export_model, load_task
+
+    model, _, _ = load_task(args.task).build(seed=0)
+    exported = export_model(args.checkpoint_dir, args.out, model)
+    print(
+        f"exported epoch {exported.epoch} ({exported.tensors} tensors) to {exported.path}",
+        flush=True,
+    )
+    return EXIT_OK
+
+
+# -- swarm plot -----------------------------------------------------------------------
+
+
+def _add_plot_command(commands: _LazySubParsers) -> None:
+    plot = commands.add_parser(
+        "plot",
+        help="draw a run's loss, accuracy and throughput over time as a PNG",
+        description="Draw the metric history a training peer keeps (history.jsonl in its "
+        "--checkpoint-dir, or beside its --log-file) as a PNG.",
+    )
+    source = plot.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint-dir", metavar="DIR", help="the peer's checkpoint directory")
+    source.add_argument("--history", metavar="FILE", help="a history file (*.history.jsonl)")
+    plot.add_argument("--out", required=True, metavar="FILE.png", help="the PNG to write")
+    plot.add_argument("--width", type=int, default=1200, metavar="PIXELS", help="default 1200")
+    plot.add_argument("--height", type=int, default=900, metavar="PIXELS", help="default 900")
+    plot.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _run_plot(args: argparse.Namespace) -> int:
+    from ._history import history_path, read_history
+    from ._plot import plot_history
+
+    path = Path(args.history) if args.history else history_path(args.checkpoint_dir, None)
+    assert path is not None
+    if not path.is_file():
+        raise ConfigError(f"no metric history at {path}: train with --checkpoint-dir first")
+    records = read_history(path)
+    out = plot_history(records, args.out, width=args.width, height=args.height)
+    print(f"plotted {len(records)} records to {out} ({args.width}x{args.height})", flush=True)
+    return EXIT_OK
+
+
 # -- entry point ----------------------------------------------------------------------
 
 
@@ -929,16 +1265,35 @@ def _given_options(argv: Sequence[str] | None) -> frozenset[str]:
     return frozenset(vars(parser.parse_args(argv))) - {"command"}
 
 
+def _config_options(args: argparse.Namespace) -> frozenset[str]:
+    """The destinations of the options a ``--config`` file sets: for the run's
+    settings they count as given, like flags (a conflict is refused, not adopted)."""
+    path = getattr(args, "config", None)
+    if path is None:
+        return frozenset()
+    from ._config_file import read_config_file
+
+    return frozenset(key.replace("-", "_") for key in read_config_file(path))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = _parse_args(parser, arguments)
+    except ConfigError as e:
+        print(f"swarm {arguments[0]}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     _configure_logging(args.verbose)
-    given = _given_options(argv)
+    given = _given_options(argv) | _config_options(args)
     runners: dict[str, Callable[[argparse.Namespace], int]] = {
         "dht": lambda a: trio.run(_run_dht, a),
         "train": lambda a: _run_train(a, given),
-        "status": lambda a: trio.run(_run_status, a),
+        "status": _run_status_command,
         "demo": _run_demo,
         "keygen": _run_keygen,
+        "export": _run_export,
+        "plot": _run_plot,
     }
     try:
         with collapse_exception_groups():

@@ -1,4 +1,6 @@
+import dataclasses
 import itertools
+import math
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -301,3 +303,22 @@ def test_seeded_builds_agree_across_threads() -> None:
         t.join()
     for other in weights[1:]:
         assert all(torch.equal(a, b) for a, b in zip(weights[0], other, strict=True))
+
+
+def test_build_with_lr_sets_every_group_before_the_scheduler_is_made() -> None:
+    def make_optimizer(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.1)
+
+    def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+    task = dataclasses.replace(
+        make_digits_task(), make_optimizer=make_optimizer, make_scheduler=make_scheduler
+    )
+    _, optimizer, scheduler = task.build(seed=0, lr=0.02)
+    assert [g["lr"] for g in optimizer.param_groups] == [0.02]
+    assert scheduler is not None and scheduler.base_lrs == [0.02]  # the schedule scales from it
+    assert task.build(seed=0)[1].param_groups[0]["lr"] == 0.1
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ConfigError, match="learning rate"):
+            task.build(lr=bad)

@@ -5,6 +5,7 @@ Modules:
 - ``_task``: the task API (model, data stream, loss, evaluation) and ``load_task``
 - ``_tasks_digits``: the built-in ``digits`` (MLP) and ``digits-cnn`` (BatchNorm CNN) tasks
 - ``_checkpoint``: atomic checkpoint files and checkpoint directories
+- ``_export``: the newest checkpoint's model weights as a safetensors file
 - ``_progress``: progress records in the DHT, the swarm's progress estimate, and
   ``ProgressTree``, the aggregation tree that scales it to thousands of peers
 - ``_round_timing``: ``RoundTiming``, matchmaking time and averaging timeout from measured rounds
@@ -21,6 +22,7 @@ from ._checkpoint import Checkpoint, CheckpointDir, load_checkpoint, save_checkp
 from ._diloco import DiLoCo
 from ._dropcompute import DropCompute, choose_threshold
 from ._ef21m import ArcTopK
+from ._export import ExportedModel, export_model
 from ._optimizer import CollaborativeConfig, CollaborativeOptimizer, GlobalStep, GradHook
 from ._progress import (
     PeerProgress,
@@ -53,6 +55,7 @@ __all__ = [
     "DiLoCo",
     "DigitsCNN",
     "DropCompute",
+    "ExportedModel",
     "GlobalStep",
     "GradHook",
     "PeerProgress",
@@ -66,6 +69,7 @@ __all__ = [
     "choose_threshold",
     "default_optimizer",
     "estimate",
+    "export_model",
     "load_checkpoint",
     "load_plain_state_dict",
     "load_task",

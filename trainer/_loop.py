@@ -35,6 +35,8 @@ class TrainingConfig:
     target_batch_size: int = 256
     #: per-peer batch size; None: the task's default
     batch_size: int | None = None
+    #: learning rate of the inner optimizer; None: the task's (see ``Task.build``)
+    lr: float | None = None
     #: stop after this many global steps (epochs); None: until stopped
     max_epochs: int | None = None
     #: evaluate every this many epochs (0: only at the end)
@@ -74,16 +76,19 @@ def train(
     stop: threading.Event | None = None,
     on_epoch: Callable[[CollaborativeOptimizer, TrainingReport], None] | None = None,
     compute_clock: Callable[[], float] = time.monotonic,
+    on_start: Callable[[CollaborativeOptimizer], None] | None = None,
 ) -> TrainingReport:
     """Train ``task`` with the swarm until ``max_epochs`` or until ``stop`` is set.
 
     Returns what happened. ``compute_clock`` is the clock DropCompute measures
-    compute with (tests pass a virtual one). The optimizer is closed on the way out (final
+    compute with (tests pass a virtual one). ``on_start(opt)`` is called once the
+    optimizer is ready (resumed or caught up), before the first batch; ``on_epoch``
+    after each global step. The optimizer is closed on the way out (final
     checkpoint, progress record withdrawn), also on an exception. A batch whose
     gradients hold NaN or Inf is skipped with a warning; ``NonFiniteError`` once
     ``MAX_NONFINITE_BATCHES`` come in a row (the model has diverged).
     """
-    model, inner, scheduler = task.build(seed=config.model_seed)
+    model, inner, scheduler = task.build(seed=config.model_seed, lr=config.lr)
     batch_size = config.batch_size or task.batch_size
     report = TrainingReport()
     started = time.monotonic()
@@ -102,6 +107,8 @@ def train(
         load_state=config.load_state,
         compute_clock=compute_clock,
     ) as opt:
+        if on_start is not None:
+            on_start(opt)
         if (
             config.min_peers > 1
             and not opt.wait_for_peers(config.min_peers, config.min_peers_timeout, stop=stop)

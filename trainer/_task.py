@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import math
 import re
 import sys
 import threading
@@ -119,6 +120,7 @@ class Task(Generic[Batch]):
         seed: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        lr: float | None = None,
     ) -> tuple[nn.Module, torch.optim.Optimizer, LRScheduler | None]:
         """A new model with its optimizer and scheduler (``None`` if the task has none).
 
@@ -127,8 +129,13 @@ class Task(Generic[Batch]):
         identical weights. The weights are always drawn on the CPU (a GPU's
         random numbers depend on its model) and then moved to ``device`` and
         cast to ``dtype`` (floating point parameters and buffers only), before
-        the optimizer is made.
+        the optimizer is made. With ``lr``, every parameter group of the
+        optimizer starts at that learning rate, set before the scheduler is made
+        so that a schedule scales from it. Raises ``ConfigError`` for an ``lr``
+        that is not a positive finite number.
         """
+        if lr is not None and (isinstance(lr, bool) or not (math.isfinite(lr) and lr > 0)):
+            raise ConfigError(f"learning rate {lr!r} must be a positive finite number")
         with _seeded(seed):
             model = self.make_model()
         if not isinstance(model, nn.Module):
@@ -147,6 +154,9 @@ class Task(Generic[Batch]):
                 f"task {self.name}: make_optimizer returned {type(optimizer).__name__}, "
                 "not a torch.optim.Optimizer"
             )
+        if lr is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
         scheduler = None if self.make_scheduler is None else self.make_scheduler(optimizer)
         return model, optimizer, scheduler
 

@@ -1,0 +1,77 @@
+"""``--config run.toml``: the file's values become defaults, flags override them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from swarm import ConfigError
+from swarm._config_file import config_path, option_defaults
+from swarm.cli import _parse_args, build_parser
+
+
+def test_config_path_is_found_in_either_spelling_and_not_after_double_dash() -> None:
+    assert config_path(["train", "--config", "a.toml"]) == "a.toml"
+    assert config_path(["train", "--config=b.toml", "--lr", "1"]) == "b.toml"
+    assert config_path(["train", "--", "--config", "c.toml"]) is None
+    assert config_path(["train"]) is None
+
+
+def test_every_kind_of_option_from_the_file_and_flags_win(tmp_path: Path) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text(
+        'task = "digits"\n'
+        "target_batch_size = 512\n"
+        "matchmaking-time = 3\n"  # an integer for a float option is a number
+        "client-mode = true\n"
+        'initial-peer = ["10.0.0.1:4000", "10.0.0.2:4000"]\n'
+        "lr = 0.01\n"
+    )
+    args = _parse_args(build_parser(), ["train", "--config", str(config), "--lr", "0.5"])
+    assert args.task == "digits" and args.target_batch_size == 512
+    assert args.matchmaking_time == 3.0 and isinstance(args.matchmaking_time, float)
+    assert args.client_mode is True
+    assert args.initial_peer == ["10.0.0.1:4000", "10.0.0.2:4000"]
+    assert args.lr == 0.5  # the flag
+    # a repeatable option's flags replace the file's list, as any flag replaces its value
+    argv = ["train", "--config", str(config), "--initial-peer", "10.0.0.3:1", "--initial-peer=h:2"]
+    assert _parse_args(build_parser(), argv).initial_peer == ["10.0.0.3:1", "h:2"]
+
+
+def test_defaults_without_a_file_come_from_the_config_dataclasses() -> None:
+    from averaging import MatchmakingConfig
+    from trainer import CollaborativeConfig
+    from trainer._loop import TrainingConfig
+
+    args = _parse_args(build_parser(), ["train"])
+    assert args.target_batch_size == TrainingConfig().target_batch_size
+    assert args.min_peers == TrainingConfig().min_peers
+    assert args.eval_every == TrainingConfig().eval_every
+    assert args.checkpoint_every == CollaborativeConfig().checkpoint_every
+    assert args.matchmaking_time == MatchmakingConfig().matchmaking_time
+    assert args.target_group_size == MatchmakingConfig().target_group_size
+    assert args.lr is None and args.config is None
+
+
+def test_a_string_for_a_string_option_and_choices_are_checked() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["a", "b"])
+    parser.add_argument("--name")
+    assert option_defaults(parser, {"mode": "a", "name": "x"}, source="f") == {
+        "mode": "a",
+        "name": "x",
+    }
+    with pytest.raises(ConfigError, match="f: key 'mode' must be one of a, b, got 'c'"):
+        option_defaults(parser, {"mode": "c"}, source="f")
+    with pytest.raises(ConfigError, match="f: key 'name' must be a string, got 3"):
+        option_defaults(parser, {"name": 3}, source="f")
+
+
+def test_swarm_dht_takes_a_config_file_too(tmp_path: Path) -> None:
+    config = tmp_path / "dht.toml"
+    config.write_text('port = 31337\ninitial-peer = "10.0.0.1:31337"\nreport_interval = 5\n')
+    args = _parse_args(build_parser(), ["dht", "--config", str(config), "--port", "4000"])
+    assert (args.port, args.initial_peer, args.report_interval) == (4000, ["10.0.0.1:31337"], 5.0)
