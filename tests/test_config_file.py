@@ -46,7 +46,9 @@ def test_defaults_without_a_file_come_from_the_config_dataclasses() -> None:
 
     args = _parse_args(build_parser(), ["train"])
     assert args.target_batch_size == TrainingConfig().target_batch_size
-    assert args.min_peers == TrainingConfig().min_peers
+    # --min-peers depends on whether the peer starts the run (2) or joins it (1)
+    assert args.min_peers is None
+    assert args.wait_for_peers == TrainingConfig().min_peers_timeout
     assert args.eval_every == TrainingConfig().eval_every
     assert args.checkpoint_every == CollaborativeConfig().checkpoint_every
     assert args.matchmaking_time == MatchmakingConfig().matchmaking_time
