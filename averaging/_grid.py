@@ -157,4 +157,4 @@ class GridAgreement:
 
     async def agree(self, dht: GridDHT, epoch: int) -> MoshpitGrid | None:
         """The agreed grid of ``epoch`` (None if nobody proposed one)."""
-        return choose(parse_proposals(await dht.get(self.key, latest=True)), epoch)
+        return choose(parse_proposals(await dht.get(self.key)), epoch)

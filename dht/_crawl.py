@@ -33,6 +33,10 @@ record it receives and merges them per sub-key (latest expiration wins):
 - ``latest=True`` asks every one of the k closest nodes it can reach, so the
   newest version that any responsible node holds is returned.
 
+Replies come in pages (``_protocol``); every page is read from the nodes
+whose records the result must hold whole (the quorum closest, or all for
+``latest``), only the first page from the others met on the way.
+
 It also remembers which responders returned less than the merged result, so
 the caller can write the freshest records back to them.
 """
@@ -228,8 +232,19 @@ class RecordCrawl(LookupCrawl):
 
     async def find(self) -> dict[bytes | None, Record]:
         """Crawl and return the merged records by sub-key (empty if none found)."""
-        await self._lookup(self.protocol.request_find_value)
+        rpc = functools.partial(self.protocol.request_find_value, more_pages=self._wants_all)
+        await self._lookup(rpc)
         return self.merged
+
+    def _wants_all(self, peer: Node) -> bool:
+        """Whether to read every page of ``peer``'s records: for ``latest``,
+        always; otherwise only if it is among the ``quorum`` closest candidates
+        when its first page arrives, whose records the result must hold whole.
+        (A key that k nodes replicate would otherwise be read whole from
+        every holder met on the way, several pages each.)"""
+        if self.latest:
+            return True
+        return any(n.id == peer.id for n in self.closest()[: self.quorum])
 
     def _answered(self, peer: Node, answer: Any) -> None:
         records, contacts, incomplete = answer

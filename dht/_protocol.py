@@ -588,15 +588,20 @@ class SwarmProtocol(KademliaProtocol):
         node_to_find: Node,
         on_result: Callable[[Result], None],
         on_late: Callable[[], None] | None = None,
+        *,
+        more_pages: Callable[[Node], bool] | None = None,
     ) -> None:
         """``call_find_value`` for look-ups: ``on_result`` gets its result, and
         ``on_late`` is called if the first page is late (see ``request``).
 
         Fetches every page of the node's records (``_rpc_find_value``) before
-        it reports ``(True, (records, contacts, incomplete))``: ``incomplete``
-        is True when a later page failed to arrive or the node broke the
-        paging rules, so the caller knows it holds part of the node's records.
-        A first page that fails is ``(False, None)``.
+        it reports ``(True, (records, contacts, incomplete))``, unless
+        ``more_pages(node_to_ask)``, asked when the first page arrives, says
+        not to (a look-up that needs only the closest nodes' records whole).
+        ``incomplete`` is True when pages were left unread, a later page failed
+        to arrive or the node broke the paging rules, so the caller knows it
+        holds part of the node's records. A first page that fails is
+        ``(False, None)``.
         """
         addr = (node_to_ask.ip, node_to_ask.port)
         records: list[Record] = []
@@ -636,6 +641,9 @@ class SwarmProtocol(KademliaProtocol):
                 on_result((True, (records, contacts, True)))
                 return
             records.extend(got)
+            if pages == 1 and more and more_pages is not None and not more_pages(node_to_ask):
+                on_result((True, (records, contacts, True)))
+                return
             if more and pages < _MAX_PAGES and (got or pages == 1):
                 ask([keys[-1] if keys else None])
                 return

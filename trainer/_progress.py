@@ -24,8 +24,9 @@ silently under-counted. Three ways were weighed:
 - aggregation: a tree of partial sums. Exact in a steady swarm and flat
   traffic per peer. Chosen.
 
-The tree has ``depth`` levels of ``fanout`` branches (16 x 16 x 16 = 4,096
-leaves by default). A peer's leaf is a hash of its peer id. It writes its own
+The tree has ``depth`` levels of ``fanout`` branches (32 x 32 = 1,024 leaves
+by default; a leaf holds about N / 1,024 records, so past several thousand
+peers a third level keeps it small). A peer's leaf is a hash of its peer id. It writes its own
 record under its leaf's key; the summary of each sub-tree
 (``ProgressSummary``: the highest epoch, samples at that epoch extrapolated to
 the summary's time, samples reported, rate, peers, peers at that epoch) lives
@@ -355,8 +356,8 @@ class ProgressTree:
     """
 
     run_id: str
-    fanout: int = 16
-    depth: int = 3
+    fanout: int = 32
+    depth: int = 2
     #: summary writes aimed at per sub-tree and refresh (see the module docstring)
     writers: float = 3.0
 

@@ -1,0 +1,210 @@
+"""Scale benchmark: N peers in one process on 127.0.0.1 run the progress protocol.
+
+Every peer is a real DHT node (real UDP, signed datagrams). In each step every
+peer refreshes its progress once (``ProgressTree.refresh``: reads its leaf and
+the summaries on its path, writes its record and summaries) and proposes or
+reads the next epoch's grid (``GridAgreement``), as the coordinator would per
+global step. Each peer's samples grow at its own rate from the start, so the
+true total at any moment is known.
+
+Printed per swarm size, for the last step (after the tree has converged):
+the share of live peers and of samples that the *least informed* peer
+counts, the DHT datagrams and bytes each peer sent per step (requests and
+replies, all nodes' counters divided by N), and the step's wall time. With
+``--baseline``, the same peers also run the old protocol (every peer writes
+and reads the one key ``{run_id}.progress``) for comparison.
+
+    python benchmarks/scale.py                      # 256 peers, 4 steps
+    python benchmarks/scale.py --peers 256 1024 --steps 5
+    python benchmarks/scale.py --peers 128 --baseline
+
+Targets (issue 19): every live peer counted by every peer (at most 1% under);
+bytes per peer per step at 1,024 peers no more than 2x those at 256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from averaging import GridAgreement
+from dht import DHTConfig, DHTNode, open_dht_node
+from dht._aio import open_asyncio_loop
+from swarm import Identity
+from trainer import PeerProgress, ProgressTree, estimate, parse_progress, progress_key
+
+TTL = 600.0
+
+
+@dataclass
+class Row:
+    protocol: str
+    peers: int
+    steps: int
+    min_peer_share: float
+    mean_peer_share: float
+    min_sample_share: float
+    datagrams_per_peer_step: float
+    bytes_per_peer_step: float
+    step_seconds: float
+    grid_agreed: float
+
+
+async def _start(
+    nursery: trio.Nursery, n: int, rng: random.Random, config: DHTConfig
+) -> list[DHTNode]:
+    nodes: list[DHTNode] = []
+
+    async def run(initial: list[str], seed: bytes, task_status: trio.TaskStatus[DHTNode]) -> None:
+        async with open_dht_node(
+            Identity.from_seed(seed), host="127.0.0.1", initial_peers=initial, config=config
+        ) as node:
+            task_status.started(node)
+            await trio.sleep_forever()
+
+    for i in range(n):
+        initial = [nodes[rng.randrange(i)].address] if i else []
+        nodes.append(await nursery.start(run, initial, rng.randbytes(32)))
+    return nodes
+
+
+def _traffic(nodes: list[DHTNode]) -> tuple[int, int]:
+    stats = [node.stats() for node in nodes]
+    return sum(s.sent_datagrams for s in stats), sum(s.sent_bytes for s in stats)
+
+
+async def _run(n: int, args: argparse.Namespace) -> list[Row]:
+    rng = random.Random(args.seed)
+    config = DHTConfig(rpc_timeout=1.0, bootstrap_timeout=30.0)
+    rows = []
+    async with open_asyncio_loop(), trio.open_nursery() as nursery:
+        started = time.perf_counter()
+        nodes = await _start(nursery, n, rng, config)
+        print(f"{n} peers up in {time.perf_counter() - started:.0f}s", file=sys.stderr)
+        rates = [rng.uniform(5.0, 50.0) for _ in range(n)]
+        t0 = nodes[0].now()
+        tree = ProgressTree("scale")
+        grid = GridAgreement("scale", target_group_size=16)
+        limiter = trio.CapacityLimiter(args.concurrency)
+        protocols = ["tree"] + (["single key"] if args.baseline else [])
+        for protocol in protocols:
+            #: per peer: peers counted, and samples counted as a share of the true total
+            views: list[tuple[int, float]] = [(0, 0.0)] * n
+            agreed: list[Any] = [None] * n
+            row = None
+            for step in range(args.steps):
+
+                async def refresh(
+                    i: int,
+                    step: int = step,
+                    protocol: str = protocol,
+                    views: list[tuple[int, float]] = views,
+                    agreed: list[Any] = agreed,
+                ) -> None:
+                    async with limiter:
+                        node = nodes[i]
+                        now = node.now()
+                        mine = PeerProgress(
+                            node.peer_id, 0, int(rates[i] * (now - t0)), rates[i], now
+                        )
+                        if protocol == "tree":
+                            view = await tree.refresh(
+                                node, mine, now=now, ttl=TTL, stale_after=TTL, rng=random.Random(i)
+                            )
+                            at = node.now()
+                            counted = view.progress(1, at).samples
+                            views[i] = (view.peers, counted / (sum(rates) * (at - t0)))
+                            await grid.propose(node, node.peer_id, step + 1, view.peers)
+                            agreed[i] = await grid.agree(node, step)
+                        else:
+                            await node.store(
+                                progress_key("scale"),
+                                mine.to_value(),
+                                now + TTL,
+                                subkey=f"[owner:{node.peer_id.hex()}]",
+                            )
+                            records = parse_progress(await node.get(progress_key("scale")))
+                            at = node.now()
+                            swarm = estimate(records, now=at, target_batch_size=1, stale_after=TTL)
+                            views[i] = (swarm.num_peers, swarm.samples / (sum(rates) * (at - t0)))
+
+                before = _traffic(nodes)
+                started = time.perf_counter()
+                async with trio.open_nursery() as inner:
+                    for i in range(n):
+                        inner.start_soon(refresh, i)
+                seconds = time.perf_counter() - started
+                after = _traffic(nodes)
+                first = [g for g in agreed if g is not None]
+                row = Row(
+                    protocol,
+                    n,
+                    step + 1,
+                    min(v[0] for v in views) / n,
+                    sum(v[0] for v in views) / n / n,
+                    min(v[1] for v in views),
+                    (after[0] - before[0]) / n,
+                    (after[1] - before[1]) / n,
+                    seconds,
+                    (sum(g == first[0] for g in first) / n) if first else 0.0,
+                )
+                print(
+                    f"  [{protocol}] step {step + 1}: {row.min_peer_share:.1%} of peers counted "
+                    f"by the least informed peer, {row.datagrams_per_peer_step:.0f} datagrams and "
+                    f"{row.bytes_per_peer_step / 1000:.1f} kB per peer, {seconds:.0f}s",
+                    file=sys.stderr,
+                )
+            assert row is not None
+            rows.append(row)
+        nursery.cancel_scope.cancel()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peers", type=int, nargs="+", default=[256])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=32, help="refreshes in flight")
+    parser.add_argument("--baseline", action="store_true", help="also run the single-key protocol")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.CRITICAL)
+    rows: list[Row] = []
+    for n in args.peers:
+        rows += trio.run(_run, n, args)
+    if args.json:
+        print(json.dumps([r.__dict__ for r in rows]))
+        return
+    print(
+        f"{'protocol':<12}{'peers':>6}{'step':>5}{'min peers':>10}{'mean':>8}{'min samples':>12}"
+        f"{'dgrams/peer/step':>18}{'kB/peer/step':>14}{'step s':>8}{'grid agreed':>12}"
+    )
+    for r in rows:
+        print(
+            f"{r.protocol:<12}{r.peers:>6}{r.steps:>5}{r.min_peer_share:>10.1%}"
+            f"{r.mean_peer_share:>8.1%}{r.min_sample_share:>12.1%}"
+            f"{r.datagrams_per_peer_step:>18.0f}{r.bytes_per_peer_step / 1000:>14.1f}"
+            f"{r.step_seconds:>8.0f}{r.grid_agreed:>12.0%}"
+        )
+    tree = {r.peers: r for r in rows if r.protocol == "tree"}
+    if 256 in tree and 1024 in tree:
+        ratio = tree[1024].bytes_per_peer_step / tree[256].bytes_per_peer_step
+        verdict = "PASS" if ratio <= 2 else "MISS"
+        print(f"{verdict}  bytes per peer per step, 1024 vs 256: {ratio:.2f}x <= 2x")
+    for r in tree.values():
+        ok = r.min_peer_share >= 0.99 and r.min_sample_share >= 0.99
+        verdict = "PASS" if ok else "MISS"
+        print(f"{verdict}  {r.peers} peers: every peer counts >= 99% of peers and samples")
+
+
+if __name__ == "__main__":
+    main()
