@@ -133,13 +133,14 @@ class AllReduceConfig:
     #: chunk; it keeps every sender's copy of unfinished chunks (``_reducer``).
     #: Every member must use the same setting.
     aggregation: CenteredClip | None = None
-    #: Chunks a sender may send to a reducer ahead of the averaged chunks it has
-    #: received back from it. Without a bound, the reduce-scatter runs ahead
-    #: of the all-gather on every uplink (TCP shares a link between flows, not
-    #: between phases), and a round ends with a backlog of results that a few
-    #: uplinks send while the others idle. Enough to keep a link busy while a
-    #: chunk's result makes its round trip.
-    window_chunks: int = 4
+    #: Wire bytes a sender may send to a reducer ahead of the averaged chunks
+    #: it has received back from it (at least two chunks). Without a bound,
+    #: the reduce-scatter runs ahead of the all-gather on every uplink (TCP
+    #: shares a link between flows, not between phases), and a round ends with
+    #: a backlog of results that a few uplinks send while the others idle.
+    #: Enough to keep a link busy while a chunk's result makes its round trip;
+    #: in bytes, so that small (quantized) chunks get as much in flight.
+    window_bytes: int = 4 * 2**20
     #: Parts are cut into at least this many chunks (chunks no smaller than
     #: ``MIN_PIPELINED_CHUNK`` elements, no larger than ``chunk_elements``):
     #: results flow back only chunk by chunk, so a part in one or two chunks
@@ -167,8 +168,8 @@ class AllReduceConfig:
             raise ConfigError(
                 f"min_chunks_per_part={self.min_chunks_per_part} must be in [1, 2**20]"
             )
-        if not 1 <= self.window_chunks <= 1 << 20:
-            raise ConfigError(f"window_chunks={self.window_chunks} must be in [1, 2**20]")
+        if not 1 <= self.window_bytes <= 1 << 40:
+            raise ConfigError(f"window_bytes={self.window_bytes} must be in [1, 2**40]")
         if not 1 <= self.chunk_elements <= (1 << 21) - 1024:
             raise ConfigError(
                 f"chunk_elements={self.chunk_elements} must be in [1, 2**21 - 1024]"
@@ -622,7 +623,8 @@ class _Round:
             ]
         )
         failure: list[BaseException] = []
-        window = _Window(self.config.window_chunks)
+        chunk_bytes = self.codec.encoded_size(self.partition.chunk_elements)
+        window = _Window(max(2, self.config.window_bytes // chunk_bytes))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(
                 self._send_chunks, stream, part, window, nursery.cancel_scope, failure
@@ -725,7 +727,7 @@ class _Round:
 
 
 class _Window:
-    """How far a sender may run ahead of the results (``window_chunks``)."""
+    """How many chunks a sender may run ahead of the results (``window_bytes``)."""
 
     def __init__(self, size: int) -> None:
         self.size = size

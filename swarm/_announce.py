@@ -47,17 +47,18 @@ def is_loopback(host: str) -> bool:
 
 
 def route_source(toward: str) -> str | None:
-    """The local IPv4 address of the route toward ``toward``; None without one.
+    """The local address of the route toward ``toward`` (an IP); None without one.
 
     Sends nothing: connecting a UDP socket only selects the route.
     """
+    family = socket.AF_INET6 if ":" in toward else socket.AF_INET
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
             probe.connect((toward, 9))
             address: str = probe.getsockname()[0]
     except OSError:  # ENETUNREACH: no route (e.g. no default route)
         return None
-    return None if address == "0.0.0.0" else address
+    return None if is_wildcard(address) else address
 
 
 def interface_addresses() -> list[str]:

@@ -19,6 +19,7 @@ import trio
 from dht import DHTConfig, DHTNode, DHTValue, open_dht_node
 
 from ._address import Address, format_address, parse_address
+from ._announce import announce_host, is_wildcard
 from ._bans import BanConfig, BanList
 from ._clock import WallClock, system_clock
 from ._connections import ConnectionConfig, Connections, open_connections
@@ -100,6 +101,11 @@ class AsyncPeer:
         self.dht = dht
         self.connections = connections
         self._services = services
+        #: the host others dial when none is announced (``_announce``)
+        self._dial_host = config.host
+        if config.announce is None and is_wildcard(config.host):
+            toward = parse_address(config.initial_peers[0])[0] if config.initial_peers else None
+            self._dial_host = announce_host(config.host, toward)
 
     async def start_service(
         self, fn: Callable[..., Awaitable[Any]], *args: Any
@@ -129,10 +135,12 @@ class AsyncPeer:
 
     @property
     def endpoint(self) -> Address:
-        """``(host, port)`` others dial: the announced address, else the bound one."""
+        """``(host, port)`` others dial: the announced address, else the bound
+        one, where a wildcard host (``0.0.0.0``) is replaced by the address
+        ``swarm._announce`` picks, never loopback unless the initial peer is."""
         if self.config.announce is not None:
             return parse_address(self.config.announce)
-        return (self.config.host, self.port)
+        return (self._dial_host, self.port)
 
     @property
     def address(self) -> str:
@@ -159,8 +167,10 @@ async def open_peer(
     Listens on TCP and UDP at the same port (``config.port``, or one free for
     both when 0) and bootstraps the DHT from ``config.initial_peers``. Raises
     ``ConfigError`` if the port cannot be bound and ``BootstrapError`` if no
-    initial peer answers. Leaving the block (or cancellation) stops the DHT node
-    and closes every connection.
+    initial peer answers, and (listening on a wildcard host with no
+    ``announce``) if this machine has no address that others could dial.
+    Leaving the block (or cancellation) stops the DHT node and closes every
+    connection.
     """
     identity = identity or Identity.generate()
     config = config or PeerConfig()

@@ -66,7 +66,7 @@ async def test_a_sender_waits_for_results_beyond_its_window() -> None:
 
 
 def test_config_validation() -> None:
-    with pytest.raises(ConfigError, match="window_chunks"):
-        AllReduceConfig(window_chunks=0)
+    with pytest.raises(ConfigError, match="window_bytes"):
+        AllReduceConfig(window_bytes=0)
     with pytest.raises(ConfigError, match="min_chunks_per_part"):
         AllReduceConfig(min_chunks_per_part=0)

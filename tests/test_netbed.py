@@ -74,6 +74,27 @@ async def test_announces_the_address_others_can_dial() -> None:
             assert host == bed.addresses[1]
 
 
+OPEN_PEER = """
+import trio
+from swarm import PeerConfig, open_peer
+
+async def main():
+    async with open_peer(config=PeerConfig(host="0.0.0.0")) as peer:
+        print(peer.address)
+
+trio.run(main)
+"""
+
+
+async def test_the_python_api_announces_the_same_address() -> None:
+    with NetBed([Link()]) as bed:
+        with trio.fail_after(60):
+            done = await trio.run_process(
+                bed.exec(0, [sys.executable, "-c", OPEN_PEER]), capture_stdout=True
+            )
+    assert done.stdout.decode().startswith(f"{bed.addresses[0]}:"), done.stdout
+
+
 async def test_no_address_but_loopback_is_a_usage_error(tmp_path: Path) -> None:
     with NetBed([Link()]) as bed:
         await trio.run_process(bed.exec(0, ["ip", "addr", "flush", "dev", "eth0"]))
