@@ -936,7 +936,12 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             now=dht.now(),
             epoch=swarm.epoch,
             stale_after=self.config.progress_ttl,
-            fresh_within=2.5 * self.config.progress_interval,
+            # silent for a whole matchmaking window (or a few publications):
+            # it would have missed this round's group anyway
+            fresh_within=max(
+                2.5 * self.config.progress_interval,
+                self.config.averaging.matchmaking.matchmaking_time,
+            ),
         )
         self._reading = _Reading(swarm, mine.epoch, mine.samples, time.monotonic(), expected)
 
