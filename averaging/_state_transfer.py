@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import threading
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NoReturn, Protocol
@@ -485,6 +486,7 @@ async def serve_state(
     get_version: Callable[[], int] | None = None,
     config: StateTransferConfig = DEFAULT_CONFIG,
     before_chunk: BeforeChunk | None = None,
+    state_lock: threading.Lock | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Offer this peer's state to newcomers until cancelled.
@@ -499,8 +501,11 @@ async def serve_state(
 
     ``get_state()`` is called once per upload, in trio, and every tensor it
     returns is copied before the upload's first ``await``: one upload sends one
-    snapshot even if trio tasks then change the tensors in place. (A training
-    loop in another thread must not step while ``get_state`` runs.)
+    snapshot even if trio tasks then change the tensors in place. A training
+    loop in another thread changes the state under ``state_lock``: an upload
+    takes it (without waiting: if it is held, the newcomer is told this donor
+    is busy and tries again) from ``get_state`` until the copy is made, so it
+    sends a whole step's state, and the trio thread never waits on training.
     ``get_version()`` gives the announced version (newcomers prefer the
     highest); by default it is ``metadata["epoch"]`` of ``get_state()``, or 0.
 
@@ -522,16 +527,21 @@ async def serve_state(
     uploads = _Uploads(config.max_uploads, config.max_uploads_per_peer)
     name = state_stream(prefix)
 
+    def announced() -> int:
+        return get_version() if get_version is not None else version_of(get_state()[0])
+
     async def handle(stream: Stream) -> None:
-        await _serve_upload(stream, uploads, get_state, version_of, config, before_chunk)
+        await _serve_upload(
+            stream, uploads, get_state, version_of, config, before_chunk, state_lock
+        )
 
     peer.connections.set_handler(name, handle)
     try:
-        await _announce(peer, prefix, version_of(get_state()[0]), config)
+        await _announce(peer, prefix, announced(), config)
         task_status.started()
         while True:
             await trio.sleep(config.announce_interval)
-            await _announce(peer, prefix, version_of(get_state()[0]), config)
+            await _announce(peer, prefix, announced(), config)
     finally:
         uploads.closed = True
         for scope in uploads.scopes:
@@ -566,6 +576,7 @@ async def _serve_upload(
     version_of: Callable[[dict[str, Any]], int],
     config: StateTransferConfig,
     before_chunk: BeforeChunk | None,
+    state_lock: threading.Lock | None = None,
 ) -> None:
     """Serve one newcomer's stream (runs in the connections' nursery).
 
@@ -602,14 +613,23 @@ async def _serve_upload(
     uploads.scopes.add(scope)
     try:
         with scope:
-            metadata, state = get_state()
-            flat = flatten_state(state)
-            total = sum(tensor.numel() * tensor.element_size() for tensor in flat.tensors)
+            if state_lock is not None and not state_lock.acquire(blocking=False):
+                reason = "this peer is changing its state (a training step)"
+                await stream.send_bytes(encode_refusal(_BUSY, reason))
+                return
+            try:
+                metadata, state = get_state()
+                flat = flatten_state(state)
+                total = sum(tensor.numel() * tensor.element_size() for tensor in flat.tensors)
+                if total <= max_bytes:  # the copy, made before the lock is let go
+                    header, blobs = encode_header(version_of(metadata), metadata, flat)
+            finally:
+                if state_lock is not None:
+                    state_lock.release()
             if total > max_bytes:
                 reason = f"the state is {total} bytes, the newcomer accepts {max_bytes}"
                 await stream.send_bytes(encode_refusal(_REFUSED, reason))
                 return
-            header, blobs = encode_header(version_of(metadata), metadata, flat)
             await _send_within(stream, header, config.chunk_timeout)
             for index, chunk in enumerate(iter_chunks(blobs, config.chunk_size)):
                 if before_chunk is not None:

@@ -68,20 +68,16 @@ def _worker(args: argparse.Namespace) -> None:
     task = _task(args.task)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     times: list[float] = []
     if args.mode == "plain":
-        model, optimizer, _ = task.build(seed=0, device=device, dtype=dtype)
-        batches = task.batches(0, args.batch_size)
-        for _ in range(args.warmup + args.steps):
-            started = time.perf_counter()
-            for _ in range(args.accumulation):
-                loss, _ = task.loss(model, next(batches))
-                (loss / args.accumulation).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - started)
+        # In a thread like Swarm's training loop: torch's CPU thread pool
+        # behaves differently in the main thread (measured: 2.8 s vs 0.05 s
+        # per step on a loaded 2-core machine), which would skew the comparison.
+        thread = threading.Thread(target=_plain, args=(args, task, device, dtype, times))
+        thread.start()
+        thread.join()
     else:
         times = _swarm(args, task, device, dtype)
     measured = times[args.warmup :]
@@ -99,6 +95,25 @@ def _worker(args: argparse.Namespace) -> None:
         ),
         flush=True,
     )
+
+
+def _plain(
+    args: argparse.Namespace, task: Any, device: Any, dtype: Any, times: list[float]
+) -> None:
+    import torch
+
+    model, optimizer, _ = task.build(seed=0, device=device, dtype=dtype)
+    batches = task.batches(0, args.batch_size)
+    for _ in range(args.warmup + args.steps):
+        started = time.perf_counter()
+        for _ in range(args.accumulation):
+            loss, _ = task.loss(model, next(batches))
+            (loss / args.accumulation).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - started)
 
 
 def _swarm(args: argparse.Namespace, task: Any, device: Any, dtype: Any) -> list[float]:
@@ -178,7 +193,8 @@ def _swarm(args: argparse.Namespace, task: Any, device: Any, dtype: Any) -> list
 
 def _run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, os.path.abspath(__file__), "--worker", "--mode", mode]
-    for key in ("device", "task", "dtype", "steps", "warmup", "batch_size", "accumulation"):
+    keys = ("device", "task", "dtype", "steps", "warmup", "batch_size", "accumulation", "threads")
+    for key in keys:
         command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     command += ["--peers", str(args.peers)]
     out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=1800)
@@ -198,6 +214,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--accumulation", type=int, default=4, help="micro-batches per step")
     parser.add_argument("--peers", type=int, default=1, help="Swarm peers on the device")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=["plain", "swarm"], help=argparse.SUPPRESS)

@@ -3,7 +3,9 @@
 Each peer is its own process on 127.0.0.1 (as on real machines; threads would
 share one interpreter lock). For each swarm size it reports the wall time per
 epoch (one global step), the share of wall time the peers spent averaging and
-waiting for the swarm, and the test accuracy after a fixed number of epochs.
+waiting for the swarm, the samples each global step averaged (summed over the
+peers that took it; the promise is the target batch, give or take one local
+batch per peer) and the test accuracy after a fixed number of epochs.
 The single peer is the baseline measured in the same run: it never averages.
 
     python benchmarks/training.py                      # 1, 2, 4 peers, 20 epochs
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -31,6 +34,9 @@ class Result:
     epoch_s: float
     averaging_share: float
     accuracy: float
+    #: samples per global step, summed over peers: mean and largest
+    samples_mean: float
+    samples_max: int
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -64,6 +70,13 @@ def _worker(args: argparse.Namespace) -> None:
         if args.index == 0 and args.peers > 1:
             sys.stdin.readline()  # wait until every peer has joined: start together
         task = load_task("digits")
+        samples: dict[int, int] = {}
+
+        def on_epoch(opt: Any, _report: Any) -> None:
+            step = opt.last_step
+            if step is not None:
+                samples[step.epoch] = step.samples
+
         report = train(
             peer,
             task,
@@ -76,6 +89,7 @@ def _worker(args: argparse.Namespace) -> None:
                 data_seed=args.index,
                 optimizer=config,
             ),
+            on_epoch=on_epoch,
         )
     print(
         json.dumps(
@@ -84,6 +98,7 @@ def _worker(args: argparse.Namespace) -> None:
                 "averaging_s": report.averaging_seconds,
                 "epochs": report.epochs,
                 "accuracy": report.metrics.get("accuracy", float("nan")),
+                "samples": samples,
             }
         ),
         flush=True,
@@ -137,8 +152,18 @@ def _run_swarm(n: int, args: argparse.Namespace) -> Result:
     wall = statistics.mean(r["wall_s"] for r in reports)
     averaging = statistics.mean(r["averaging_s"] for r in reports)
     epochs = min(r["epochs"] for r in reports)
+    per_step: dict[str, int] = {}
+    for r in reports:
+        for epoch, count in r["samples"].items():
+            per_step[epoch] = per_step.get(epoch, 0) + count
+    steps = list(per_step.values()) or [0]
     return Result(
-        n, wall / max(1, epochs), averaging / wall, statistics.mean(r["accuracy"] for r in reports)
+        n,
+        wall / max(1, epochs),
+        averaging / wall,
+        statistics.mean(r["accuracy"] for r in reports),
+        statistics.mean(steps),
+        max(steps),
     )
 
 
@@ -167,9 +192,16 @@ def main() -> None:
         f"digits, target batch {args.target_batch_size}, local batch {args.batch_size}, "
         f"{args.epochs} epochs, {os.cpu_count()} cores ({time.monotonic() - started:.0f}s)"
     )
-    print(f"{'peers':>5}  {'s/epoch':>8}  {'averaging+waiting':>17}  {'accuracy':>8}")
+    print(
+        f"{'peers':>5}  {'s/epoch':>8}  {'averaging+waiting':>17}  {'accuracy':>8}"
+        f"  {'samples/step (mean, max)':>24}"
+    )
     for r in results:
-        print(f"{r.peers:>5}  {r.epoch_s:>8.3f}  {r.averaging_share:>17.1%}  {r.accuracy:>8.3f}")
+        ratio = r.samples_mean / args.target_batch_size
+        print(
+            f"{r.peers:>5}  {r.epoch_s:>8.3f}  {r.averaging_share:>17.1%}  {r.accuracy:>8.3f}"
+            f"  {r.samples_mean:>9.0f} ({ratio:.2f}x) {r.samples_max:>6}"
+        )
     largest = max(results, key=lambda r: r.peers)
     verdict = "PASS" if largest.averaging_share < 0.15 else "MISS"
     print(

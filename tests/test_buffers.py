@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from trainer_harness import FAST, training_peers
 
-from trainer import CollaborativeOptimizer
+from trainer import Checkpoint, CollaborativeOptimizer
 from trainer._buffers import load_plain_state_dict, model_buffers, plain_state_dict
 
 
@@ -94,3 +94,20 @@ def test_checkpoints_hold_buffers_and_fit_compiled_and_plain_models(tmp_path: Pa
         bn = again[1]
         assert isinstance(bn, torch.nn.BatchNorm1d)
         assert bn.running_mean.eq(7.0).all() and int(bn.num_batches_tracked) == 7
+
+
+def test_checkpoint_capture_and_restore_fit_compiled_and_plain_models() -> None:
+    plain = _model(0)
+    _set_statistics(plain, 2.0)
+    compiled = torch.compile(_model(1))
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    checkpoint = Checkpoint.capture(1, plain, optimizer)
+    checkpoint.restore(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1))
+    for key, value in plain.state_dict().items():
+        assert torch.equal(compiled.state_dict()["_orig_mod." + key], value)
+    back = Checkpoint.capture(2, compiled, optimizer)
+    assert set(back.model) == set(plain.state_dict())  # no _orig_mod. in the file
+    other = _model(2)
+    back.restore(other, torch.optim.SGD(other.parameters(), lr=0.1))
+    for key, value in plain.state_dict().items():
+        assert torch.equal(other.state_dict()[key], value)

@@ -13,6 +13,7 @@ import functools
 import logging
 import random
 import re
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -637,3 +638,21 @@ def test_header_decoder_raises_only_protocol_errors(data: bytes) -> None:
     except ProtocolError:
         return
     assert flatten_state(state).tensors == [] or assembler.total > 0
+
+
+async def test_a_donor_whose_state_lock_is_held_is_busy_until_it_is_released() -> None:
+    # A training thread holds the lock while it steps: the donor never waits
+    # for it (the trio thread stays free) and never sends a half-stepped state.
+    state = make_state()
+    lock = threading.Lock()
+    lock.acquire()
+    with trio.fail_after(10):
+        async with open_swarm() as (nursery, bootstrap):
+            await start_donor(nursery, bootstrap, 2, state, {"epoch": 1}, state_lock=lock)
+            async with open_newcomers(bootstrap, 10) as (newcomer,):
+                assert await load(newcomer, timeout=0.5) is None  # busy all along
+                trio.lowlevel.current_trio_token().run_sync_soon(lock.release)
+                loaded = await load(newcomer, timeout=4.0)
+    assert loaded is not None
+    assert_identical(loaded.state, state)
+    assert lock.acquire(blocking=False)  # the upload let it go

@@ -250,7 +250,7 @@ def test_load_task_from_a_file(tmp_path: Path) -> None:
 
 
 def test_builtin_names() -> None:
-    assert builtin_task_names() == ["digits"]
+    assert builtin_task_names() == ["digits", "digits-cnn"]
     assert load_task("digits").name == "digits"
 
 

@@ -35,18 +35,21 @@ from ._progress import (
 )
 from ._round_timing import RoundTiming, RoundTimingConfig
 from ._task import (
+    PRECISIONS,
     Task,
     builtin_task_names,
     default_optimizer,
     load_task,
     model_device,
     model_dtype,
+    resolve_device,
     shuffled_batches,
     to_device,
 )
 from ._tasks_digits import DigitsCNN, make_digits_cnn_task, make_digits_task
 
 __all__ = [
+    "PRECISIONS",
     "ArcTopK",
     "Checkpoint",
     "CheckpointDir",
@@ -81,6 +84,7 @@ __all__ = [
     "parse_progress",
     "plain_state_dict",
     "progress_key",
+    "resolve_device",
     "save_checkpoint",
     "shuffled_batches",
     "to_device",

@@ -47,6 +47,8 @@ from swarm._state import (
 )
 from swarm._wire import pack, unpack
 
+from ._buffers import load_plain_state_dict, plain_state_dict
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"SWARMCK1"
@@ -94,10 +96,12 @@ class Checkpoint:
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         extra: dict[str, Any] | None = None,
     ) -> Checkpoint:
-        """The current state of ``model``, ``optimizer`` and ``scheduler`` (shared, not copied)."""
+        """The current state of ``model``, ``optimizer`` and ``scheduler`` (shared,
+        not copied). The model's keys are plain: a ``torch.compile``d model's
+        ``_orig_mod.`` prefixes are cut, so the checkpoint fits either kind."""
         return cls(
             epoch=epoch,
-            model=dict(model.state_dict()),
+            model=plain_state_dict(dict(model.state_dict())),
             optimizer=optimizer.state_dict(),
             scheduler=None if scheduler is None else scheduler.state_dict(),
             extra={} if extra is None else dict(extra),
@@ -114,11 +118,13 @@ class Checkpoint:
         Raises ``ConfigError`` if the checkpoint has a scheduler state and no
         scheduler is given or the reverse, and whatever torch raises when a
         state_dict does not fit (``RuntimeError``, ``ValueError``, ``KeyError``).
+        A plain model's checkpoint restores into a ``torch.compile``d one and
+        the reverse.
         """
         if (scheduler is None) != (self.scheduler is None):
             have = "has" if self.scheduler is not None else "has no"
             raise ConfigError(f"the checkpoint {have} scheduler state, the task does not match")
-        model.load_state_dict(self.model)
+        load_plain_state_dict(model, self.model)
         optimizer.load_state_dict(self.optimizer)
         if scheduler is not None and self.scheduler is not None:
             scheduler.load_state_dict(self.scheduler)

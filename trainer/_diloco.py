@@ -75,8 +75,8 @@ class OuterLoop:
     """The synced parameters, the outer optimizer over them and the count of
     local steps since the last synchronisation, for ``params``.
 
-    Not thread-safe: the collaborative optimizer calls it on its trio thread,
-    where every change to parameters happens.
+    Not thread-safe: the collaborative optimizer calls it under its state lock,
+    which every change to parameters holds.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], config: DiLoCo) -> None:

@@ -54,6 +54,10 @@ class TrainingConfig:
     #: starts from the same weights at the same time (e.g. a benchmark)
     load_state: bool = True
     optimizer: CollaborativeConfig = field(default_factory=CollaborativeConfig)
+    #: the device the model trains on ("cpu", "cuda", "cuda:1", "mps")
+    device: str = "cpu"
+    #: the model's dtype (float32, or bfloat16/float16 with float32 master weights)
+    dtype: torch.dtype = torch.float32
 
 
 @dataclass
@@ -88,7 +92,9 @@ def train(
     gradients hold NaN or Inf is skipped with a warning; ``NonFiniteError`` once
     ``MAX_NONFINITE_BATCHES`` come in a row (the model has diverged).
     """
-    model, inner, scheduler = task.build(seed=config.model_seed, lr=config.lr)
+    model, inner, scheduler = task.build(
+        seed=config.model_seed, device=config.device, dtype=config.dtype, lr=config.lr
+    )
     batch_size = config.batch_size or task.batch_size
     report = TrainingReport()
     started = time.monotonic()
@@ -97,7 +103,7 @@ def train(
     with CollaborativeOptimizer(
         peer,
         run_id=config.run_id,
-        params=model.parameters(),
+        model=model,  # its buffers (BatchNorm statistics) travel with the state
         optimizer=inner,
         scheduler=scheduler,
         target_batch_size=config.target_batch_size,
@@ -127,7 +133,8 @@ def train(
             loss, size = task.loss(model, next(batches))
             loss.backward()
             try:
-                stepped = opt.step(size, loss=float(loss.detach()))
+                # the loss as a tensor: read once per global step, not per batch
+                stepped = opt.step(size, loss=loss.detach())
             except NonFiniteError:
                 nonfinite += 1
                 if nonfinite >= MAX_NONFINITE_BATCHES:

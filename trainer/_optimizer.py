@@ -28,9 +28,12 @@ updates them; the model holds them rounded). A model's buffers (``model=``)
 travel with the state. ``GradScaler`` accepts the optimizer (see ``_amp``).
 
 Threads: the training loop calls ``step()`` from its own thread. All network
-work, and every change to parameters or optimizer state, runs on the peer's
-trio thread (``Peer.run``/``run_sync``), so the state a donor sends to a
-newcomer is always a whole step's state.
+work runs on the peer's trio thread (``Peer.run``). Tensor work (the inner
+optimizer step, EF21M and DiLoCo arithmetic, staging copies, checkpoint
+capture) runs in the training thread under ``_state_lock``, never on the trio
+thread: the event loop does not wait on compute or on a device. A donor
+takes the same lock (without waiting) to copy the state, so the state a
+newcomer receives is always a whole step's.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import trio
@@ -94,6 +97,7 @@ from ._progress import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: checkpoint keys of the model's buffers (parameters are keyed by index)
 BUFFER_KEY = "buffer:"
@@ -177,6 +181,10 @@ class _Reading:
     samples: int
     #: monotonic time of the reading
     time: float
+    #: the peers to expect in this epoch's round (this one included): live
+    #: peers at the swarm's epoch, and those one behind that are still
+    #: publishing (finishing the last step), not a peer that went silent
+    expected: int = 1
 
 
 @dataclass(eq=False)
@@ -346,6 +354,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._state_averager: Averager | None = None
         self._state_staging: HostStaging | None = None
         self._closed = False
+        #: held while the state changes (see the module doc); donors try it
+        self._state_lock = threading.Lock()
         self._donor = peer.run(self._start_donor)
         if self._checkpoints is not None:
             self._resume_from_checkpoint()
@@ -405,6 +415,12 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 "the swarm neither averages nor shares them, so peers drift apart on them",
                 stacklevel=3,
             )
+
+    def _locked(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the calling (training) thread under the state lock:
+        tensor work that changes the state donors send."""
+        with self._state_lock:
+            return fn(*args)
 
     def report_metric(self, value: float) -> None:
         """The metric a ``ReduceLROnPlateau`` scheduler steps with at the next
@@ -528,9 +544,11 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             reading = self._reading
             if reading is not None and reading.epoch == self.epoch:
                 swarm = reading.swarm
-        # Expect every live peer: one whose record still shows the last epoch is
-        # about to join. A group closed too early would leave a peer alone.
-        self._global_step(alone=swarm.num_peers <= 1, expected=swarm.num_peers)
+        # Expect every peer that is still publishing: one whose record shows the
+        # last epoch is about to join (a group closed too early would leave it
+        # alone), but one that went silent is not waited for.
+        expected = reading.expected if reading is not None else swarm.num_peers
+        self._global_step(alone=swarm.num_peers <= 1, expected=expected)
         return True
 
     def _account(self, size: int, loss: float | torch.Tensor | None) -> float:
@@ -588,7 +606,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self.optimizer.step()
             diloco.local_steps += 1
 
-        self.peer.run_sync(inner)
+        self._locked(inner)
         now = self._account(size, loss)
         remaining = diloco.config.local_steps - diloco.local_steps
         if remaining <= 0:
@@ -607,7 +625,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 # the group is ready when the last local step is
                 self._prematch_epoch = self.epoch
                 with contextlib.suppress(SwarmError):
-                    self.peer.run(self._begin_matchmaking, self.epoch, reading.swarm.num_peers)
+                    self.peer.run(self._begin_matchmaking, self.epoch, reading.expected)
             return False
         self._refresh_now(now, force=True)  # who is live now, and how far they are
         reading = self._reading
@@ -624,7 +642,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             # later): synchronise with the peers at ours, try again later
             self._next_catch_up = now + self.config.progress_ttl / 2
         peers = 1 if reading is None else reading.swarm.num_peers
-        self._outer_step(diloco, alone=peers <= 1, expected=peers)
+        expected = 1 if reading is None else reading.expected
+        self._outer_step(diloco, alone=peers <= 1, expected=expected)
         return True
 
     def _outer_step(self, diloco: OuterLoop, *, alone: bool, expected: int) -> None:
@@ -633,7 +652,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         compute, early = self._end_compute()
         started = time.monotonic()
         self._read_losses()
-        self.peer.run_sync(diloco.compute_pseudo_gradients)
+        self._locked(diloco.compute_pseudo_gradients)
         result: StepResult | None = None
         if alone:
             log.info("epoch %d: no other peer is training; outer step alone", self.epoch)
@@ -651,7 +670,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self.epoch += 1
             self._step_scheduler()
 
-        self.peer.run_sync(apply)
+        self._locked(apply)
         self.last_step = GlobalStep(self.epoch, samples, result, seconds, compute, early)
         self._raise_scheduler_error()
         self._after_global_step(alone)
@@ -719,7 +738,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 self._sync_model()
             self.epoch = int(state["epoch"])
 
-        self.peer.run_sync(load)
+        self._locked(load)
 
     def _mode_state(self) -> dict[str, Any]:
         """The state of the optional modes in use, by name ("ef21m", "diloco"):
@@ -732,7 +751,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         return state
 
     def _load_mode_state(self, state: dict[str, Any]) -> None:
-        """Load ``_mode_state()`` output (on the trio thread). A mode missing from
+        """Load ``_mode_state()`` output (under the state lock). A mode missing from
         ``state`` (saved by a run without it): DiLoCo resyncs from the parameters,
         EF21M keeps its own state. Raises what the modes raise for a misfit."""
         if self._diloco is not None:
@@ -796,7 +815,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             return
         self._prematch_epoch = self.epoch
         with contextlib.suppress(SwarmError):
-            self.peer.run(self._begin_matchmaking, self.epoch, swarm.num_peers)
+            self.peer.run(self._begin_matchmaking, self.epoch, reading.expected)
 
     async def _begin_matchmaking(self, epoch: int, expected: int) -> None:
         """On the trio thread: find this epoch's group as a service of the peer."""
@@ -915,7 +934,19 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             target_batch_size=self.target_batch_size,
             stale_after=self.config.progress_ttl,
         )
-        self._reading = _Reading(swarm, mine.epoch, mine.samples, time.monotonic())
+        expected = expected_peers(
+            records,
+            now=dht.now(),
+            epoch=swarm.epoch,
+            stale_after=self.config.progress_ttl,
+            # silent for a whole matchmaking window (or a few publications):
+            # it would have missed this round's group anyway
+            fresh_within=max(
+                2.5 * self.config.progress_interval,
+                self.config.averaging.matchmaking.matchmaking_time,
+            ),
+        )
+        self._reading = _Reading(swarm, mine.epoch, mine.samples, time.monotonic(), expected)
 
     async def _start_tracker(self) -> trio.CancelScope:
         return await self.peer.async_peer.start_service(self._track)
@@ -964,7 +995,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         host = self._staging.to_host()
         if self._ef21m is not None:
             # averaging now carries EF21M's difference v - g (see _ef21m)
-            self.peer.run_sync(self._ef21m.begin, host)
+            self._locked(self._ef21m.begin, host)
         result: StepResult | None = None
         if alone:
             log.info("epoch %d: no other peer is training; applying local gradients", self.epoch)
@@ -972,7 +1003,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             result = self._average_gradients(samples, expected)
         seconds = time.monotonic() - started
         self._rate.pause()
-        self.peer.run_sync(self._apply_gradients)
+        self._locked(self._apply_gradients)
         self.last_step = GlobalStep(
             self.epoch, samples, result, seconds, compute, early, self._hook_result
         )
@@ -982,7 +1013,12 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     def _after_global_step(self, alone: bool) -> None:
         interval = self.config.state_averaging_interval
         if interval and self.epoch % interval == 0 and not alone:
-            self._average_state()
+            # the peers that just averaged gradients together are the ones to
+            # expect: the round closes as soon as they are in
+            step = self.last_step
+            contributors = 0 if step is None else len(step.contributors)
+            reading = self._reading
+            self._average_state(contributors or (1 if reading is None else reading.expected))
         if self._checkpoints is not None and self.epoch % self.config.checkpoint_every == 0:
             self._save_checkpoint()
         self._poke()
@@ -1010,16 +1046,11 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         if result is not None and result.group is None:
             log.info("epoch %d: %s; applying local gradients", self.epoch, result.reason)
         elif result is not None:
-            log.info(
-                "epoch %d: averaged gradients of %d peers (group of %d)",
-                self.epoch,
-                len(result.contributors),
-                len(result.members),
-            )
+            _log_average(self.epoch, "gradients", result)
         return result
 
     def _apply_gradients(self) -> None:
-        """On the trio thread: the inner step, then a fresh accumulator."""
+        """Under the state lock: the inner step, then a fresh accumulator."""
         if self._ef21m is not None:
             self._ef21m.finish(self._staging.host)  # the accumulator now holds g_bar
         self._staging.from_host()
@@ -1084,10 +1115,10 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         tensors += [b for b in self.buffers.values() if b.is_floating_point()]
         return tensors
 
-    def _average_state(self) -> None:
+    def _average_state(self, expected: int) -> None:
         """Average parameters, optimizer state and buffers so Moshpit groups do
         not drift. The state is staged to host memory (reused buffers) and
-        written back on the trio thread, where every change to it happens."""
+        written back under the state lock."""
         tensors = self._state_tensors()
         staging = self._state_staging
         if staging is None or not _same_tensors(staging.tensors, tensors):
@@ -1110,6 +1141,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                     1.0,
                     timeout=self.config.averaging_timeout,
                     round=self.epoch,
+                    expected_peers=expected,
                 )
             )
         except LocalTensorError:
@@ -1120,15 +1152,10 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             if result.group is None:
                 log.info("epoch %d: parameter averaging: %s", self.epoch, result.reason)
             else:
-                log.info(
-                    "epoch %d: averaged parameters of %d peers (group of %d)",
-                    self.epoch,
-                    len(result.contributors),
-                    len(result.members),
-                )
-                self.peer.run_sync(self._write_back_state, staging)
+                _log_average(self.epoch, "parameters", result)
+                self._locked(self._write_back_state, staging)
         if self._diloco is not None:
-            self.peer.run_sync(self._diloco.resync)  # right after the outer step: nothing lost
+            self._locked(self._diloco.resync)  # right after the outer step: nothing lost
 
     def _write_back_state(self, staging: HostStaging) -> None:
         staging.from_host()
@@ -1137,7 +1164,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     # -- state sharing ------------------------------------------------------------
 
     def _donated_state(self) -> tuple[dict[str, Any], Any]:
-        # called on the trio thread, where every change to this state happens
+        # called on the trio thread by an upload that holds the state lock
         state = {
             "params": [p.detach() for p in self._shared_params()],
             "optimizer": self.optimizer.state_dict(),
@@ -1166,6 +1193,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 self._donated_state,
                 get_version=lambda: self.epoch,
                 config=self.config.state_transfer,
+                state_lock=self._state_lock,
             )
         )
 
@@ -1226,6 +1254,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 self.scheduler.load_state_dict(loaded.state["scheduler"])
             for acc in self._grads:
                 acc.zero_()
+            self._got_grad = [False] * len(self.params)
             if self._ef21m is not None:
                 self._ef21m.adopt(loaded.state["ef21m_estimate"])
             if self._diloco is not None:
@@ -1237,7 +1266,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self.epoch = epoch
             self.state_source = loaded.donor
 
-        self.peer.run_sync(apply)
+        self._locked(apply)
         self._poke()
         self._begin_compute()
         log.info("loaded the state of epoch %d from %s", epoch, loaded.donor.short())
@@ -1262,7 +1291,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 },
             )
 
-        checkpoint = self.peer.run_sync(capture)
+        checkpoint = self._locked(capture)
         try:
             path = self._checkpoints.save(checkpoint)
         except OSError as e:
@@ -1311,7 +1340,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self.epoch = checkpoint.epoch
 
         try:
-            self.peer.run_sync(apply)
+            self._locked(apply)
         except ProtocolError as e:
             raise ConfigError(f"the checkpoint's DiLoCo state does not fit: {e}") from e
         log.info("resumed from the checkpoint of epoch %d", checkpoint.epoch)
@@ -1321,3 +1350,46 @@ def _same_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     """Whether two lists hold the very same tensors (not equal values): the
     optimizer replaces its state tensors when a state is loaded."""
     return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+def _log_average(epoch: int, what: str, result: StepResult) -> None:
+    """Log the peers whose data is in the average (its contributors), never
+    merely the group's members: "with N peers" only when all N are in it."""
+    contributors, members = len(result.contributors), len(result.members)
+    if contributors == members:
+        log.info("epoch %d: averaged %s with %d peers", epoch, what, contributors)
+    else:
+        log.info(
+            "epoch %d: averaged %s of %d of %d group members (the others' data is missing)",
+            epoch,
+            what,
+            contributors,
+            members,
+        )
+
+
+def expected_peers(
+    records: list[PeerProgress],
+    *,
+    now: float,
+    epoch: int,
+    stale_after: float,
+    fresh_within: float,
+) -> int:
+    """How many peers (at least 1) an ``epoch`` round should wait for.
+
+    Live peers at ``epoch`` or beyond, and peers one epoch behind whose record
+    is younger than ``fresh_within`` seconds: they are still publishing, so
+    still finishing the last step, and about to join. A peer one behind that
+    went silent (it died, or missed the last round and is stuck) is not
+    waited for, although its record lives until ``stale_after``.
+    """
+    return max(
+        1,
+        sum(
+            1
+            for r in records
+            if now - r.time <= stale_after
+            and (r.epoch >= epoch or (r.epoch == epoch - 1 and now - r.time <= fresh_within))
+        ),
+    )

@@ -188,6 +188,40 @@ class Task(Generic[Batch]):
         return result
 
 
+#: ``--precision`` names and the model dtypes they mean
+PRECISIONS: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device ``name`` means: ``auto`` (CUDA when present, else MPS when
+    present, else the CPU), ``cpu``, ``cuda``, ``cuda:N`` or ``mps``.
+
+    Raises ``ConfigError`` for a name torch does not know or a device this
+    machine does not have, saying which devices it has.
+    """
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ConfigError(f"unknown device {name!r}: use auto, cpu, cuda, cuda:N or mps") from e
+    have = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    have += ["mps"] if torch.backends.mps.is_available() else []
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if str(device) not in have:
+        raise ConfigError(f"device {name!r} is not on this machine (it has {', '.join(have)})")
+    return device
+
+
 def to_device(batch: Batch, device: torch.device | str) -> Batch:
     """``batch`` with every tensor in it (in tuples, lists and dicts, at any
     depth) moved to ``device``; other values are kept. A task's ``loss`` and
