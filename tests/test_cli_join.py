@@ -74,7 +74,6 @@ async def test_a_joiner_adopts_the_run_settings_or_is_refused(tmp_path: Path) ->
         joiner += ("--run-id", "settings-test")
         conflicts = {
             ("--target-batch-size", "128"): "--target-batch-size 128 differs from run's 64",
-            ("--max-epochs", "9"): "--max-epochs 9 differs from run's 3",
         }
 
         async def refused(option: tuple[str, ...], expected: str) -> None:
