@@ -36,6 +36,8 @@ log = logging.getLogger("swarm")
 
 #: Lines of a peer's log kept to show when it fails.
 LOG_TAIL = 20
+#: Seconds to read what exited peers left in their pipes.
+PIPE_DRAIN_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,9 @@ class _DemoPeer:
         self.log: deque[str] = deque(maxlen=LOG_TAIL)
         self.join_command: str | None = None
         self.printed_join = trio.Event()
+        #: set once stdout and stderr were read to their end
+        self.stdout_read = trio.Event()
+        self.stderr_read = trio.Event()
 
     async def relay_stdout(self) -> None:
         assert self.process.stdout is not None
@@ -110,10 +115,12 @@ class _DemoPeer:
 
         await _read_lines(self.process.stdout, on_line)
         self.printed_join.set()  # it exited: whoever waits learns it printed none
+        self.stdout_read.set()
 
     async def keep_log(self) -> None:
         assert self.process.stderr is not None
         await _read_lines(self.process.stderr, self.log.append)
+        self.stderr_read.set()
 
     @property
     def running(self) -> bool:
@@ -235,6 +242,11 @@ async def run_demo(config: DemoConfig) -> int:
                 with trio.CancelScope(shield=True):
                     for peer in demo.peers:
                         await peer.process.wait()
+                    # what they printed last is still in the pipes: show it
+                    with trio.move_on_after(PIPE_DRAIN_TIMEOUT):
+                        for peer in demo.peers:
+                            await peer.stdout_read.wait()
+                            await peer.stderr_read.wait()
                 nursery.cancel_scope.cancel()
     return _summary(demo, time.monotonic() - began)
 

@@ -788,12 +788,13 @@ def _training_config(
 
 def _agree_on_settings(
     peer: Peer, args: argparse.Namespace, given: frozenset[str], run_id: str, task: Task[Any]
-) -> tuple[argparse.Namespace, Task[Any]]:
+) -> tuple[argparse.Namespace, Task[Any], bool]:
     """Join the run's settings (see ``_run_settings``): read them from the DHT,
     adopt those this peer did not set, refuse a conflict, and keep them published.
 
-    Returns the options with the run's settings in place and the task to train
-    (the run's, when this peer named none). Raises ``SettingsConflictError`` for
+    Returns the options with the run's settings in place, the task to train
+    (the run's, when this peer named none), and whether this peer starts the
+    run (nobody had published its settings). Raises ``SettingsConflictError`` for
     a setting given with another value than the run's, and ``ConfigError`` when
     the run's task cannot be loaded here."""
     from trainer import load_task
@@ -830,7 +831,7 @@ def _agree_on_settings(
         say(f"adopted the run's settings: {', '.join(changed)}")
     _check_train_args(adopted)
     peer.run(peer.async_peer.start_service, serve_run_settings, dht, run_id, settings)
-    return adopted, task
+    return adopted, task, run is None
 
 
 def _waiting_line(config: TrainingConfig) -> str | None:
@@ -872,8 +873,8 @@ def _run_train(args: argparse.Namespace, given: frozenset[str] = frozenset()) ->
             torch.set_num_threads(args.threads)
         with Peer(identity, peer_config) as peer:
             say(f"peer {peer.peer_id} listening on {args.host}:{peer.async_peer.port}")
-            args, task = _agree_on_settings(peer, args, given, run_id, task)
-            config = _training_config(args, run_id, seed, starts_run=not args.initial_peer)
+            args, task, starts_run = _agree_on_settings(peer, args, given, run_id, task)
+            config = _training_config(args, run_id, seed, starts_run=starts_run)
             reporter = _EpochReporter(config.target_batch_size, diloco=args.diloco is not None)
             with _open_dashboard(args, config, reporter) as dashboard:
                 dashboard.attach(peer)

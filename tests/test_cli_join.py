@@ -74,7 +74,6 @@ async def test_a_joiner_adopts_the_run_settings_or_is_refused(tmp_path: Path) ->
         joiner += ("--run-id", "settings-test")
         conflicts = {
             ("--target-batch-size", "128"): "--target-batch-size 128 differs from run's 64",
-            ("--max-epochs", "9"): "--max-epochs 9 differs from run's 3",
         }
 
         async def refused(option: tuple[str, ...], expected: str) -> None:
@@ -103,3 +102,19 @@ async def test_a_joiner_adopts_the_run_settings_or_is_refused(tmp_path: Path) ->
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_finishes, first, 3)
                 nursery.start_soon(_finishes, second, 3)
+
+
+async def test_the_first_trainer_behind_a_bootstrap_node_waits_for_others(tmp_path: Path) -> None:
+    # It has an --initial-peer (the DHT node) but starts the run: nobody could
+    # join its run if it trained its epochs alone at once.
+    async with run_cli("dht", "--host", "127.0.0.1") as bootstrap:
+        join = await bootstrap.read_line_containing("join with:", timeout=30)
+        address = join.split("--initial-peer ", 1)[1].split()[0]
+        train = ("train", *FAST, "--matchmaking-time", "1", "--initial-peer", address)
+        train += ("--wait-for-peers", "120")
+        async with run_cli(*train, "--task", throttled_task_file(tmp_path, 0.02)) as peer:
+            waiting = await peer.read_line_containing("waiting up to", timeout=60)
+            assert waiting.startswith("waiting up to 120 s for peers to join"), waiting
+            assert await peer.stop() == 0
+            assert (await peer.read_line_containing("stopped at")).startswith("stopped at epoch 0:")
+        assert await bootstrap.stop() == 0

@@ -105,3 +105,34 @@ def test_settings_records_round_trip_and_every_peer_chooses_the_same() -> None:
     lowest = min((a, b), key=PeerID.hex)
     assert choose(tie) == tie[lowest] and choose(dict(reversed(tie.items()))) == tie[lowest]
     assert choose({}) is None and parse_run_settings(None) == {}
+
+
+def test_status_names_each_number_for_what_it_is() -> None:
+    from swarm.cli import _status_object, _status_table
+    from trainer import PeerProgress, estimate
+
+    peer = Identity.generate().peer_id
+    record = PeerProgress(peer, 12, 40, 20000.0, 1099.5, loss=0.25, accuracy=0.9)
+    swarm = estimate([record], now=1100.0, target_batch_size=1, stale_after=30.0)
+    status = _status_object("digits", swarm, [record], 1100.0, RUN)
+    # 12 epochs of 256 samples in the 100 s since the run began: the real throughput
+    assert status["samples_per_second"] == pytest.approx(12 * 256 / 100)
+    assert status["compute_samples_per_second"] == 20000.0
+    assert status["settings"] == RUN.to_value() and status["seconds_since_start"] == 100.0
+    (shown,) = status["peers"]
+    assert shown["train_loss"] == shown["loss"] == 0.25
+    assert shown["compute_samples_per_second"] == shown["samples_per_second"] == 20000.0
+    table = _status_table(status).splitlines()
+    assert table[0] == (
+        "run digits: epoch 12, 1 peer, 31 samples/s since it began 100 s ago, "
+        "compute 20000 samples/s"
+    )
+    assert table[1].split() == [
+        "peer", "epoch", "compute", "samples/s", "train", "loss", "accuracy", "age", "(s)"
+    ]  # fmt: skip
+    assert table[2].split() == [str(peer), "12", "20000.0", "0.2500", "0.900", "0.5"]
+    # without the run's settings (or in DiLoCo mode) the real throughput is unknown
+    for settings in (None, RunSettings(**(RUN.to_value() | {"diloco": 4}))):
+        unknown = _status_object("digits", swarm, [record], 1100.0, settings)
+        assert unknown["samples_per_second"] is None
+        assert "since it began" not in _status_table(unknown)

@@ -174,6 +174,8 @@ def _evaluate(
     if "accuracy" in metrics:
         opt.report_accuracy(metrics["accuracy"])
     log.info(
-        "epoch %d: %s", opt.epoch, ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()))
+        "epoch %d evaluation: %s",
+        opt.epoch,
+        ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())),
     )
     return metrics
