@@ -73,6 +73,9 @@ class RunSettings:
     #: the epoch at which the run ends (None: never)
     max_epochs: int | None
     started: float
+    #: the model's precision (``--precision``: fp32, bf16 or fp16); records of
+    #: runs from before the setting existed mean fp32
+    precision: str = "fp32"
 
     #: command-line option of each setting a peer must share, by field name
     OPTIONS = {
@@ -82,6 +85,7 @@ class RunSettings:
         "target_group_size": "--target-group-size",
         "diloco": "--diloco",
         "max_epochs": "--max-epochs",
+        "precision": "--precision",
     }
 
     def to_value(self) -> dict[str, Any]:
@@ -129,6 +133,7 @@ class RunSettings:
             diloco=integer("diloco", optional=True),
             max_epochs=integer("max_epochs", optional=True),
             started=number("started"),
+            precision=text("precision") if "precision" in value else "fp32",
         )
 
 

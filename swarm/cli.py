@@ -123,6 +123,8 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
     defaults are read from the config dataclasses (``_TrainDefaults``), so a
     default is stated once; this imports the trainer, so it runs only when
     ``train`` is the command (``_LazySubParsers``)."""
+    from trainer import PRECISIONS
+
     d = _TrainDefaults.read()
     network = parser.add_argument_group("peer and network")
     _add_peer_options(network, verbose=False)
@@ -168,7 +170,21 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         help="DiLoCo: H local steps per peer, then an outer step on the averaged "
         "pseudo-gradients (float16); for slow links (default: off)",
     )
+    run.add_argument(
+        "--precision",
+        choices=tuple(PRECISIONS),
+        default="fp32",
+        help="the model's precision: fp32, or bf16/fp16 parameters with float32 master "
+        "weights and float32 averaging (default %(default)s)",
+    )
     training = parser.add_argument_group("training (this peer)")
+    training.add_argument(
+        "--device",
+        default="auto",
+        metavar="auto|cpu|cuda[:N]|mps",
+        help="where the model trains; auto: CUDA when present, else MPS, else the CPU "
+        "(default %(default)s)",
+    )
     training.add_argument(
         "--batch-size", type=int, metavar="N", help="samples per local step (default: the task's)"
     )
@@ -556,14 +572,18 @@ def _check_train_args(args: argparse.Namespace) -> None:
 
 def _startup_checks(args: argparse.Namespace) -> None:
     """What can fail at start is checked before the peer starts: ``ConfigError``
-    (exit 2, one line) for a checkpoint directory that cannot be written or holds
-    only damaged checkpoints, and for a port that is taken."""
+    (exit 2, one line) for a device this machine does not have, a checkpoint
+    directory that cannot be written or holds only damaged checkpoints, and for
+    a port that is taken."""
+    from trainer import resolve_device
+
     from ._startup_checks import (
         check_checkpoints_loadable,
         check_port_free,
         check_writable_directory,
     )
 
+    resolve_device(args.device)
     if args.checkpoint_dir is not None:
         directory = Path(args.checkpoint_dir)
         check_writable_directory(directory)
@@ -766,6 +786,7 @@ def _training_config(
     A peer that starts a run waits for a second one (up to ``--wait-for-peers``)
     unless ``--min-peers`` says otherwise, so that the command it prints can join
     before the run is over."""
+    from trainer import PRECISIONS, resolve_device
     from trainer._loop import TrainingConfig
 
     min_peers = args.min_peers
@@ -781,6 +802,8 @@ def _training_config(
         min_peers=min_peers,
         min_peers_timeout=args.wait_for_peers,
         lr=args.lr,
+        device=str(resolve_device(args.device)),
+        dtype=PRECISIONS[args.precision],
         checkpoint_dir=None if args.checkpoint_dir is None else Path(args.checkpoint_dir),
         optimizer=_collaborative_config(args),
     )
@@ -812,6 +835,7 @@ def _agree_on_settings(
         diloco=args.diloco,
         max_epochs=args.max_epochs,
         started=dht.now(),
+        precision=args.precision,
     )
     settings = reconcile(run, mine, frozenset(given & RunSettings.OPTIONS.keys()))
     if settings.task_name != task.name:

@@ -65,6 +65,7 @@ async def test_a_joiner_adopts_the_run_settings_or_is_refused(tmp_path: Path) ->
         "--target-batch-size", "64",
         "--batch-size", "8",
         "--max-epochs", "3",
+        "--precision", "bf16",
         "--wait-for-peers", "300",  # the refused joiners come and go first
     )  # fmt: skip
     async with run_cli(*first_args) as first:
@@ -74,6 +75,7 @@ async def test_a_joiner_adopts_the_run_settings_or_is_refused(tmp_path: Path) ->
         joiner += ("--run-id", "settings-test")
         conflicts = {
             ("--target-batch-size", "128"): "--target-batch-size 128 differs from run's 64",
+            ("--precision", "fp32"): "--precision fp32 differs from run's bf16",
         }
 
         async def refused(option: tuple[str, ...], expected: str) -> None:
@@ -97,6 +99,7 @@ async def test_a_joiner_adopts_the_run_settings_or_is_refused(tmp_path: Path) ->
                 "--target-batch-size 64",
                 "--matchmaking-time 1",
                 "--max-epochs 3",
+                "--precision bf16",
             ):
                 assert setting in adopted, adopted
             async with trio.open_nursery() as nursery:

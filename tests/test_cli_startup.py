@@ -53,6 +53,8 @@ async def test_start_up_checks_exit_2_with_one_line(tmp_path: Path) -> None:
         ("--checkpoint-dir", str(tmp_path / "damaged")): "every checkpoint in",
         ("--port", str(port)): f"port {port} on 127.0.0.1 is in use (UDP)",
         ("--task", "no-such.py:make_task"): "no-such.py",
+        ("--device", "cuda:7"): "device 'cuda:7' is not on this machine",
+        ("--device", "tpu"): "unknown device 'tpu'",
     }
 
     async def check(args: tuple[str, ...], expected: str) -> None:
