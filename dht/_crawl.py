@@ -15,6 +15,8 @@ only if its answer still comes. A look-up ends when the k closest candidates
 that are not late have answered (for ``RecordCrawl``, see below), so a swarm
 that holds dead contacts costs a look-up a few round trips per dead contact
 met, in parallel with the other requests, instead of one RPC timeout each.
+A record look-up that has found nothing when the rest is done does wait for
+its late requests: a slow node near the key may be the one holding it.
 The late request's own timeout still runs: if it fails, the node is evicted
 from the routing table and left out of look-ups for a while (``_protocol``).
 
@@ -111,7 +113,7 @@ class LookupCrawl(SpiderCrawl):
                     functools.partial(on_result, peer),
                     functools.partial(on_late, peer),
                 )
-            if not in_flight:
+            if not in_flight and not self._wait_for_late():
                 finished.set_result(None)
 
         def on_late(peer: Node) -> None:
@@ -159,6 +161,10 @@ class LookupCrawl(SpiderCrawl):
     def _answered(self, peer: Node, answer: Any) -> None:
         raise NotImplementedError
 
+    def _wait_for_late(self) -> bool:
+        """True to keep waiting for late answers once nothing else is in flight."""
+        return False
+
     def _satisfied(self) -> bool:
         """True to stop before every one of the k nearest was asked."""
         return False
@@ -190,10 +196,12 @@ class NodeCrawl(LookupCrawl):
 
     async def find(self) -> list[Node]:
         """The k closest nodes that answered (with ``quorum``: the k closest
-        candidates not known to be dead), closest first."""
+        candidates not known to be dead, late or not), closest first."""
         await self._lookup(self.protocol.request_find_node)
         if self.quorum is not None:
-            return self.closest()
+            # late ones too: a slow node may be one of the very closest, and a
+            # reader whose look-up finds it in time must find the record there
+            return self.nearest.closest(self.ksize, skip=set())
         return [n for n in self.closest() if n.id in self.answered]
 
     def _answered(self, peer: Node, answer: Any) -> None:
@@ -264,11 +272,16 @@ class RecordCrawl(LookupCrawl):
         self.replies[peer.id] = (peer, kept, incomplete)
         self.nearest.push([Node(*c) for c in contacts if c[0] not in self.nearest])
 
+    def _wait_for_late(self) -> bool:
+        # Found nothing yet, but slow nodes near the key may hold it: a loaded
+        # node is not a dead one. Their answers (or failures) end the wait.
+        return not self.merged and bool(self.late)
+
     def _satisfied(self) -> bool:
         if self.latest:
             return False
         closest = self.closest()[: self.quorum]
-        return all(n.id in self.replies for n in closest)
+        return all(n.id in self.replies for n in closest) and not self._wait_for_late()
 
     def stale_responders(self, limit: int) -> list[tuple[Node, list[Record]]]:
         """Responders (closest first) that lack some of the merged records, with

@@ -264,7 +264,7 @@ class RecordServer(Server):
         )
         for record in (await crawl.find()).values():
             merge(merged, record)
-        self._remember_nearest(dkey, crawl.closest())
+        self._remember_nearest(dkey, crawl.nearest.closest(self.ksize, skip=set()))
         return list(merged.values()), crawl
 
     async def write_back(self, crawl: RecordCrawl, records: list[Record], limit: int) -> None:
