@@ -48,6 +48,10 @@ from ._storage import StorageQuota
 
 log = logging.getLogger(__name__)
 
+#: First pause before the initial peers are pinged again (doubling, up to
+#: ``rpc_timeout``) while none has answered.
+_BOOTSTRAP_RETRY = 0.1
+
 
 @dataclass(frozen=True)
 class DHTConfig:
@@ -208,6 +212,9 @@ class DHTNode:
 
         Raises ``ConfigError`` for an address that does not parse and
         ``BootstrapError`` if none of them answers within ``bootstrap_timeout``.
+        Unanswered pings are sent again until then: one lost datagram, or an
+        initial peer too busy to answer within one ``rpc_timeout``, must not
+        keep a newcomer out.
         """
         self._check_open()
         addrs = [parse_address(a) if isinstance(a, str) else a for a in initial_peers]
@@ -216,8 +223,13 @@ class DHTNode:
             return
         deadline = trio.current_time() + self.config.bootstrap_timeout
         answered: list[Any] = []
+        pause = _BOOTSTRAP_RETRY
         with trio.move_on_at(deadline):
-            answered = await self._loop.call(self._server.ping_initial, addrs)
+            while not answered:
+                answered = await self._loop.call(self._server.ping_initial, addrs)
+                if not answered:
+                    await trio.sleep(pause)
+                    pause = min(2 * pause, self.config.rpc_timeout)
         if not answered:
             shown = ", ".join(format_address(*a) for a in addrs)
             raise BootstrapError(

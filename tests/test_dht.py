@@ -242,6 +242,31 @@ async def test_bootstrap_errors() -> None:
             pass
 
 
+async def test_bootstrap_pings_again_until_an_initial_peer_answers() -> None:
+    # The initial peer starts only after several RPC timeouts have passed (a
+    # busy machine, a lost datagram): the newcomer keeps asking until
+    # bootstrap_timeout, and joins.
+    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM)
+    await sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    config = DHTConfig(rpc_timeout=0.2, bootstrap_timeout=5.0)
+    late_start = trio.Event()
+
+    async def initial_peer_comes_late() -> None:
+        await trio.sleep(1.0)  # five RPC timeouts
+        async with open_dht_node(Identity.from_seed(b"L" * 32), port=port, config=config):
+            late_start.set()
+            await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(initial_peer_comes_late)
+        async with open_dht_node(initial_peers=[f"127.0.0.1:{port}"], config=config) as node:
+            assert late_start.is_set()
+            assert Identity.from_seed(b"L" * 32).peer_id in {c[0] for c in node.contacts()}
+        nursery.cancel_scope.cancel()
+
+
 async def test_dead_bootstrap_peer_does_not_matter_once_joined() -> None:
     clock = ManualClock(NOW)
     async with open_swarm(12, clock, seed=8) as swarm:
