@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PACKAGES := swarm dht averaging trainer
 
-.PHONY: setup run test test-fast lint check clean
+.PHONY: setup run test test-fast test-gpu lint check clean
 
 # torch==2.13.0 first: it resolves to the local CPU build. An unpinned torch
 # would pull gigabytes of CUDA packages.
@@ -30,6 +30,10 @@ test: $(STAMP)
 # The inner loop: everything but the tests marked slow.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow"
+
+# Needs an NVIDIA GPU and a CUDA build of torch; `make test` does not collect tests/gpu.
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest tests/gpu
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(PACKAGES) tests benchmarks examples
