@@ -219,6 +219,13 @@ def test_export_names_the_checkpoints_parameters_by_the_tasks_model() -> None:
     params["0"] = torch.zeros(5)
     with pytest.raises(ConfigError, match="parameter 0 has shape \\(5,\\)"):
         named_model_state(model, params)
+    # the checkpoint's buffers (BatchNorm statistics) are exported, not the model's
+    params["0"] = torch.ones(2, 3)
+    mean = torch.tensor([0.5, -0.5])
+    state = named_model_state(model, params | {"buffer:1.running_mean": mean})
+    assert torch.equal(state["1.running_mean"], mean)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"buffer '1\.running_mean' does not fit"):
+        named_model_state(model, params | {"buffer:1.running_mean": torch.zeros(3)})
 
 
 def test_export_without_a_valid_checkpoint_exits_2_with_one_line(

@@ -14,6 +14,10 @@ import torch
 #: the prefix ``torch.compile``'s wrapper adds to every state-dict key
 COMPILED_PREFIX = "_orig_mod."
 
+#: A checkpoint's model entries are the trained parameters by position ("0",
+#: "1", ...) and the buffers under this prefix and their plain name.
+BUFFER_KEY = "buffer:"
+
 
 def plain_name(name: str) -> str:
     """``name`` without ``torch.compile``'s ``_orig_mod.`` prefixes (at any depth)."""

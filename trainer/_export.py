@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from swarm._errors import ConfigError
+from swarm import ConfigError
 
+from ._buffers import BUFFER_KEY, plain_name
 from ._checkpoint import Checkpoint, CheckpointDir, load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -63,15 +64,19 @@ def plain_state_dict(state: dict[str, object]) -> dict[str, torch.Tensor]:
     return plain
 
 
-def named_model_state(model: nn.Module, parameters: dict[str, torch.Tensor]) -> dict[str, object]:
-    """``model``'s ``state_dict`` with its trainable parameters taken from
-    ``parameters``, a checkpoint's ``{"0": ..., "1": ...}`` in the order of
-    ``model.parameters()``. ``model`` itself is not changed.
+def named_model_state(model: nn.Module, entries: dict[str, torch.Tensor]) -> dict[str, object]:
+    """``model``'s ``state_dict`` with the values of a checkpoint's model
+    ``entries``: its trainable parameters by position (``{"0": ..., "1": ...}``
+    in the order of ``model.parameters()``) and its buffers by plain name
+    (``BUFFER_KEY`` + name). ``model`` itself is not changed.
 
-    Entries the checkpoint does not hold (buffers, frozen parameters) keep the
-    model's values, with a warning naming them. Raises ``ConfigError`` if the
-    counts or shapes differ (the checkpoint is of another model).
+    Entries the checkpoint does not hold (frozen parameters, and buffers in a
+    checkpoint written before buffers were saved) keep the model's values,
+    with a warning naming them. Raises ``ConfigError`` if the counts or shapes
+    differ (the checkpoint is of another model).
     """
+    parameters = {k: v for k, v in entries.items() if not k.startswith(BUFFER_KEY)}
+    buffers = {k[len(BUFFER_KEY) :]: v for k, v in entries.items() if k.startswith(BUFFER_KEY)}
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     if len(names) != len(parameters) or set(parameters) != {str(i) for i in range(len(names))}:
         raise ConfigError(
@@ -88,11 +93,20 @@ def named_model_state(model: nn.Module, parameters: dict[str, torch.Tensor]) -> 
                 f"{tuple(current.shape)}: pass the --task the run trained"
             )
         state[name] = value
-    kept = sorted(set(state) - set(names))
+    by_plain_name = {plain_name(key): key for key in state}
+    for name, value in buffers.items():
+        key = by_plain_name.get(name)
+        current = None if key is None else state[key]
+        if not isinstance(current, torch.Tensor) or current.shape != value.shape:
+            raise ConfigError(
+                f"checkpoint buffer {name!r} does not fit the task's model: "
+                "pass the --task the run trained"
+            )
+        state[by_plain_name[name]] = value
+    kept = sorted(set(state) - set(names) - {by_plain_name[name] for name in buffers})
     if kept:
         log.warning(
-            "checkpoints hold trainable parameters only: %s exported as the model builds them",
-            ", ".join(kept),
+            "the checkpoint does not hold %s: exported as the model builds them", ", ".join(kept)
         )
     return state
 

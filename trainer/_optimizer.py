@@ -82,7 +82,7 @@ from swarm import (
 )
 
 from ._amp import grads_finite, unscale
-from ._buffers import model_buffers, plain_name
+from ._buffers import BUFFER_KEY, model_buffers, plain_name
 from ._checkpoint import Checkpoint, CheckpointDir
 from ._diloco import DiLoCo, OuterLoop
 from ._dropcompute import ComputeBudget, DropCompute
@@ -98,9 +98,6 @@ from ._progress import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-#: checkpoint keys of the model's buffers (parameters are keyed by index)
-BUFFER_KEY = "buffer:"
 
 LRScheduler = torch.optim.lr_scheduler.LRScheduler
 ReduceLROnPlateau = torch.optim.lr_scheduler.ReduceLROnPlateau
