@@ -62,8 +62,6 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 DEFAULT_TASK = "digits"
 #: Records older than this are from peers presumed gone (CollaborativeConfig's default TTL).
 DEFAULT_STALE_AFTER = 30.0
-#: How long a peer that starts a run waits for a second one before it trains alone.
-DEFAULT_WAIT_FOR_PEERS = 60.0
 
 
 class _Parser(argparse.ArgumentParser):
