@@ -1271,10 +1271,15 @@ def _run_plot(args: argparse.Namespace) -> int:
 # -- entry point ----------------------------------------------------------------------
 
 
-def _given_options(argv: Sequence[str] | None) -> frozenset[str]:
+def _given_options(argv: list[str]) -> frozenset[str]:
     """The destinations of the options set on the command line ``argv`` (not
     left at their defaults): parsed again with every default suppressed."""
     parser = build_parser()
+    if argv:
+        # the chosen command's options are added lazily: add them now, so that
+        # their defaults are suppressed too
+        commands = next(a for a in parser._actions if isinstance(a, _LazySubParsers))
+        commands.command(argv[0])
 
     def suppress(p: argparse.ArgumentParser) -> None:
         for action in p._actions:
@@ -1308,7 +1313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"swarm {arguments[0]}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     _configure_logging(args.verbose)
-    given = _given_options(argv) | _config_options(args)
+    given = _given_options(arguments) | _config_options(args)
     runners: dict[str, Callable[[argparse.Namespace], int]] = {
         "dht": lambda a: trio.run(_run_dht, a),
         "train": lambda a: _run_train(a, given),

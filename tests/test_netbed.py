@@ -28,7 +28,8 @@ from cli_harness import CLIProcess, throttled_task_file
 from netbed import Link, NetBed
 
 SWARM = (sys.executable, "-m", "swarm.cli")
-_JOIN = re.compile(r"join with: (swarm \S+ --initial-peer (\S+):(\d+).*)$")
+# the printed command starts with the path of swarm that works where it was printed
+_JOIN = re.compile(r"join with: ((?:\S*/)?swarm \S+ --initial-peer (\S+):(\d+).*)$")
 _ROUND = re.compile(r"all-reduce [0-9a-f]+: data of (\d+) of (\d+) senders in every part")
 
 

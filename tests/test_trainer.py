@@ -191,7 +191,7 @@ def test_a_restarted_peer_resumes_from_its_checkpoint(
     # neither writes that checkpoint again nor evaluates the same model twice.
     messages = [r.getMessage() for r in caplog.records]
     assert len([m for m in messages if m.startswith("saved checkpoint")]) == 3
-    assert len([m for m in messages if m.startswith("epoch 3: ")]) == 1
+    assert len([m for m in messages if m.startswith("epoch 3 evaluation: ")]) == 1
     with training_peers(1) as (_, peers):
         resumed = join_run(peers[0], FAST, seed=99, checkpoint_dir=directory)
         try:
