@@ -9,6 +9,7 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import IO
 
 import trio
 
@@ -109,12 +110,19 @@ async def run_cli(*args: str, capture_stderr: bool = False) -> AsyncIterator[CLI
 
 
 @asynccontextmanager
-async def run_command(*argv: str, capture_stderr: bool = False) -> AsyncIterator[CLIProcess]:
-    """Run ``argv`` as given (e.g. a command a peer printed), like ``run_cli``."""
+async def run_command(
+    *argv: str, capture_stderr: bool = False, stderr: IO[bytes] | None = None
+) -> AsyncIterator[CLIProcess]:
+    """Run ``argv`` as given (e.g. a command a peer printed), like ``run_cli``;
+    with ``stderr`` (an open file), the process's stderr goes there."""
+    if stderr is None:
+        stderr_to: IO[bytes] | int = subprocess.PIPE if capture_stderr else subprocess.DEVNULL
+    else:
+        stderr_to = stderr
     process = await trio.lowlevel.open_process(
         list(argv),
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE if capture_stderr else subprocess.DEVNULL,
+        stderr=stderr_to,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:

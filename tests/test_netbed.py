@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import re
 import shlex
-import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from cli_harness import CLIProcess, throttled_task_file
+from cli_harness import CLIProcess, run_command, throttled_task_file
 from netbed import Link, NetBed
 
 SWARM = (sys.executable, "-m", "swarm.cli")
@@ -38,20 +37,10 @@ async def run_in_bed(
     bed: NetBed, peer: int, args: Sequence[str], stderr: Path
 ) -> AsyncIterator[CLIProcess]:
     """``swarm *args`` inside peer ``peer``'s namespace, stdout piped, stderr to
-    a file; killed if still running on exit, and always reaped."""
+    a file; killed if still running on exit, and always reaped (``run_command``)."""
     with stderr.open("wb") as log:
-        process = await trio.lowlevel.open_process(
-            bed.exec(peer, [*SWARM, *args]), stdout=subprocess.PIPE, stderr=log
-        )
-    try:
-        yield CLIProcess(process)
-    finally:
-        if process.returncode is None:
-            process.kill()
-        with trio.CancelScope(shield=True):
-            await process.wait()
-        assert process.stdout is not None
-        await process.stdout.aclose()
+        async with run_command(*bed.exec(peer, [*SWARM, *args]), stderr=log) as cli:
+            yield cli
 
 
 async def _join_command(peer: CLIProcess) -> tuple[list[str], str]:
