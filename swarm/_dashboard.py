@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ._history import EpochRecord, HistoryFile
-from ._metrics import PeerMetrics, read_peer_counters, serve_metrics
+from ._metrics import PeerMetrics, serve_metrics
 from ._throughput import Throughput, ThroughputMeter
 
 log = logging.getLogger("swarm.metrics")
@@ -184,10 +184,10 @@ class Dashboard:
             )
 
     def attach(self, peer: Any) -> None:
-        """Expose ``peer``'s counters (a running sync ``swarm.Peer``) in the metrics,
-        read on its trio thread at each scrape."""
+        """Expose ``peer``'s own metric objects (``peer.metrics``, a running
+        ``swarm.Peer``) in the metrics."""
         if self.metrics is not None:
-            self.metrics.watch(lambda: peer.run_sync(read_peer_counters, peer.async_peer))
+            self.metrics.watch(peer.metrics)
 
     def close(self) -> None:
         """Close the display (the history's owner closes the history)."""
