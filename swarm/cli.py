@@ -949,8 +949,10 @@ def _status_object(
     throughput since it began (samples of completed global steps per second of
     wall time; null without the run's settings), ``compute_samples_per_second``
     the sum of the live peers' compute rates. Each peer's ``loss`` is its running
-    training loss (also as ``train_loss``) and its ``samples_per_second`` its
-    compute rate (also as ``compute_samples_per_second``)."""
+    training loss (also as ``train_loss``), its ``samples_per_second`` its
+    compute rate (also as ``compute_samples_per_second``) and its ``device``
+    where and in what precision it trains (``unknown`` for a peer too old to
+    say)."""
     throughput: float | None = None
     # (DiLoCo: an epoch is H local steps of every peer, not the target batch)
     known = settings is not None and settings.diloco is None
@@ -975,6 +977,7 @@ def _status_object(
                 "train_loss": record.loss,
                 "accuracy": record.accuracy,
                 "client": record.client,
+                "device": record.device,
                 "age": max(0.0, now - record.time),
             }
             for record in live
@@ -994,13 +997,13 @@ def _status_table(status: dict[str, Any]) -> str:
     if status["peers"]:
         lines.append(
             f"{'peer':<40}  {'epoch':>5}  {'compute samples/s':>17}  {'train loss':>10}  "
-            f"{'accuracy':>8}  {'age (s)':>7}"
+            f"{'accuracy':>8}  {'age (s)':>7}  device"
         )
     for p in status["peers"]:
         lines.append(
             f"{p['peer_id']:<40}  {p['epoch']:>5}  {p['compute_samples_per_second']:>17.1f}  "
             f"{_format_metric(p['train_loss']):>10}  {_format_metric(p['accuracy'], '.3f'):>8}  "
-            f"{p['age']:>7.1f}" + ("  (client)" if p["client"] else "")
+            f"{p['age']:>7.1f}  {p['device']}" + ("  (client)" if p["client"] else "")
         )
     return "\n".join(lines)
 
