@@ -112,7 +112,10 @@ class Dashboard:
         self._lock = threading.Lock()
 
     def on_start(self, opt: Any) -> None:
-        self.throughput.observe(opt.epoch, self._clock())
+        # The start is not an epoch the peer saw the swarm complete: timing from
+        # here would count the wait for peers (a minute, for the first peer of a
+        # run) or a joiner's part of a step as the swarm's, so the first epoch
+        # line has no throughput (``_throughput``: only whole steps are timed).
         if self.display is not None:
             self.display.start(opt)
 
