@@ -135,7 +135,8 @@ class Dashboard:
             eval_loss=metrics.get("loss") if evaluated else None,
             accuracy=metrics.get("accuracy") if evaluated else None,
             samples_per_second=_samples_per_second(self.throughput.recent()),
-            compute_samples_per_second=swarm.samples_per_second,
+            # 0: no peer has measured its rate yet (not a rate of 0)
+            compute_samples_per_second=swarm.samples_per_second or None,
             peers=max(1, swarm.num_peers),
             averaging_seconds=None if step is None else step.averaging_seconds,
             group_size=0 if averaging is None else len(averaging.members),

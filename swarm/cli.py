@@ -745,7 +745,8 @@ class _EpochReporter:
         throughput = self.meter.recent()
         if throughput is not None:
             line += f"; swarm {self._rate(throughput)}{throughput.seconds_per_epoch:.2f} s/epoch"
-        line += f"; compute {swarm.samples_per_second:.0f} samples/s"
+        if swarm.samples_per_second > 0:  # 0: no peer has measured its rate yet
+            line += f"; compute {swarm.samples_per_second:.0f} samples/s"
         line += f"; {_peers(swarm.num_peers)} alive"
         say(line)
 
