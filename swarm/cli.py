@@ -993,7 +993,8 @@ def _status_table(status: dict[str, Any]) -> str:
             f", {status['samples_per_second']:.0f} samples/s since it began "
             f"{status['seconds_since_start']:.0f} s ago"
         )
-    head += f", compute {status['compute_samples_per_second']:.0f} samples/s"
+    if status["compute_samples_per_second"] > 0:  # 0: no live peer measured its rate yet
+        head += f", compute {status['compute_samples_per_second']:.0f} samples/s"
     lines = [head]
     if status["peers"]:
         lines.append(

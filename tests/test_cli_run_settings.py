@@ -147,6 +147,11 @@ def test_status_names_each_number_for_what_it_is() -> None:
     assert status["peers"][0]["device"] == gpu.device
     shown_row = _status_table(status).splitlines()[2]
     assert shown_row.endswith("  0.5  cuda:0 NVIDIA H100 80GB HBM3 bf16")
+    # a peer that has not measured its rate yet: no "compute 0 samples/s"
+    fresh = replace(record, samples_per_second=0.0)
+    unmeasured = estimate([fresh], now=1100.0, target_batch_size=1, stale_after=30.0)
+    head = _status_table(_status_object("digits", unmeasured, [fresh], 1100.0, RUN))
+    assert "compute" not in head.splitlines()[0], head
     # without the run's settings (or in DiLoCo mode) the real throughput is unknown
     for settings in (None, RunSettings(**(RUN.to_value() | {"diloco": 4}))):
         unknown = _status_object("digits", swarm, [record], 1100.0, settings)
