@@ -21,6 +21,7 @@ import trio
 from swarm._address import Address, format_address, parse_address
 from swarm._bans import BanList
 from swarm._clock import WallClock, system_clock
+from swarm._counters import new_trio_gauge
 from swarm._errors import (
     BootstrapError,
     ClosedError,
@@ -183,6 +184,19 @@ class DHTNode:
         self._clock = clock
         self._nursery = nursery
         self._closed = False
+        token = trio.lowlevel.current_trio_token()
+        #: the node's gauges, read on its trio thread when collected (``swarm._counters``)
+        self.metrics = (
+            new_trio_gauge(
+                "swarm_dht_contacts",
+                "Peers in the DHT routing table",
+                self.routing_table_size,
+                token,
+            ),
+            new_trio_gauge(
+                "swarm_dht_stored_keys", "Keys this DHT node stores", self.stored_key_count, token
+            ),
+        )
 
     def _check_open(self) -> None:
         if self._closed:

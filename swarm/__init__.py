@@ -13,6 +13,8 @@ application on top of them:
 - private swarms (``create_swarm_key``/``load_swarm_key``): the pre-shared key file
 - bans (``BanList``, ``BanConfig``): local bans of misbehaving peers, growing backoff
 - connections (``open_connections``): authenticated, encrypted peer streams over TCP
+- counters (``_counters``): the figures a layer keeps (bytes, connections, DHT
+  contacts), as ``prometheus_client`` objects a peer's registry exposes as they are
 - the peer facade (``open_peer``, ``Peer``, ``PeerConfig``): identity, DHT node
   and connections on one port; ``Peer`` runs trio in a background thread for
   synchronous training loops

@@ -67,8 +67,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import trio
+from prometheus_client import Counter
 
 from ._bans import BanList
+from ._counters import count_of, new_counter
 from ._errors import (
     ClosedError,
     ConfigError,
@@ -196,13 +198,16 @@ class ConnectionConfig:
 
 class _Traffic:
     """Bytes a ``Connections`` object moved over TCP, both ways (handshakes,
-    frame headers, tags and payloads: what the kernel accepted or delivered)."""
+    frame headers, tags and payloads: what the kernel accepted or delivered),
+    kept in ``prometheus_client`` counters (``_counters``)."""
 
     __slots__ = ("received", "sent")
 
     def __init__(self) -> None:
-        self.sent = 0
-        self.received = 0
+        self.sent = new_counter("swarm_bytes_sent", "Bytes sent over peer connections")
+        self.received = new_counter(
+            "swarm_bytes_received", "Bytes received over peer connections"
+        )
 
 
 class _Connection:
@@ -331,7 +336,7 @@ class _Connection:
             except BlockingIOError:
                 await trio.lowlevel.wait_writable(self.socket)
                 continue
-            self._traffic.sent += sent
+            self._traffic.sent.inc(sent)
             done = 0
             while done < len(pending) and sent >= len(pending[done]):
                 sent -= len(pending[done])
@@ -456,7 +461,7 @@ class _Connection:
                     ) from e
                 finally:
                     buffer.release()
-                self._traffic.received += count
+                self._traffic.received.inc(count)
                 if count == 0:
                     self.broken = True
                     raise PeerUnreachableError(f"{self.remote.short()} closed the connection")
@@ -498,7 +503,7 @@ class _Connection:
         sink = bytearray(65536)
         with suppress(OSError, trio.ClosedResourceError):
             while count := await self.socket.recv_into(sink):
-                self._traffic.received += count
+                self._traffic.received.inc(count)
 
 
 class Stream:
@@ -746,10 +751,10 @@ class Connections:
         self._config = config
         self.bans = bans
         self._inbound_by_host: dict[str, int] = {}
-        #: inbound connections closed at once for a limit (total or per address)
-        self.refused_inbound = 0
-        #: outbound connections made (handshake done); streams reuse pooled ones
-        self.dialed = 0
+        self._refused_inbound = new_counter(
+            "swarm_inbound_refused", "Inbound connections closed at once for a limit"
+        )
+        self._dialed = new_counter("swarm_connections_dialed", "Outbound peer connections made")
         self._background = trio.CancelScope()
         self._nursery: trio.Nursery | None = None
         self._handlers: dict[str, Handler] = {}
@@ -771,12 +776,28 @@ class Connections:
     def bytes_sent(self) -> int:
         """Bytes sent over all TCP connections so far, handshakes and framing
         included (what the kernel accepted; never decreases)."""
-        return self._traffic.sent
+        return count_of(self._traffic.sent)
 
     @property
     def bytes_received(self) -> int:
         """Bytes received over all TCP connections so far, like ``bytes_sent``."""
-        return self._traffic.received
+        return count_of(self._traffic.received)
+
+    @property
+    def refused_inbound(self) -> int:
+        """Inbound connections closed at once for a limit (total or per address)."""
+        return count_of(self._refused_inbound)
+
+    @property
+    def dialed(self) -> int:
+        """Outbound connections made (handshake done); streams reuse pooled ones."""
+        return count_of(self._dialed)
+
+    @property
+    def metrics(self) -> tuple[Counter, ...]:
+        """The counters behind ``bytes_sent``, ``bytes_received``, ``dialed`` and
+        ``refused_inbound``, for a peer's registry to expose (``_counters``)."""
+        return (self._traffic.sent, self._traffic.received, self._dialed, self._refused_inbound)
 
     @property
     def config(self) -> ConnectionConfig:
@@ -1041,7 +1062,7 @@ class Connections:
         except BaseException:
             socket_stream.socket.close()
             raise
-        self.dialed += 1
+        self._dialed.inc()
         return connection
 
     async def _handshake(
@@ -1061,11 +1082,11 @@ class Connections:
             while True:
                 if out:
                     await socket_stream.send_all(out)
-                    self._traffic.sent += len(out)
+                    self._traffic.sent.inc(len(out))
                 if handshake.complete:
                     break
                 data = await socket_stream.receive_some(_HANDSHAKE_READ)
-                self._traffic.received += len(data)
+                self._traffic.received.inc(len(data))
                 if not data:
                     raise PeerUnreachableError(
                         "the remote closed the connection during the handshake"
@@ -1123,7 +1144,7 @@ class Connections:
             or self._inbound >= self._config.max_connections
             or from_host >= self._config.max_connections_per_address
         ):
-            self.refused_inbound += 1
+            self._refused_inbound.inc()
             socket_stream.socket.close()
             return
         self._inbound += 1

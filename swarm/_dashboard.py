@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ._history import EpochRecord, HistoryFile
-from ._metrics import PeerMetrics, read_peer_counters, serve_metrics
+from ._metrics import PeerMetrics, serve_metrics
 from ._throughput import Throughput, ThroughputMeter
 
 log = logging.getLogger("swarm.metrics")
@@ -112,7 +112,10 @@ class Dashboard:
         self._lock = threading.Lock()
 
     def on_start(self, opt: Any) -> None:
-        self.throughput.observe(opt.epoch, self._clock())
+        # The start is not an epoch the peer saw the swarm complete: timing from
+        # here would count the wait for peers (a minute, for the first peer of a
+        # run) or a joiner's part of a step as the swarm's, so the first epoch
+        # line has no throughput (``_throughput``: only whole steps are timed).
         if self.display is not None:
             self.display.start(opt)
 
@@ -132,7 +135,8 @@ class Dashboard:
             eval_loss=metrics.get("loss") if evaluated else None,
             accuracy=metrics.get("accuracy") if evaluated else None,
             samples_per_second=_samples_per_second(self.throughput.recent()),
-            compute_samples_per_second=swarm.samples_per_second,
+            # 0: no peer has measured its rate yet (not a rate of 0)
+            compute_samples_per_second=swarm.samples_per_second or None,
             peers=max(1, swarm.num_peers),
             averaging_seconds=None if step is None else step.averaging_seconds,
             group_size=0 if averaging is None else len(averaging.members),
@@ -184,10 +188,10 @@ class Dashboard:
             )
 
     def attach(self, peer: Any) -> None:
-        """Expose ``peer``'s counters (a running sync ``swarm.Peer``) in the metrics,
-        read on its trio thread at each scrape."""
+        """Expose ``peer``'s own metric objects (``peer.metrics``, a running
+        ``swarm.Peer``) in the metrics."""
         if self.metrics is not None:
-            self.metrics.watch(lambda: peer.run_sync(read_peer_counters, peer.async_peer))
+            self.metrics.watch(peer.metrics)
 
     def close(self) -> None:
         """Close the display (the history's owner closes the history)."""

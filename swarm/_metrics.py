@@ -8,11 +8,11 @@ collide. Two kinds of figures live in it:
   epoch, the swarm's throughput and the compute rate, training and
   evaluation loss, accuracy, live peers, averaging time, and the outcome of
   each averaging round, failures labelled by cause;
-- the counters the peer's layers keep (bytes sent and received, connections
-  dialed and refused, DHT contacts and stored keys), read when Prometheus
-  scrapes (``PeerCounters``): a custom collector reads them through
-  ``read`` (the CLI passes one that runs on the peer's trio thread, where
-  they are written), so they are never copied into a second set of counters.
+- the figures the peer's layers keep (bytes sent and received, connections
+  dialed and refused, DHT contacts and stored keys): the layers keep them in
+  ``prometheus_client`` metric objects (``swarm._counters``) and ``watch``
+  registers those very objects here, so ``/metrics``, the layers' own
+  properties (``Connections.bytes_sent``) and the tests read one figure.
 
 ``serve_metrics`` serves the registry over HTTP for as long as its block runs.
 """
@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ._errors import ConfigError, SwarmError
+from ._errors import ConfigError
 from ._history import EpochRecord
 
 log = logging.getLogger(__name__)
@@ -38,75 +36,10 @@ log = logging.getLogger(__name__)
 AVERAGING_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
-@dataclass(frozen=True)
-class PeerCounters:
-    """The peer's own counters at one moment (see ``swarm.AsyncPeer``)."""
-
-    bytes_sent: int
-    bytes_received: int
-    connections_dialed: int
-    inbound_refused: int
-    dht_contacts: int
-    dht_stored_keys: int
-
-
-def read_peer_counters(peer: object) -> PeerCounters:
-    """``peer``'s counters (an ``AsyncPeer``); call it on the peer's trio thread,
-    where they change."""
-    connections = peer.connections  # type: ignore[attr-defined]
-    dht = peer.dht  # type: ignore[attr-defined]
-    return PeerCounters(
-        bytes_sent=connections.bytes_sent,
-        bytes_received=connections.bytes_received,
-        connections_dialed=connections.dialed,
-        inbound_refused=connections.refused_inbound,
-        dht_contacts=dht.routing_table_size(),
-        dht_stored_keys=dht.stored_key_count(),
-    )
-
-
-class _PeerCollector(Collector):
-    def __init__(self, read: Callable[[], PeerCounters]) -> None:
-        self._read = read
-
-    def collect(self) -> Iterable[Metric]:
-        try:
-            c = self._read()
-        except SwarmError as e:  # the peer is stopping: its figures are gone
-            log.debug("metrics: cannot read the peer's counters: %s", e)
-            return []
-        return [
-            CounterMetricFamily(
-                "swarm_bytes_sent", "Bytes sent over peer connections", value=c.bytes_sent
-            ),
-            CounterMetricFamily(
-                "swarm_bytes_received",
-                "Bytes received over peer connections",
-                value=c.bytes_received,
-            ),
-            CounterMetricFamily(
-                "swarm_connections_dialed",
-                "Outbound peer connections made",
-                value=c.connections_dialed,
-            ),
-            CounterMetricFamily(
-                "swarm_inbound_refused",
-                "Inbound connections closed at once for a limit",
-                value=c.inbound_refused,
-            ),
-            GaugeMetricFamily(
-                "swarm_dht_contacts", "Peers in the DHT routing table", value=c.dht_contacts
-            ),
-            GaugeMetricFamily(
-                "swarm_dht_stored_keys", "Keys this DHT node stores", value=c.dht_stored_keys
-            ),
-        ]
-
-
 class PeerMetrics:
     """One peer's metrics in a registry of its own (``registry``)."""
 
-    def __init__(self, read_counters: Callable[[], PeerCounters] | None = None) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.epoch = Gauge("swarm_epoch", "Global steps of the swarm completed", registry=r)
@@ -148,12 +81,13 @@ class PeerMetrics:
             ["cause"],
             registry=r,
         )
-        if read_counters is not None:
-            self.watch(read_counters)
 
-    def watch(self, read_counters: Callable[[], PeerCounters]) -> None:
-        """Include the counters ``read_counters`` returns, read at each scrape."""
-        self.registry.register(_PeerCollector(read_counters))
+    def watch(self, metrics: Iterable[Collector]) -> None:
+        """Expose ``metrics`` (a peer's ``metrics``: its layers' own metric
+        objects) in this registry. Raises ``ValueError`` if a name is already
+        exposed (a second peer watched by the same registry)."""
+        for metric in metrics:
+            self.registry.register(metric)
 
     def observe_epoch(self, record: EpochRecord, *, outcome: str, cause: str | None) -> None:
         """Record one global step (``outcome`` averaged, alone or failed, and the

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import trio
+from prometheus_client.registry import Collector
 
 from dht import DHTConfig, DHTNode, DHTValue, open_dht_node
 
@@ -150,6 +151,13 @@ class AsyncPeer:
     @property
     def client_mode(self) -> bool:
         return self.config.client_mode
+
+    @property
+    def metrics(self) -> tuple[Collector, ...]:
+        """The metric objects this peer's layers keep their figures in (bytes,
+        connections, DHT contacts and keys; ``_counters``), for a registry to
+        expose: the figures themselves, not copies."""
+        return (*self.connections.metrics, *self.dht.metrics)
 
     def __repr__(self) -> str:
         return f"<AsyncPeer {self.peer_id.short()} at {self.address}>"
@@ -337,6 +345,11 @@ class Peer:
     @property
     def peer_id(self) -> PeerID:
         return self._identity.peer_id
+
+    @property
+    def metrics(self) -> tuple[Collector, ...]:
+        """``AsyncPeer.metrics``: thread-safe objects, readable from any thread."""
+        return self.async_peer.metrics
 
     @property
     def address(self) -> str:

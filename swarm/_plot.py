@@ -18,6 +18,8 @@ from pathlib import Path
 from ._errors import ConfigError
 from ._history import EpochRecord
 
+#: The image's size in pixels when none is given (``swarm plot --width/--height``).
+DEFAULT_WIDTH, DEFAULT_HEIGHT = 1200, 900
 #: Dots per inch of the figure: sizes are given in pixels.
 _DPI = 100
 
@@ -26,8 +28,8 @@ def plot_history(
     records: Sequence[EpochRecord],
     out: str | Path,
     *,
-    width: int = 1200,
-    height: int = 900,
+    width: int = DEFAULT_WIDTH,
+    height: int = DEFAULT_HEIGHT,
     title: str | None = None,
 ) -> Path:
     """Draw ``records`` into the PNG file ``out`` (written atomically), of

@@ -60,8 +60,10 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 #: The task ``swarm train`` trains when given no ``--task``.
 DEFAULT_TASK = "digits"
-#: Records older than this are from peers presumed gone (CollaborativeConfig's default TTL).
-DEFAULT_STALE_AFTER = 30.0
+#: Seconds between the routing and storage reports of ``swarm dht`` in the log.
+DHT_REPORT_INTERVAL = 60.0
+#: Seconds between the tables of ``swarm status --watch`` given no number.
+STATUS_WATCH_INTERVAL = 2.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -70,7 +72,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_peer_options(parser: argparse.ArgumentParser | _Group, *, verbose: bool = True) -> None:
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    parser.add_argument(
+        "--host", default="0.0.0.0", help="address to listen on (default %(default)s)"
+    )
     parser.add_argument(
         "--port",
         type=int,
@@ -171,7 +175,7 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--precision",
         choices=tuple(PRECISIONS),
-        default="fp32",
+        default=next(name for name, dtype in PRECISIONS.items() if dtype == d.training.dtype),
         help="the model's precision: fp32, or bf16/fp16 parameters with float32 master "
         "weights and float32 averaging (default %(default)s)",
     )
@@ -199,7 +203,8 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "--averaging-timeout",
         type=float,
         metavar="SECONDS",
-        help="longest wait for one averaging round (default: max(60, 2 x matchmaking bound))",
+        help="longest wait for one averaging round (default: the larger of "
+        f"{d.optimizer.averaging_timeout:g} and twice the matchmaking bound)",
     )
     training.add_argument(
         "--min-peers",
@@ -335,8 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     dht.add_argument(
         "--report-interval",
         type=float,
-        default=60.0,
-        help="seconds between routing/storage reports in the log",
+        default=DHT_REPORT_INTERVAL,
+        metavar="SECONDS",
+        help="seconds between routing/storage reports in the log (default %(default)g)",
     )
     _add_config_option(dht)
     commands.add_lazily(
@@ -347,31 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
         "new swarm and prints the command other machines run to join it. "
         "Ctrl-C or SIGTERM leaves after the current step.",
     )
-    status = commands.add_parser(
-        "status", help="show who is training in a run and how far it has got"
+    commands.add_lazily(
+        "status", _add_status_options, help="show who is training in a run and how far it has got"
     )
-    status.add_argument(
-        "--initial-peer",
-        action="append",
-        required=True,
-        metavar="HOST:PORT",
-        help="any peer of the swarm (repeat for several)",
-    )
-    status.add_argument("--run-id", default=DEFAULT_TASK, metavar="ID", help="default: digits")
-    status.add_argument("--json", action="store_true", help="print one JSON object")
-    status.add_argument(
-        "--host", help="address to listen on (default: 127.0.0.1 for loopback peers, else 0.0.0.0)"
-    )
-    status.add_argument(
-        "--stale-after",
-        type=float,
-        default=DEFAULT_STALE_AFTER,
-        metavar="SECONDS",
-        help=f"peers silent this long count as gone (default {DEFAULT_STALE_AFTER:g})",
-    )
-    _add_swarm_key_option(status)
-    status.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    _add_status_watch_options(status)
     _add_demo_parser(commands)
     keygen = commands.add_parser(
         "keygen",
@@ -385,6 +369,38 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export_command(commands)
     _add_plot_command(commands)
     return parser
+
+
+def _add_status_options(status: argparse.ArgumentParser) -> None:
+    """The options of ``swarm status``; ``--stale-after`` defaults to the
+    trainer's progress TTL, so this imports the trainer (``_LazySubParsers``)."""
+    from trainer import CollaborativeConfig
+
+    status.add_argument(
+        "--initial-peer",
+        action="append",
+        required=True,
+        metavar="HOST:PORT",
+        help="any peer of the swarm (repeat for several)",
+    )
+    status.add_argument(
+        "--run-id", default=DEFAULT_TASK, metavar="ID", help="default %(default)s"
+    )
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.add_argument(
+        "--host", help="address to listen on (default: 127.0.0.1 for loopback peers, else 0.0.0.0)"
+    )
+    status.add_argument(
+        "--stale-after",
+        type=float,
+        default=CollaborativeConfig().progress_ttl,
+        metavar="SECONDS",
+        help="peers silent this long count as gone (default %(default)g: the run's progress "
+        "records live that long)",
+    )
+    _add_swarm_key_option(status)
+    status.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    _add_status_watch_options(status)
 
 
 def _add_demo_parser(commands: Any) -> None:
@@ -523,7 +539,7 @@ def _collaborative_config(args: argparse.Namespace) -> CollaborativeConfig:
     )
     timeout = args.averaging_timeout
     if timeout is None:
-        timeout = max(60.0, 2 * matchmaking.bound)
+        timeout = max(CollaborativeConfig().averaging_timeout, 2 * matchmaking.bound)
     elif not timeout > matchmaking.bound:
         raise ConfigError(
             f"--averaging-timeout {timeout:g} must exceed --matchmaking-time plus two "
@@ -729,7 +745,8 @@ class _EpochReporter:
         throughput = self.meter.recent()
         if throughput is not None:
             line += f"; swarm {self._rate(throughput)}{throughput.seconds_per_epoch:.2f} s/epoch"
-        line += f"; compute {swarm.samples_per_second:.0f} samples/s"
+        if swarm.samples_per_second > 0:  # 0: no peer has measured its rate yet
+            line += f"; compute {swarm.samples_per_second:.0f} samples/s"
         line += f"; {_peers(swarm.num_peers)} alive"
         say(line)
 
@@ -933,8 +950,10 @@ def _status_object(
     throughput since it began (samples of completed global steps per second of
     wall time; null without the run's settings), ``compute_samples_per_second``
     the sum of the live peers' compute rates. Each peer's ``loss`` is its running
-    training loss (also as ``train_loss``) and its ``samples_per_second`` its
-    compute rate (also as ``compute_samples_per_second``)."""
+    training loss (also as ``train_loss``), its ``samples_per_second`` its
+    compute rate (also as ``compute_samples_per_second``) and its ``device``
+    where and in what precision it trains (``unknown`` for a peer too old to
+    say)."""
     throughput: float | None = None
     # (DiLoCo: an epoch is H local steps of every peer, not the target batch)
     known = settings is not None and settings.diloco is None
@@ -959,6 +978,7 @@ def _status_object(
                 "train_loss": record.loss,
                 "accuracy": record.accuracy,
                 "client": record.client,
+                "device": record.device,
                 "age": max(0.0, now - record.time),
             }
             for record in live
@@ -973,18 +993,19 @@ def _status_table(status: dict[str, Any]) -> str:
             f", {status['samples_per_second']:.0f} samples/s since it began "
             f"{status['seconds_since_start']:.0f} s ago"
         )
-    head += f", compute {status['compute_samples_per_second']:.0f} samples/s"
+    if status["compute_samples_per_second"] > 0:  # 0: no live peer measured its rate yet
+        head += f", compute {status['compute_samples_per_second']:.0f} samples/s"
     lines = [head]
     if status["peers"]:
         lines.append(
             f"{'peer':<40}  {'epoch':>5}  {'compute samples/s':>17}  {'train loss':>10}  "
-            f"{'accuracy':>8}  {'age (s)':>7}"
+            f"{'accuracy':>8}  {'age (s)':>7}  device"
         )
     for p in status["peers"]:
         lines.append(
             f"{p['peer_id']:<40}  {p['epoch']:>5}  {p['compute_samples_per_second']:>17.1f}  "
             f"{_format_metric(p['train_loss']):>10}  {_format_metric(p['accuracy'], '.3f'):>8}  "
-            f"{p['age']:>7.1f}" + ("  (client)" if p["client"] else "")
+            f"{p['age']:>7.1f}  {p['device']}" + ("  (client)" if p["client"] else "")
         )
     return "\n".join(lines)
 
@@ -1151,9 +1172,10 @@ def _add_status_watch_options(status: argparse.ArgumentParser) -> None:
         "--watch",
         nargs="?",
         type=float,
-        const=2.0,
+        const=STATUS_WATCH_INTERVAL,
         metavar="SECONDS",
-        help="refresh the table every SECONDS (default 2), in place on a terminal, until Ctrl-C",
+        help="refresh the table every SECONDS (default %(const)g), in place on a terminal, "
+        "until Ctrl-C",
     )
     status.add_argument(
         "--count", type=int, metavar="N", help="with --watch: leave after N refreshes"
@@ -1239,6 +1261,8 @@ def _run_export(args: argparse.Namespace) -> int:
 
 
 def _add_plot_command(commands: _LazySubParsers) -> None:
+    from ._plot import DEFAULT_HEIGHT, DEFAULT_WIDTH
+
     plot = commands.add_parser(
         "plot",
         help="draw a run's loss, accuracy and throughput over time as a PNG",
@@ -1249,8 +1273,12 @@ def _add_plot_command(commands: _LazySubParsers) -> None:
     source.add_argument("--checkpoint-dir", metavar="DIR", help="the peer's checkpoint directory")
     source.add_argument("--history", metavar="FILE", help="a history file (*.history.jsonl)")
     plot.add_argument("--out", required=True, metavar="FILE.png", help="the PNG to write")
-    plot.add_argument("--width", type=int, default=1200, metavar="PIXELS", help="default 1200")
-    plot.add_argument("--height", type=int, default=900, metavar="PIXELS", help="default 900")
+    plot.add_argument(
+        "--width", type=int, default=DEFAULT_WIDTH, metavar="PIXELS", help="default %(default)s"
+    )
+    plot.add_argument(
+        "--height", type=int, default=DEFAULT_HEIGHT, metavar="PIXELS", help="default %(default)s"
+    )
     plot.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 

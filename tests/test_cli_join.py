@@ -52,6 +52,14 @@ async def test_the_printed_join_command_joins_and_ends_with_the_run(tmp_path: Pa
         # they trained together: the first peer waited for the second
         epochs = [line for line in first.output if line.startswith("epoch 1:")]
         assert len(epochs) == 1 and epochs[0].endswith("; 2 peers alive"), first.output
+        # its wait for the second is no part of the swarm's throughput: timing
+        # starts at epoch 1, so the final line measures epochs 2 and 3 only
+        assert "; swarm " not in epochs[0], epochs
+        # a rate nobody has measured yet is left out, never shown as 0
+        lines = [line for peer in (first, second) for line in peer.output]
+        assert not any("compute 0 samples/s" in line for line in lines), lines
+        (final,) = [line for line in first.output if line.startswith("finished at epoch")]
+        assert " s/epoch over 2 epochs (" in final, final
 
 
 @pytest.mark.slow

@@ -3,6 +3,8 @@ throughput meter, the settings record and the rule that adopts or refuses."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from dht import DHTValue, owner_marker
@@ -135,9 +137,21 @@ def test_status_names_each_number_for_what_it_is() -> None:
         "compute 20000 samples/s"
     )
     assert table[1].split() == [
-        "peer", "epoch", "compute", "samples/s", "train", "loss", "accuracy", "age", "(s)"
+        "peer", "epoch", "compute", "samples/s", "train", "loss", "accuracy", "age", "(s)",
+        "device",
     ]  # fmt: skip
-    assert table[2].split() == [str(peer), "12", "20000.0", "0.2500", "0.900", "0.5"]
+    assert table[2].split() == [str(peer), "12", "20000.0", "0.2500", "0.900", "0.5", "unknown"]
+    # a peer that says where it trains: the label, whole, in the table and the JSON
+    gpu = replace(record, device="cuda:0 NVIDIA H100 80GB HBM3 bf16")
+    status = _status_object("digits", swarm, [gpu], 1100.0, RUN)
+    assert status["peers"][0]["device"] == gpu.device
+    shown_row = _status_table(status).splitlines()[2]
+    assert shown_row.endswith("  0.5  cuda:0 NVIDIA H100 80GB HBM3 bf16")
+    # a peer that has not measured its rate yet: no "compute 0 samples/s"
+    fresh = replace(record, samples_per_second=0.0)
+    unmeasured = estimate([fresh], now=1100.0, target_batch_size=1, stale_after=30.0)
+    head = _status_table(_status_object("digits", unmeasured, [fresh], 1100.0, RUN))
+    assert "compute" not in head.splitlines()[0], head
     # without the run's settings (or in DiLoCo mode) the real throughput is unknown
     for settings in (None, RunSettings(**(RUN.to_value() | {"diloco": 4}))):
         unknown = _status_object("digits", swarm, [record], 1100.0, settings)

@@ -96,6 +96,7 @@ async def test_three_peers_train_and_status_shows_them(tmp_path: Path) -> None:
                         accuracy = peer_status["accuracy"]
                         assert accuracy is None or 0 <= accuracy <= 1
                         assert "loss" in peer_status
+                        assert peer_status["device"] == "cpu fp32"  # the default
                     # the run's settings, and its real throughput since it began
                     assert status["settings"]["target_batch_size"] == 600
                     assert status["settings"]["max_epochs"] == 5

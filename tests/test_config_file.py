@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
 
 from swarm import ConfigError
 from swarm._config_file import config_path, option_defaults
-from swarm.cli import _parse_args, build_parser
+from swarm._plot import plot_history
+from swarm.cli import (
+    DHT_REPORT_INTERVAL,
+    STATUS_WATCH_INTERVAL,
+    _collaborative_config,
+    _parse_args,
+    build_parser,
+)
+from trainer import PRECISIONS
 
 
 def test_config_path_is_found_in_either_spelling_and_not_after_double_dash() -> None:
@@ -54,6 +63,46 @@ def test_defaults_without_a_file_come_from_the_config_dataclasses() -> None:
     assert args.matchmaking_time == MatchmakingConfig().matchmaking_time
     assert args.target_group_size == MatchmakingConfig().target_group_size
     assert args.lr is None and args.config is None
+    # the precision names TrainingConfig's dtype; the averaging timeout's floor is
+    # CollaborativeConfig's default, unless matchmaking needs longer
+    assert PRECISIONS[args.precision] == TrainingConfig().dtype
+    config = _collaborative_config(args)
+    bound = config.averaging.matchmaking.bound
+    assert config.averaging_timeout == max(CollaborativeConfig().averaging_timeout, 2 * bound)
+    assert CollaborativeConfig().averaging_timeout > 2 * bound  # (so the floor is what counts)
+    slow = _collaborative_config(_parse_args(build_parser(), ["train", "--matchmaking-time", "60"]))
+    assert slow.averaging_timeout == 2 * slow.averaging.matchmaking.bound
+    # swarm status counts a peer gone when its progress record would have expired
+    status = _parse_args(build_parser(), ["status", "--initial-peer", "127.0.0.1:1"])
+    assert status.stale_after == CollaborativeConfig().progress_ttl
+    assert status.watch is None
+    watching = ["status", "--initial-peer", "127.0.0.1:1", "--watch"]
+    assert _parse_args(build_parser(), watching).watch == STATUS_WATCH_INTERVAL
+    assert _parse_args(build_parser(), ["dht"]).report_interval == DHT_REPORT_INTERVAL
+    plot = _parse_args(build_parser(), ["plot", "--history", "h", "--out", "o.png"])
+    drawn = inspect.signature(plot_history).parameters
+    assert (plot.width, plot.height) == (drawn["width"].default, drawn["height"].default)
+
+
+def test_train_help_groups_the_options_and_shows_the_defaults(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from trainer import CollaborativeConfig
+
+    with pytest.raises(SystemExit) as exit_:
+        _parse_args(build_parser(), ["train", "--help"])
+    assert exit_.value.code == 0
+    shown = capsys.readouterr().out
+    groups = [line for line in shown.splitlines() if line and not line.startswith(" ")]
+    assert groups[-5:] == [
+        "peer and network:",
+        "the run (every peer of a run passes the same values):",
+        "training (this peer):",
+        "checkpointing:",
+        "output:",
+    ]
+    floor = f"{CollaborativeConfig().averaging_timeout:g} and twice the matchmaking bound"
+    assert floor in " ".join(shown.split())
 
 
 def test_a_string_for_a_string_option_and_choices_are_checked() -> None:

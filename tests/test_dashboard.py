@@ -1,23 +1,29 @@
 """The pure parts of the dashboard: the metric history file, the throughput
-meter, the outcome of a round, the JSON log format, the metrics registry."""
+meter, the outcome of a round, the JSON log format, the metrics registry, and
+the peer's own counters served over HTTP."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import math
-from dataclasses import dataclass, field
+import time
+import urllib.request
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
-from swarm import ConfigError, PeerID
+from swarm import ConfigError, Peer, PeerConfig, PeerID, Stream
 from swarm._dashboard import Dashboard, round_outcome
 from swarm._history import EpochRecord, HistoryFile, history_path, read_history
 from swarm._live import format_eta
 from swarm._log_file import JsonFormatter
-from swarm._metrics import PeerCounters, PeerMetrics
+from swarm._metrics import PeerMetrics, serve_metrics
 
 
 def test_history_round_trip_skips_a_torn_last_line(tmp_path: Path) -> None:
@@ -98,16 +104,80 @@ def test_json_log_lines_carry_fields_without_replacing_the_four() -> None:
     assert entry["time"].endswith("+00:00")
 
 
-def test_metrics_registry_is_per_peer_and_reads_the_peers_counters() -> None:
-    counters = PeerCounters(1000, 2000, 3, 1, 5, 7)
-    first, second = PeerMetrics(lambda: counters), PeerMetrics()
+def test_metrics_registry_is_per_peer() -> None:
+    first, second = PeerMetrics(), PeerMetrics()
     record = EpochRecord(time=0.0, epoch=4, train_loss=1.5, samples_per_second=300.0, peers=3)
     first.observe_epoch(record, outcome="failed", cause="no_group")
     text = generate_latest(first.registry).decode()
     assert "swarm_epoch 4.0" in text and "swarm_peers_alive 3.0" in text
     assert 'swarm_averaging_round_failures_total{cause="no_group"} 1.0' in text
-    assert "swarm_bytes_sent_total 1000.0" in text and "swarm_dht_stored_keys 7.0" in text
     assert "swarm_epoch 0.0" in generate_latest(second.registry).decode()  # not shared
+
+
+async def _echo(stream: Stream) -> None:
+    await stream.send(await stream.receive())
+
+
+def _scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.labels
+    }
+
+
+def test_metrics_serve_the_peers_own_counters_not_copies() -> None:
+    """Two real peers talk over TCP and UDP; what /metrics serves over HTTP
+    is exactly what each layer's own properties say, for each peer."""
+    config = PeerConfig(host="127.0.0.1")
+    with (
+        Peer(config=config) as first,
+        Peer(config=replace(config, initial_peers=(first.address,))) as second,
+    ):
+        first.async_peer.connections.set_handler("echo", _echo)
+        payload = bytes(range(256)) * 64
+        reply = second.run(
+            functools.partial(
+                second.async_peer.connections.call,
+                first.peer_id,
+                first.async_peer.endpoint,
+                "echo",
+                payload,
+                timeout=10,
+            )
+        )
+        assert reply == payload
+        second.dht.store("k", "v", time.time() + 60)
+        metrics = {p: PeerMetrics() for p in (first, second)}
+        with contextlib.ExitStack() as stack:
+            scraped = {}
+            for peer, registry in metrics.items():
+                registry.watch(peer.metrics)
+                port = stack.enter_context(serve_metrics(registry.registry, "127.0.0.1", 0))
+                scraped[peer] = _scrape(port)
+        for peer, got in scraped.items():
+            connections = peer.async_peer.connections
+            assert got["swarm_bytes_sent_total"] == connections.bytes_sent
+            assert got["swarm_bytes_received_total"] == connections.bytes_received
+            assert got["swarm_connections_dialed_total"] == connections.dialed
+            assert got["swarm_inbound_refused_total"] == connections.refused_inbound == 0
+            dht = peer.async_peer.dht
+            assert got["swarm_dht_contacts"] == peer.run_sync(dht.routing_table_size) == 1
+            assert got["swarm_dht_stored_keys"] == peer.run_sync(dht.stored_key_count)
+        # the echo: what one sent the other received, and only `second` dialed
+        assert (
+            scraped[second]["swarm_bytes_sent_total"]
+            == scraped[first]["swarm_bytes_received_total"]
+            > len(payload)
+        )
+        assert (
+            scraped[first]["swarm_connections_dialed_total"],
+            scraped[second]["swarm_connections_dialed_total"],
+        ) == (0, 1)
+        assert sum(s["swarm_dht_stored_keys"] for s in scraped.values()) >= 1
 
 
 def test_dashboard_keeps_going_when_the_history_cannot_be_written(

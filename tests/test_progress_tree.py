@@ -12,15 +12,19 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 import trio
 from dht_harness import open_swarm
 
 from dht import make_record, owner_marker
 from swarm import ConfigError, Identity, ManualClock, PeerID, ProtocolError
 from trainer import (
+    MAX_DEVICE_LABEL,
+    UNKNOWN_DEVICE,
     PeerProgress,
     ProgressSummary,
     ProgressTree,
+    device_label,
     estimate,
     parse_progress,
     progress_key,
@@ -73,6 +77,22 @@ def test_summaries_from_the_wire_are_checked() -> None:
     ):
         with pytest.raises(ProtocolError):
             ProgressSummary.from_value(bad)
+
+
+def test_records_carry_the_device_and_old_records_read_unknown() -> None:
+    peer = Identity.from_seed(bytes([9]) * 32).peer_id
+    mine = PeerProgress(peer, 3, 10, 2.0, NOW, device=device_label([torch.zeros(1)]))
+    assert mine.device == "cpu fp32"
+    assert PeerProgress.from_value(peer, mine.to_value()) == mine
+    old = mine.to_value()
+    del old["device"]  # a record of a peer from before the field
+    assert PeerProgress.from_value(peer, old).device == UNKNOWN_DEVICE == "unknown"
+    half = torch.zeros(1, dtype=torch.bfloat16)
+    assert PeerProgress.device_of([half, torch.zeros(1)]) == "cpu bf16"  # the first tensor's
+    assert device_label([]) == "unknown"
+    for bad in (None, 3, "", "x" * (MAX_DEVICE_LABEL + 1)):
+        with pytest.raises(ProtocolError, match="device"):
+            PeerProgress.from_value(peer, mine.to_value() | {"device": bad})
 
 
 def test_leaves_are_fixed_per_peer_and_spread_evenly() -> None:

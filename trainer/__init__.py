@@ -25,10 +25,13 @@ from ._ef21m import ArcTopK
 from ._export import ExportedModel, export_model
 from ._optimizer import CollaborativeConfig, CollaborativeOptimizer, GlobalStep, GradHook
 from ._progress import (
+    MAX_DEVICE_LABEL,
+    UNKNOWN_DEVICE,
     PeerProgress,
     ProgressSummary,
     ProgressTree,
     SwarmProgress,
+    device_label,
     estimate,
     parse_progress,
     progress_key,
@@ -49,7 +52,9 @@ from ._task import (
 from ._tasks_digits import DigitsCNN, make_digits_cnn_task, make_digits_task
 
 __all__ = [
+    "MAX_DEVICE_LABEL",
     "PRECISIONS",
+    "UNKNOWN_DEVICE",
     "ArcTopK",
     "Checkpoint",
     "CheckpointDir",
@@ -71,6 +76,7 @@ __all__ = [
     "builtin_task_names",
     "choose_threshold",
     "default_optimizer",
+    "device_label",
     "estimate",
     "export_model",
     "load_checkpoint",

@@ -3,9 +3,11 @@
 Every peer publishes a signed record (its sub-key names it, so nobody can
 write another peer's progress): its epoch, the samples it accumulated in this
 epoch, its samples per second, when it reported, its latest loss and
-accuracy. From these the swarm's progress is estimated: for the swarm's
-current epoch, how many samples the live peers hold now and when the target
-batch size will be reached (DeDLOC, Diskin et al. 2021, section 3.2).
+accuracy, and the device and precision it trains with (``device``, which
+``swarm status`` shows; records of peers from before it read ``unknown``).
+From these the swarm's progress is estimated: for the swarm's current epoch,
+how many samples the live peers hold now and when the target batch size will
+be reached (DeDLOC, Diskin et al. 2021, section 3.2).
 ``estimate`` is pure: records and a clock in, ``SwarmProgress`` out.
 
 How it scales: an aggregation tree (``ProgressTree``)
@@ -56,6 +58,7 @@ cannot); in a private swarm only members can write at all.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import random
@@ -63,14 +66,43 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
 import trio
 
 from dht import DHTValue, owner_marker
 from swarm import ConfigError, PeerID, ProtocolError
 from swarm._wire import expect_float, expect_int
 
-#: Fields of a progress record, in order.
-_FIELDS = ("epoch", "samples", "samples_per_second", "time", "loss", "accuracy", "client")
+from ._task import PRECISIONS
+
+#: ``PeerProgress.device`` of a record that does not say (a peer from before the field).
+UNKNOWN_DEVICE = "unknown"
+#: The longest ``PeerProgress.device`` a record may carry: records are many and
+#: small (a DHT reply is one datagram), a label needs only a GPU's name.
+MAX_DEVICE_LABEL = 64
+
+
+def device_label(tensors: Sequence[torch.Tensor]) -> str:
+    """The ``PeerProgress.device`` of a peer training ``tensors``: the first
+    one's device (with the GPU's name on CUDA) and precision, e.g. ``cpu fp32``
+    or ``cuda:0 NVIDIA H100 80GB HBM3 bf16``, cut to ``MAX_DEVICE_LABEL``
+    characters; ``unknown`` for no tensors. Reads only metadata and the CUDA
+    device's cached properties, so it may run on the trio thread."""
+    if not tensors:
+        return UNKNOWN_DEVICE
+    return _label(tensors[0].device, tensors[0].dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _label(device: torch.device, dtype: torch.dtype) -> str:
+    precision = next(
+        (name for name, d in PRECISIONS.items() if d == dtype), str(dtype).removeprefix("torch.")
+    )
+    where = str(device)
+    if device.type == "cuda":
+        where += " " + torch.cuda.get_device_name(device)
+    precision = " " + precision
+    return where[: MAX_DEVICE_LABEL - len(precision)] + precision
 
 
 def progress_key(run_id: str) -> str:
@@ -89,6 +121,13 @@ class PeerProgress:
     loss: float | None = None
     accuracy: float | None = None
     client: bool = False
+    #: where and in what precision the peer trains (``device_label``)
+    device: str = UNKNOWN_DEVICE
+
+    @staticmethod
+    def device_of(tensors: Sequence[torch.Tensor]) -> str:
+        """``device_label(tensors)``: the ``device`` of a peer training ``tensors``."""
+        return device_label(tensors)
 
     def to_value(self) -> dict[str, Any]:
         return {
@@ -99,6 +138,7 @@ class PeerProgress:
             "loss": self.loss,
             "accuracy": self.accuracy,
             "client": self.client,
+            "device": self.device,
         }
 
     @classmethod
@@ -113,6 +153,11 @@ class PeerProgress:
                 return None
             return expect_float(item, name)
 
+        device = value.get("device", UNKNOWN_DEVICE)
+        if not (isinstance(device, str) and 0 < len(device) <= MAX_DEVICE_LABEL):
+            raise ProtocolError(
+                f"device must be a string of 1-{MAX_DEVICE_LABEL} characters, got {device!r:.80}"
+            )
         sps = expect_float(value.get("samples_per_second"), "samples_per_second")
         if sps < 0:
             raise ProtocolError("samples_per_second must be >= 0")
@@ -125,6 +170,7 @@ class PeerProgress:
             optional("loss"),
             optional("accuracy"),
             bool(value.get("client", False)),
+            device,
         )
 
 
