@@ -317,6 +317,26 @@ class DHTNode:
     async def _write_back(self, crawl: RecordCrawl, records: list[Record], limit: int) -> None:
         await self._loop.call(self._server.write_back, crawl, records, limit)
 
+    async def ping(self, address: Address) -> PeerID | None:
+        """Ping ``address`` (one datagram, resent per the RPC timeouts); the peer
+        id of the node that answered, None if none did. A node that answers is
+        kept as a contact, like any node that answers a request."""
+        self._check_open()
+        found: PeerID | None = await self._loop.call(self._server.proto.ping_address, address)
+        return found
+
+    @property
+    def client_mode(self) -> bool:
+        return self._server.client_mode
+
+    def set_client_mode(self, client: bool) -> None:
+        """Become a client (answer no requests, and flag ours so that nobody
+        keeps this node as a contact) or a full node again: for a peer that
+        found out it is unreachable after it joined (``swarm._reachability``).
+        Nodes that kept it as a contact drop it after one unanswered request."""
+        self._server.client_mode = client
+        self._server.proto.client_mode = client
+
     # -- introspection --------------------------------------------------------
 
     def routing_table_size(self) -> int:

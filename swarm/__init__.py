@@ -13,6 +13,8 @@ application on top of them:
 - private swarms (``create_swarm_key``/``load_swarm_key``): the pre-shared key file
 - bans (``BanList``, ``BanConfig``): local bans of misbehaving peers, growing backoff
 - connections (``open_connections``): authenticated, encrypted peer streams over TCP
+- reachability (``Reachability``, ``ReachabilityConfig``): whether others can
+  dial a peer, found out by asking them to dial it back (behind NAT: no)
 - the peer facade (``open_peer``, ``Peer``, ``PeerConfig``): identity, DHT node
   and connections on one port; ``Peer`` runs trio in a background thread for
   synchronous training loops
@@ -48,6 +50,7 @@ from ._errors import (
     SwarmError,
 )
 from ._identity import Identity, PeerID, verify_signature
+from ._reachability import Reachability, ReachabilityConfig
 from ._swarm_key import create_swarm_key, load_swarm_key
 from ._wire import pack, unpack
 
@@ -86,6 +89,8 @@ __all__ = [  # noqa: RUF022 - grouped: core names, then the peer facade
     "NonFiniteError",
     "PeerUnreachableError",
     "ProtocolError",
+    "Reachability",
+    "ReachabilityConfig",
     "RecordRejectedError",
     "RejectReason",
     "SelfDialError",

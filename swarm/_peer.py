@@ -25,12 +25,21 @@ from ._clock import WallClock, system_clock
 from ._connections import ConnectionConfig, Connections, open_connections
 from ._errors import ClosedError, ConfigError, collapse_exception_groups, unwrap_single
 from ._identity import Identity, PeerID
+from ._reachability import (
+    Reachability,
+    ReachabilityConfig,
+    Verdict,
+    check_reachability,
+    serve_dial_back,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: Attempts to find a port number free for both TCP and UDP when port=0.
 _PORT_ATTEMPTS = 8
+#: Seconds before an unchecked peer (a swarm's first) first asks again.
+_FIRST_RECHECK = 2.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,10 @@ class PeerConfig:
     and every DHT datagram proves it. ``bans`` sets how long misbehaving peers
     are ignored (``swarm._bans``); the connections and the DHT node of one peer
     share one ban list.
+
+    ``reachability`` says when the peer asks others to dial it back and
+    becomes a client if they cannot (``swarm._reachability``): by default when
+    it listens on a wildcard host with no ``announce`` and joins a swarm.
     """
 
     host: str = "127.0.0.1"
@@ -59,6 +72,7 @@ class PeerConfig:
     connections: ConnectionConfig = field(default_factory=ConnectionConfig)
     swarm_key: bytes | None = field(default=None, repr=False)
     bans: BanConfig = field(default_factory=BanConfig)
+    reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
 
     def __post_init__(self) -> None:
         if self.swarm_key is not None:
@@ -84,6 +98,15 @@ class PeerConfig:
         if self.announce is not None:
             parse_address(self.announce)
 
+    @property
+    def checks_reachability(self) -> bool:
+        """Whether the peer asks others to dial it back: when it joins, and
+        (``AsyncPeer.recheck_reachability``) later."""
+        mode = self.reachability.check
+        if mode == "never" or self.client_mode:
+            return False
+        return mode == "always" or (self.announce is None and is_wildcard(self.host))
+
 
 class AsyncPeer:
     """A running peer (made by ``open_peer``): ``.dht``, ``.connections``, ``.address``."""
@@ -104,8 +127,72 @@ class AsyncPeer:
         #: the host others dial when none is announced (``_announce``)
         self._dial_host = config.host
         if config.announce is None and is_wildcard(config.host):
-            toward = parse_address(config.initial_peers[0])[0] if config.initial_peers else None
-            self._dial_host = announce_host(config.host, toward)
+            self._dial_host = self._guess_host()
+        #: whether others can dial this peer (``swarm._reachability``)
+        self.reachability = (
+            Reachability.CLIENT if config.client_mode else Reachability.UNCHECKED
+        )
+        #: set once a check found a verdict (REACHABLE or UNREACHABLE)
+        self.reachability_found = trio.Event()
+
+    def _guess_host(self) -> str:
+        initial = self.config.initial_peers
+        return announce_host(self.config.host, parse_address(initial[0])[0] if initial else None)
+
+    async def check_reachability(self) -> Verdict:
+        """Ask peers to dial this one back and act on the verdict: UNREACHABLE
+        makes this peer a client (``client_mode`` turns True, its DHT node a
+        client), REACHABLE a full member again, announcing the host the helpers
+        reached unless ``config.announce`` is set; UNCHECKED (nobody answered)
+        changes nothing. Returns the verdict; raises nothing but
+        ``trio.Cancelled`` (then nothing changes). A configured client stays one.
+        """
+        initial = [parse_address(a) for a in self.config.initial_peers]
+        verdict = await check_reachability(
+            self.connections, self.dht, self.peer_id, self.port, initial, self.config.reachability
+        )
+        if self.config.client_mode or verdict.reachability is Reachability.UNCHECKED:
+            return verdict
+        self.reachability = verdict.reachability
+        self.reachability_found.set()
+        unreachable = verdict.reachability is Reachability.UNREACHABLE
+        self.dht.set_client_mode(unreachable or self.config.dht.client_mode)
+        if not unreachable and verdict.host is not None and self.config.announce is None:
+            self._dial_host = verdict.host
+        return verdict
+
+    async def recheck_reachability(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Check again whenever the verdict may be stale; runs until cancelled.
+
+        Every ``recheck_interval`` seconds, when the guessed host changed (a new
+        network, a new lease: only while nothing is announced explicitly).
+        While the verdict is UNCHECKED (the swarm's first peer, or nobody
+        answered yet) sooner: after ``_FIRST_RECHECK`` seconds, doubling up to
+        ``recheck_interval``, so a founder learns its verdict once others joined.
+        """
+        interval = self.config.reachability.recheck_interval
+        task_status.started()
+        guessed = self._dial_host
+        wait = min(_FIRST_RECHECK, interval)
+        while True:
+            unchecked = self.reachability is Reachability.UNCHECKED
+            await trio.sleep(wait if unchecked else interval)
+            wait = min(2 * wait, interval)
+            now = guessed
+            if self.config.announce is None and is_wildcard(self.config.host):
+                try:
+                    now = self._guess_host()
+                except ConfigError:  # no address at all for now: keep the last verdict
+                    continue
+            if now != guessed:
+                log.info("this machine's address changed (%s to %s): checking again", guessed, now)
+                guessed = self._dial_host = now
+            elif not unchecked:
+                continue
+            if self.dht.contacts():
+                await self.check_reachability()
 
     async def start_service(
         self, fn: Callable[..., Awaitable[Any]], *args: Any
@@ -149,7 +236,8 @@ class AsyncPeer:
 
     @property
     def client_mode(self) -> bool:
-        return self.config.client_mode
+        """Configured a client, or found unreachable (``check_reachability``)."""
+        return self.config.client_mode or self.reachability is Reachability.UNREACHABLE
 
     def __repr__(self) -> str:
         return f"<AsyncPeer {self.peer_id.short()} at {self.address}>"
@@ -165,7 +253,9 @@ async def open_peer(
     """Run a peer for the duration of the block.
 
     Listens on TCP and UDP at the same port (``config.port``, or one free for
-    both when 0) and bootstraps the DHT from ``config.initial_peers``. Raises
+    both when 0) and bootstraps the DHT from ``config.initial_peers``, then (see
+    ``PeerConfig.checks_reachability``) asks peers to dial it back, which takes
+    at most ``ReachabilityConfig.call_timeout``. Raises
     ``ConfigError`` if the port cannot be bound and ``BootstrapError`` if no
     initial peer answers, and (listening on a wildcard host with no
     ``announce``) if this machine has no address that others could dial.
@@ -210,7 +300,14 @@ async def open_peer(
                     raise ConfigError(f"cannot listen on {where}: {e.strerror or e}") from e
                 raise e from e.__cause__
             async with stack, trio.open_nursery() as services:
-                yield AsyncPeer(identity, config, dht, connections, services)
+                peer = AsyncPeer(identity, config, dht, connections, services)
+                serve_dial_back(connections, dht, config.reachability)
+                if config.checks_reachability:
+                    if config.initial_peers:
+                        await peer.check_reachability()
+                    if config.reachability.recheck_interval > 0:
+                        await peer.start_service(peer.recheck_reachability)
+                yield peer
                 services.cancel_scope.cancel()
             return
 

@@ -135,9 +135,17 @@ def test_status_names_each_number_for_what_it_is() -> None:
         "compute 20000 samples/s"
     )
     assert table[1].split() == [
-        "peer", "epoch", "compute", "samples/s", "train", "loss", "accuracy", "age", "(s)"
+        "peer", "epoch", "compute", "samples/s", "train", "loss", "accuracy", "age", "(s)",
+        "reachability",
     ]  # fmt: skip
-    assert table[2].split() == [str(peer), "12", "20000.0", "0.2500", "0.900", "0.5"]
+    # a record of a peer that does not say its reachability (an older one)
+    assert table[2].split() == [str(peer), "12", "20000.0", "0.2500", "0.900", "0.5", "-"]
+    assert shown["reachability"] is None
+    natted = PeerProgress(peer, 12, 40, 1.0, 1099.5, client=True, reachability="unreachable")
+    assert PeerProgress.from_value(peer, natted.to_value()) == natted
+    status = _status_object("digits", swarm, [natted], 1100.0, RUN)
+    assert status["peers"][0]["reachability"] == "unreachable"
+    assert _status_table(status).splitlines()[2].split()[-1] == "unreachable"
     # without the run's settings (or in DiLoCo mode) the real throughput is unknown
     for settings in (None, RunSettings(**(RUN.to_value() | {"diloco": 4}))):
         unknown = _status_object("digits", swarm, [record], 1100.0, settings)

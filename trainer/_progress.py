@@ -66,11 +66,17 @@ from typing import Any, Protocol
 import trio
 
 from dht import DHTValue, owner_marker
-from swarm import ConfigError, PeerID, ProtocolError
+from swarm import ConfigError, PeerID, ProtocolError, Reachability
 from swarm._wire import expect_float, expect_int
 
 #: Fields of a progress record, in order.
-_FIELDS = ("epoch", "samples", "samples_per_second", "time", "loss", "accuracy", "client")
+_FIELDS = (
+    "epoch", "samples", "samples_per_second", "time", "loss", "accuracy", "client",
+    "reachability",
+)  # fmt: skip
+#: Values of a record's ``reachability`` (``swarm.Reachability``); older
+#: records have none, newer peers may send others: both read as None.
+_REACHABILITY = frozenset(r.value for r in Reachability)
 
 
 def progress_key(run_id: str) -> str:
@@ -89,6 +95,8 @@ class PeerProgress:
     loss: float | None = None
     accuracy: float | None = None
     client: bool = False
+    #: ``swarm.Reachability`` value: whether others can dial this peer
+    reachability: str | None = None
 
     def to_value(self) -> dict[str, Any]:
         return {
@@ -99,6 +107,7 @@ class PeerProgress:
             "loss": self.loss,
             "accuracy": self.accuracy,
             "client": self.client,
+            "reachability": self.reachability,
         }
 
     @classmethod
@@ -125,6 +134,7 @@ class PeerProgress:
             optional("loss"),
             optional("accuracy"),
             bool(value.get("client", False)),
+            reachability if (reachability := value.get("reachability")) in _REACHABILITY else None,
         )
 
 
