@@ -23,7 +23,13 @@ from ._announce import announce_host, is_wildcard
 from ._bans import BanConfig, BanList
 from ._clock import WallClock, system_clock
 from ._connections import ConnectionConfig, Connections, open_connections
-from ._errors import ClosedError, ConfigError, collapse_exception_groups, unwrap_single
+from ._errors import (
+    ClosedError,
+    ConfigError,
+    SwarmError,
+    collapse_exception_groups,
+    unwrap_single,
+)
 from ._identity import Identity, PeerID
 from ._reachability import (
     Reachability,
@@ -38,8 +44,10 @@ T = TypeVar("T")
 
 #: Attempts to find a port number free for both TCP and UDP when port=0.
 _PORT_ATTEMPTS = 8
-#: Seconds before an unchecked peer (a swarm's first) first asks again.
+#: Seconds before an unchecked peer whose check nobody answered asks again.
 _FIRST_RECHECK = 2.0
+#: Seconds between looks at an unchecked peer's contacts (a founder's: empty until a peer joins).
+_CONTACT_POLL = 1.0
 
 
 @dataclass(frozen=True)
@@ -129,9 +137,7 @@ class AsyncPeer:
         if config.announce is None and is_wildcard(config.host):
             self._dial_host = self._guess_host()
         #: whether others can dial this peer (``swarm._reachability``)
-        self.reachability = (
-            Reachability.CLIENT if config.client_mode else Reachability.UNCHECKED
-        )
+        self.reachability = Reachability.CLIENT if config.client_mode else Reachability.UNCHECKED
         #: set once a check found a verdict (REACHABLE or UNREACHABLE)
         self.reachability_found = trio.Event()
 
@@ -148,50 +154,89 @@ class AsyncPeer:
         ``trio.Cancelled`` (then nothing changes). A configured client stays one.
         """
         initial = [parse_address(a) for a in self.config.initial_peers]
-        verdict = await check_reachability(
-            self.connections, self.dht, self.peer_id, self.port, initial, self.config.reachability
-        )
-        if self.config.client_mode or verdict.reachability is Reachability.UNCHECKED:
+        silent = self.dht.client_mode
+        if silent:  # others must get an answer to their dial-back's ping
+            self.dht.set_client_mode(True, answer_pings=True)
+        try:
+            verdict = await check_reachability(
+                self.connections,
+                self.dht,
+                self.peer_id,
+                self.port,
+                initial,
+                self.config.reachability,
+            )
+        finally:
+            if silent:
+                self.dht.set_client_mode(True)
+        if self.config.client_mode:
             return verdict
-        self.reachability = verdict.reachability
-        self.reachability_found.set()
-        unreachable = verdict.reachability is Reachability.UNREACHABLE
-        self.dht.set_client_mode(unreachable or self.config.dht.client_mode)
-        if not unreachable and verdict.host is not None and self.config.announce is None:
-            self._dial_host = verdict.host
+        if verdict.reachability is not Reachability.UNCHECKED:
+            self.reachability = verdict.reachability
+            self.reachability_found.set()
+            if verdict.reachability is Reachability.REACHABLE and self.config.announce is None:
+                assert verdict.host is not None  # decide() names the host it was reached at
+                self._dial_host = verdict.host
+        if silent and self.reachability is not Reachability.UNREACHABLE:
+            # joined as a client until the verdict (``open_peer``); a full node
+            # now (UNCHECKED too: nobody could tell, so as before checks existed)
+            await self._become_full_node()
+        elif not silent and self.reachability is Reachability.UNREACHABLE:
+            self.dht.set_client_mode(True)
         return verdict
+
+    async def _become_full_node(self) -> None:
+        """Turn the DHT node full and make it known: bootstrapping again pings
+        the initial peers and looks up this node's id, without the client flag,
+        so the nodes asked keep it as a contact."""
+        self.dht.set_client_mode(self.config.dht.client_mode)
+        if self.config.dht.client_mode or not self.config.initial_peers:
+            return
+        try:
+            await self.dht.bootstrap(self.config.initial_peers)
+        except SwarmError as e:  # known from its next requests anyway
+            log.info("could not announce this DHT node to its initial peers: %s", e)
 
     async def recheck_reachability(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Check again whenever the verdict may be stale; runs until cancelled.
 
-        Every ``recheck_interval`` seconds, when the guessed host changed (a new
-        network, a new lease: only while nothing is announced explicitly).
         While the verdict is UNCHECKED (the swarm's first peer, or nobody
-        answered yet) sooner: after ``_FIRST_RECHECK`` seconds, doubling up to
-        ``recheck_interval``, so a founder learns its verdict once others joined.
+        answered yet): as soon as the DHT has a contact to ask (the table is
+        looked at every ``_CONTACT_POLL`` seconds, which costs no traffic), so
+        a founder learns its verdict when the first peer joins; after a check
+        that nobody answered, again after ``_FIRST_RECHECK`` seconds, doubling
+        up to ``recheck_interval``. Once checked: every ``recheck_interval``
+        seconds, if the guessed host changed (a new network, a new lease; only
+        while nothing is announced explicitly).
         """
         interval = self.config.reachability.recheck_interval
+        guessing = self.config.announce is None and is_wildcard(self.config.host)
+        # the guess, not ``_dial_host``: a check may have replaced that with
+        # the address the helpers reached (a forwarded port)
+        guessed = self._guess_host() if guessing else self._dial_host
         task_status.started()
-        guessed = self._dial_host
-        wait = min(_FIRST_RECHECK, interval)
+        backoff = min(_FIRST_RECHECK, interval)
+        next_try = trio.current_time()
+        while self.reachability is Reachability.UNCHECKED:
+            await trio.sleep(_CONTACT_POLL)
+            if trio.current_time() < next_try or not self.dht.contacts():
+                continue
+            await self.check_reachability()
+            next_try = trio.current_time() + backoff
+            backoff = min(2 * backoff, interval)
+        if not guessing:
+            return  # the address is given: nothing can change it
         while True:
-            unchecked = self.reachability is Reachability.UNCHECKED
-            await trio.sleep(wait if unchecked else interval)
-            wait = min(2 * wait, interval)
-            now = guessed
-            if self.config.announce is None and is_wildcard(self.config.host):
-                try:
-                    now = self._guess_host()
-                except ConfigError:  # no address at all for now: keep the last verdict
-                    continue
+            await trio.sleep(interval)
+            try:
+                now = self._guess_host()
+            except ConfigError:  # no address at all for now: keep the last verdict
+                continue
             if now != guessed:
                 log.info("this machine's address changed (%s to %s): checking again", guessed, now)
                 guessed = self._dial_host = now
-            elif not unchecked:
-                continue
-            if self.dht.contacts():
                 await self.check_reachability()
 
     async def start_service(
@@ -269,6 +314,12 @@ async def open_peer(
     with collapse_exception_groups():
         for attempt in range(attempts):
             stack = AsyncExitStack()
+            dht_config = config.dht
+            if config.checks_reachability and config.initial_peers:
+                # join as a client until others tell whether they can reach this
+                # peer: a full node that others cannot reach costs each of them
+                # a timeout before they drop it
+                dht_config = replace(dht_config, client_mode=True)
             try:
                 connections = await stack.enter_async_context(
                     open_connections(
@@ -281,7 +332,7 @@ async def open_peer(
                         host=config.host,
                         port=connections.port,
                         initial_peers=config.initial_peers,
-                        config=config.dht,
+                        config=dht_config,
                         clock=clock,
                         bans=bans,
                     )

@@ -29,6 +29,11 @@ peer becomes a client (``PeerConfig.client_mode``'s behaviour: it trains and
 averages, connecting out only; its DHT node turns client). With no answer at
 all the verdict is UNCHECKED and the peer keeps its guess, as before.
 
+Until its verdict a joining peer's DHT node is a client that answers pings
+only (``AsyncPeer.check_reachability``): nobody keeps an unreachable node as a
+contact, which would cost each of them a timeout before they dropped it. A
+peer found reachable (or UNCHECKED) turns full and bootstraps again to be known.
+
 Why TCP decides, and UDP alone does not: the requester's DHT socket has
 already sent datagrams to the helper's port, so a NAT that keeps that mapping
 lets the helper's ping back in through it (conntrack matches the reply

@@ -273,6 +273,21 @@ class NetBed:
         _run(*in_router, "iptables", "-A", "FORWARD", "-m", "conntrack", "--ctstate",
              "ESTABLISHED,RELATED", "-j", "ACCEPT")  # fmt: skip
 
+    def forward_port(self, peer: int, port: int) -> None:
+        """From now on, NATed peer ``peer``'s router forwards TCP and UDP ``port``
+        of its public address to the peer (what a user sets up on a home router,
+        or UPnP does): the peer is reachable at ``public_addresses[peer]:port``."""
+        router = self.router_ns[peer]
+        if router is None:
+            raise ValueError(f"peer {peer} is not behind a NAT")
+        in_router = ("ip", "netns", "exec", router)
+        for protocol in ("tcp", "udp"):
+            _run(*in_router, "iptables", "-t", "nat", "-A", "PREROUTING", "-i", "wan0",
+                 "-p", protocol, "--dport", str(port),
+                 "-j", "DNAT", "--to-destination", f"{self.addresses[peer]}:{port}")  # fmt: skip
+            _run(*in_router, "iptables", "-A", "FORWARD", "-i", "wan0", "-o", "lan0",
+                 "-p", protocol, "--dport", str(port), "-j", "ACCEPT")  # fmt: skip
+
     def add_loss(self, peer: int, probability: float) -> None:
         """From now on, drop packets of peer ``peer``'s link at random, each way
         (on top of any loss it has)."""
