@@ -162,8 +162,9 @@ async def test_a_peer_that_does_not_serve_dial_backs_refuses_and_decides_nothing
     async with open_peer(config=PeerConfig(reachability=refusing)) as helper:
         config = PeerConfig(initial_peers=(helper.address,), reachability=ALWAYS)
         async with open_peer(config=config) as asking:
+            # as before checks existed: a full member, its DHT node full too
             assert asking.reachability is Reachability.UNCHECKED
-            assert not asking.client_mode
+            assert not asking.client_mode and not asking.dht.client_mode
             reply = await asking.connections.call(
                 helper.peer_id, ("127.0.0.1", helper.port), DIAL_BACK, [asking.port], timeout=10
             )
