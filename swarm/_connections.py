@@ -1270,10 +1270,12 @@ def _discard_until_eof(stream: Stream, frame: Frame) -> bool:
 
 def _remote_address(socket_stream: trio.SocketStream) -> Address:
     try:
-        host, port = socket_stream.socket.getpeername()[:2]
+        name = socket_stream.socket.getpeername()
     except OSError:  # already reset by the remote
         return ("", 0)
-    return (str(host), int(port))
+    if not isinstance(name, tuple) or len(name) < 2:  # not IP (a socketpair in tests)
+        return ("", 0)
+    return (str(name[0]), int(name[1]))
 
 
 def _remote_host(socket_stream: trio.SocketStream) -> str:
