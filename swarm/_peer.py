@@ -209,7 +209,7 @@ class AsyncPeer:
         that nobody answered, again after ``_FIRST_RECHECK`` seconds, doubling
         up to ``recheck_interval``. Once checked: every ``recheck_interval``
         seconds, if the guessed host changed (a new network, a new lease; only
-        while nothing is announced explicitly).
+        while nothing is announced explicitly), until a check gets an answer.
         """
         interval = self.config.reachability.recheck_interval
         guessing = self.config.announce is None and is_wildcard(self.config.host)
@@ -228,6 +228,7 @@ class AsyncPeer:
             backoff = min(2 * backoff, interval)
         if not guessing:
             return  # the address is given: nothing can change it
+        pending = False  # the address changed and no check has answered since
         while True:
             await trio.sleep(interval)
             try:
@@ -237,7 +238,12 @@ class AsyncPeer:
             if now != guessed:
                 log.info("this machine's address changed (%s to %s): checking again", guessed, now)
                 guessed = self._dial_host = now
-                await self.check_reachability()
+                pending = True
+            if pending:
+                # connections made from the old address may be dead: a check
+                # nobody answered is tried again at the next interval
+                verdict = await self.check_reachability()
+                pending = verdict.reachability is Reachability.UNCHECKED
 
     async def start_service(
         self, fn: Callable[..., Awaitable[Any]], *args: Any

@@ -74,6 +74,53 @@ async def test_natted_peers_find_out_they_are_unreachable_and_a_forwarded_port_i
     assert verdicts[4] == ["reachable", f"{bed.public_addresses[4]}:{PORT}", "False", "False"]
 
 
+#: Like PEER, checking every second whether its address changed; prints its
+#: verdict again once it changed.
+MOVING_PEER = """
+import sys, trio
+from swarm import PeerConfig, ReachabilityConfig, open_peer
+
+async def main():
+    config = PeerConfig(host="0.0.0.0", initial_peers=(sys.argv[1],),
+                        reachability=ReachabilityConfig(recheck_interval=1.0))
+    async with open_peer(config=config) as peer:
+        print("verdict", peer.reachability.value, peer.address, flush=True)
+        first = peer.reachability
+        while peer.reachability is first:
+            await trio.sleep(0.1)
+        print("moved", peer.reachability.value, peer.address, peer.client_mode, flush=True)
+        await trio.sleep_forever()
+
+trio.run(main)
+"""
+
+
+async def test_a_peer_whose_address_changes_checks_again() -> None:
+    """A laptop that moves to a network that lets nothing in: its interface
+    gets another address, and a firewall drops inbound connections. The peer
+    sees its guess change, asks to be dialed back again, and turns client."""
+    with NetBed([Link(), Link()]) as bed:
+        founder = [sys.executable, "-c", PEER, "", str(PORT)]
+        async with run_command(*bed.exec(0, founder)) as first:
+            await first.read_line_containing("address", timeout=60)
+            argv = [sys.executable, "-c", MOVING_PEER, f"{bed.addresses[0]}:{PORT}"]
+            async with run_command(*bed.exec(1, argv)) as moving:
+                line = await moving.read_line_containing("verdict", timeout=60)
+                assert line.split()[1] == "reachable", line
+                assert line.split()[2].startswith(f"{bed.addresses[1]}:"), line
+                moved_to = "10.77.0.100"
+                firewall = ["iptables", "-A", "INPUT", "-p", "tcp", "--syn", "-j", "DROP"]
+                await trio.run_process(bed.exec(1, firewall))
+                # (deleting a primary address deletes its secondaries: old one first)
+                for change in (["del", f"{bed.addresses[1]}/24", "dev", "eth0"],
+                               ["add", f"{moved_to}/24", "dev", "eth0"]):  # fmt: skip
+                    await trio.run_process(["ip", "-n", bed.peer_ns[1], "addr", *change])
+                line = await moving.read_line_containing("moved", timeout=60)
+    assert line.split()[1] == "unreachable", line
+    assert line.split()[2].startswith(f"{moved_to}:"), line
+    assert line.split()[3] == "True", line  # a client now
+
+
 EPOCHS = 20
 HOME = Link("20mbit", "20mbit")
 JOINING_ROUNDS = 5
