@@ -331,6 +331,31 @@ class DHTNode:
     async def _write_back(self, crawl: RecordCrawl, records: list[Record], limit: int) -> None:
         await self._loop.call(self._server.write_back, crawl, records, limit)
 
+    async def ping(self, address: Address) -> PeerID | None:
+        """Ping ``address`` (resent per the RPC timeouts); the peer id of the
+        node that answered, None if none did. Nobody is kept as a contact for
+        it (a reachability dial-back, ``swarm._reachability``)."""
+        self._check_open()
+        found: PeerID | None = await self._loop.call(self._server.proto.ping_only, address)
+        return found
+
+    @property
+    def client_mode(self) -> bool:
+        return self._server.client_mode
+
+    def set_client_mode(self, client: bool, *, answer_pings: bool = False) -> None:
+        """Become a client (answer no requests, and flag ours so that nobody
+        keeps this node as a contact) or a full node: for a peer that learns
+        whether others can reach it (``swarm._reachability``). A client with
+        ``answer_pings`` still answers pings, so that others can check.
+
+        Nodes that kept it as a contact drop it after one unanswered request; a
+        client that turns full is kept by the nodes it sends requests to from
+        then on (``bootstrap`` again to be known at once)."""
+        self._server.client_mode = client
+        self._server.proto.client_mode = client
+        self._server.proto.answers_pings = client and answer_pings
+
     # -- introspection --------------------------------------------------------
 
     def routing_table_size(self) -> int:

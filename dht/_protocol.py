@@ -156,6 +156,10 @@ def parse_request(body: Any) -> tuple[Any, Any, bool]:
     return body[0], body[1], len(body) == 3
 
 
+def _is_ping(body: Any) -> bool:
+    return isinstance(body, list) and len(body) in (2, 3) and body[0] == "ping"
+
+
 def _awaitable(start: Callable[..., None], *args: Any) -> asyncio.Future[Result]:
     """A future for the result that ``start(*args, on_result)`` reports."""
     future: asyncio.Future[Result] = asyncio.get_event_loop().create_future()
@@ -198,6 +202,9 @@ class SwarmProtocol(KademliaProtocol):
     ) -> None:
         super().__init__(source_node, storage, ksize)
         self.client_mode = client_mode
+        #: a client that still answers pings: while peers check whether they
+        #: can reach it (``swarm._reachability``)
+        self.answers_pings = False
         self._proof_key = proof_key
         self.bans = bans
         self.storage: RecordStorage = storage
@@ -304,7 +311,7 @@ class SwarmProtocol(KademliaProtocol):
             self.dropped_datagrams += 1
             return
         if datagram.kind is messages.Kind.REQUEST:
-            if self.client_mode:
+            if self.client_mode and not (self.answers_pings and _is_ping(datagram.body)):
                 self.ignored_requests += 1
                 return
             if not self._by_node.allow(bytes(datagram.sender)):
@@ -559,6 +566,14 @@ class SwarmProtocol(KademliaProtocol):
         sender: PeerID = answer[0]
         self.handle_call_response((True, None), Node(sender, addr[0], addr[1]))
         return sender
+
+    async def ping_only(self, addr: Address) -> PeerID | None:
+        """Ping ``addr``; the id of the node that answered, None without an
+        answer. Unlike ``ping_address`` it keeps nobody as a contact: a
+        reachability dial-back may get through a NAT mapping only this node
+        can use."""
+        ok, answer = await self.call(addr, "ping", [])
+        return answer[0] if ok else None
 
     async def call_find_node(self, node_to_ask: Node, node_to_find: Node) -> Result:
         return await _awaitable(self.request_find_node, node_to_ask, node_to_find)

@@ -15,6 +15,8 @@ application on top of them:
 - connections (``open_connections``): authenticated, encrypted peer streams over TCP
 - counters (``_counters``): the figures a layer keeps (bytes, connections, DHT
   contacts), as ``prometheus_client`` objects a peer's registry exposes as they are
+- reachability (``Reachability``, ``ReachabilityConfig``): whether others can
+  dial a peer, found out by asking them to dial it back (behind NAT: no)
 - the peer facade (``open_peer``, ``Peer``, ``PeerConfig``): identity, DHT node
   and connections on one port; ``Peer`` runs trio in a background thread for
   synchronous training loops
@@ -50,6 +52,7 @@ from ._errors import (
     SwarmError,
 )
 from ._identity import Identity, PeerID, verify_signature
+from ._reachability import Reachability, ReachabilityConfig
 from ._swarm_key import create_swarm_key, load_swarm_key
 from ._wire import pack, unpack
 
@@ -88,6 +91,8 @@ __all__ = [  # noqa: RUF022 - grouped: core names, then the peer facade
     "NonFiniteError",
     "PeerUnreachableError",
     "ProtocolError",
+    "Reachability",
+    "ReachabilityConfig",
     "RecordRejectedError",
     "RejectReason",
     "SelfDialError",

@@ -236,6 +236,8 @@ class _Connection:
         self._dialer = dialer
         self.socket = stream.socket
         self.remote = result.remote_peer
+        #: the remote's (host, port) as this side sees it (behind a NAT: the NAT's)
+        self.remote_address: Address = _remote_address(stream)
         self.encrypted = result.encrypt
         self.max_frame_size = config.max_frame_size
         self._encoder = FrameEncoder(
@@ -522,6 +524,8 @@ class Stream:
         self._connection = connection
         self._opening = opening  # the dialer's OPEN payload, until it is sent
         self.remote: PeerID = connection.remote
+        #: where the remote's packets come from, as this side sees them
+        self.remote_address: Address = connection.remote_address
         self.name = name
         self._sent_eof = False
         self._received_eof = False
@@ -935,6 +939,20 @@ class Connections:
             return reply
         raise DeadlineError(f"call {name!r} to {peer_id.short()} did not finish within {timeout} s")
 
+    async def check_dial(self, peer_id: PeerID, address: Address) -> None:
+        """Dial ``address`` on a new connection (never a pooled one), prove that
+        ``peer_id`` answers there, and close it: whether others can reach it.
+
+        Raises what dialing raises (see ``open_stream``): ``PeerUnreachableError``
+        (refused, no answer in ``connect_timeout``), ``ProtocolError`` (another
+        peer answered), ``DeadlineError`` (no handshake within
+        ``handshake_timeout``), ``ClosedError``. Cancellation closes the socket.
+        """
+        self._check_not_banned(peer_id)
+        with self._cancelled_on_close():
+            connection = await self._dial(peer_id, address)
+        connection.close()
+
     async def aclose(self) -> None:
         """Close everything: pending operations raise ``ClosedError``, handlers
         are cancelled, the listener stops. Idempotent."""
@@ -1269,6 +1287,16 @@ def _discard_until_eof(stream: Stream, frame: Frame) -> bool:
     if frame.kind is FrameKind.EOF:
         stream._received_eof = True
     return frame.kind in (FrameKind.EOF, FrameKind.MESSAGE, FrameKind.BYTES)
+
+
+def _remote_address(socket_stream: trio.SocketStream) -> Address:
+    try:
+        name = socket_stream.socket.getpeername()
+    except OSError:  # already reset by the remote
+        return ("", 0)
+    if not isinstance(name, tuple) or len(name) < 2:  # not IP (a socketpair in tests)
+        return ("", 0)
+    return (str(name[0]), int(name[1]))
 
 
 def _remote_host(socket_stream: trio.SocketStream) -> str:

@@ -24,14 +24,31 @@ from ._announce import announce_host, is_wildcard
 from ._bans import BanConfig, BanList
 from ._clock import WallClock, system_clock
 from ._connections import ConnectionConfig, Connections, open_connections
-from ._errors import ClosedError, ConfigError, collapse_exception_groups, unwrap_single
+from ._errors import (
+    ClosedError,
+    ConfigError,
+    SwarmError,
+    collapse_exception_groups,
+    unwrap_single,
+)
 from ._identity import Identity, PeerID
+from ._reachability import (
+    Reachability,
+    ReachabilityConfig,
+    Verdict,
+    check_reachability,
+    serve_dial_back,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: Attempts to find a port number free for both TCP and UDP when port=0.
 _PORT_ATTEMPTS = 8
+#: Seconds before an unchecked peer whose check nobody answered asks again.
+_FIRST_RECHECK = 2.0
+#: Seconds between looks at an unchecked peer's contacts (a founder's: empty until a peer joins).
+_CONTACT_POLL = 1.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +66,10 @@ class PeerConfig:
     and every DHT datagram proves it. ``bans`` sets how long misbehaving peers
     are ignored (``swarm._bans``); the connections and the DHT node of one peer
     share one ban list.
+
+    ``reachability`` says when the peer asks others to dial it back and
+    becomes a client if they cannot (``swarm._reachability``): by default when
+    it listens on a wildcard host with no ``announce`` and joins a swarm.
     """
 
     host: str = "127.0.0.1"
@@ -60,6 +81,7 @@ class PeerConfig:
     connections: ConnectionConfig = field(default_factory=ConnectionConfig)
     swarm_key: bytes | None = field(default=None, repr=False)
     bans: BanConfig = field(default_factory=BanConfig)
+    reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
 
     def __post_init__(self) -> None:
         if self.swarm_key is not None:
@@ -85,6 +107,15 @@ class PeerConfig:
         if self.announce is not None:
             parse_address(self.announce)
 
+    @property
+    def checks_reachability(self) -> bool:
+        """Whether the peer asks others to dial it back: when it joins, and
+        (``AsyncPeer.recheck_reachability``) later."""
+        mode = self.reachability.check
+        if mode == "never" or self.client_mode:
+            return False
+        return mode == "always" or (self.announce is None and is_wildcard(self.host))
+
 
 class AsyncPeer:
     """A running peer (made by ``open_peer``): ``.dht``, ``.connections``, ``.address``."""
@@ -105,8 +136,115 @@ class AsyncPeer:
         #: the host others dial when none is announced (``_announce``)
         self._dial_host = config.host
         if config.announce is None and is_wildcard(config.host):
-            toward = parse_address(config.initial_peers[0])[0] if config.initial_peers else None
-            self._dial_host = announce_host(config.host, toward)
+            self._dial_host = self._guess_host()
+        #: whether others can dial this peer (``swarm._reachability``)
+        self.reachability = Reachability.CLIENT if config.client_mode else Reachability.UNCHECKED
+        #: set once a check found a verdict (REACHABLE or UNREACHABLE)
+        self.reachability_found = trio.Event()
+
+    def _guess_host(self) -> str:
+        initial = self.config.initial_peers
+        return announce_host(self.config.host, parse_address(initial[0])[0] if initial else None)
+
+    async def check_reachability(self) -> Verdict:
+        """Ask peers to dial this one back and act on the verdict: UNREACHABLE
+        makes this peer a client (``client_mode`` turns True, its DHT node a
+        client), REACHABLE a full member again, announcing the host the helpers
+        reached unless ``config.announce`` is set; UNCHECKED (nobody answered)
+        changes nothing. Returns the verdict; raises nothing but
+        ``trio.Cancelled`` (then nothing changes). A configured client stays one.
+        """
+        initial = [parse_address(a) for a in self.config.initial_peers]
+        silent = self.dht.client_mode
+        if silent:  # others must get an answer to their dial-back's ping
+            self.dht.set_client_mode(True, answer_pings=True)
+        try:
+            verdict = await check_reachability(
+                self.connections,
+                self.dht,
+                self.peer_id,
+                self.port,
+                initial,
+                self.config.reachability,
+            )
+        finally:
+            if silent:
+                self.dht.set_client_mode(True)
+        if self.config.client_mode:
+            return verdict
+        if verdict.reachability is not Reachability.UNCHECKED:
+            self.reachability = verdict.reachability
+            self.reachability_found.set()
+            if verdict.reachability is Reachability.REACHABLE and self.config.announce is None:
+                assert verdict.host is not None  # decide() names the host it was reached at
+                self._dial_host = verdict.host
+        if silent and self.reachability is not Reachability.UNREACHABLE:
+            # joined as a client until the verdict (``open_peer``); a full node
+            # now (UNCHECKED too: nobody could tell, so as before checks existed)
+            await self._become_full_node()
+        elif not silent and self.reachability is Reachability.UNREACHABLE:
+            self.dht.set_client_mode(True)
+        return verdict
+
+    async def _become_full_node(self) -> None:
+        """Turn the DHT node full and make it known: bootstrapping again pings
+        the initial peers and looks up this node's id, without the client flag,
+        so the nodes asked keep it as a contact."""
+        self.dht.set_client_mode(self.config.dht.client_mode)
+        if self.config.dht.client_mode or not self.config.initial_peers:
+            return
+        try:
+            await self.dht.bootstrap(self.config.initial_peers)
+        except SwarmError as e:  # known from its next requests anyway
+            log.info("could not announce this DHT node to its initial peers: %s", e)
+
+    async def recheck_reachability(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Check again whenever the verdict may be stale; runs until cancelled.
+
+        While the verdict is UNCHECKED (the swarm's first peer, or nobody
+        answered yet): as soon as the DHT has a contact to ask (the table is
+        looked at every ``_CONTACT_POLL`` seconds, which costs no traffic), so
+        a founder learns its verdict when the first peer joins; after a check
+        that nobody answered, again after ``_FIRST_RECHECK`` seconds, doubling
+        up to ``recheck_interval``. Once checked: every ``recheck_interval``
+        seconds, if the guessed host changed (a new network, a new lease; only
+        while nothing is announced explicitly), until a check gets an answer.
+        """
+        interval = self.config.reachability.recheck_interval
+        guessing = self.config.announce is None and is_wildcard(self.config.host)
+        # the guess, not ``_dial_host``: a check may have replaced that with
+        # the address the helpers reached (a forwarded port)
+        guessed = self._guess_host() if guessing else self._dial_host
+        task_status.started()
+        backoff = min(_FIRST_RECHECK, interval)
+        next_try = trio.current_time()
+        while self.reachability is Reachability.UNCHECKED:
+            await trio.sleep(_CONTACT_POLL)
+            if trio.current_time() < next_try or not self.dht.contacts():
+                continue
+            await self.check_reachability()
+            next_try = trio.current_time() + backoff
+            backoff = min(2 * backoff, interval)
+        if not guessing:
+            return  # the address is given: nothing can change it
+        pending = False  # the address changed and no check has answered since
+        while True:
+            await trio.sleep(interval)
+            try:
+                now = self._guess_host()
+            except ConfigError:  # no address at all for now: keep the last verdict
+                continue
+            if now != guessed:
+                log.info("this machine's address changed (%s to %s): checking again", guessed, now)
+                guessed = self._dial_host = now
+                pending = True
+            if pending:
+                # connections made from the old address may be dead: a check
+                # nobody answered is tried again at the next interval
+                verdict = await self.check_reachability()
+                pending = verdict.reachability is Reachability.UNCHECKED
 
     async def start_service(
         self, fn: Callable[..., Awaitable[Any]], *args: Any
@@ -150,7 +288,8 @@ class AsyncPeer:
 
     @property
     def client_mode(self) -> bool:
-        return self.config.client_mode
+        """Configured a client, or found unreachable (``check_reachability``)."""
+        return self.config.client_mode or self.reachability is Reachability.UNREACHABLE
 
     @property
     def metrics(self) -> tuple[Collector, ...]:
@@ -173,7 +312,9 @@ async def open_peer(
     """Run a peer for the duration of the block.
 
     Listens on TCP and UDP at the same port (``config.port``, or one free for
-    both when 0) and bootstraps the DHT from ``config.initial_peers``. Raises
+    both when 0) and bootstraps the DHT from ``config.initial_peers``, then (see
+    ``PeerConfig.checks_reachability``) asks peers to dial it back, which takes
+    at most ``ReachabilityConfig.call_timeout``. Raises
     ``ConfigError`` if the port cannot be bound and ``BootstrapError`` if no
     initial peer answers, and (listening on a wildcard host with no
     ``announce``) if this machine has no address that others could dial.
@@ -187,6 +328,12 @@ async def open_peer(
     with collapse_exception_groups():
         for attempt in range(attempts):
             stack = AsyncExitStack()
+            dht_config = config.dht
+            if config.checks_reachability and config.initial_peers:
+                # join as a client until others tell whether they can reach this
+                # peer: a full node that others cannot reach costs each of them
+                # a timeout before they drop it
+                dht_config = replace(dht_config, client_mode=True)
             try:
                 connections = await stack.enter_async_context(
                     open_connections(
@@ -199,7 +346,7 @@ async def open_peer(
                         host=config.host,
                         port=connections.port,
                         initial_peers=config.initial_peers,
-                        config=config.dht,
+                        config=dht_config,
                         clock=clock,
                         bans=bans,
                     )
@@ -218,7 +365,14 @@ async def open_peer(
                     raise ConfigError(f"cannot listen on {where}: {e.strerror or e}") from e
                 raise e from e.__cause__
             async with stack, trio.open_nursery() as services:
-                yield AsyncPeer(identity, config, dht, connections, services)
+                peer = AsyncPeer(identity, config, dht, connections, services)
+                serve_dial_back(connections, dht, config.reachability)
+                if config.checks_reachability:
+                    if config.initial_peers:
+                        await peer.check_reachability()
+                    if config.reachability.recheck_interval > 0:
+                        await peer.start_service(peer.recheck_reachability)
+                yield peer
                 services.cancel_scope.cancel()
             return
 

@@ -623,19 +623,19 @@ def _free_port(host: str) -> int:
 def _peer_config(args: argparse.Namespace) -> PeerConfig:
     from ._peer import PeerConfig
 
-    port, announce = args.port, args.announce
-    if announce is None and _is_wildcard(args.host):
-        # Others cannot dial 0.0.0.0: announce this machine's address, which
-        # needs the port number before the peer starts.
+    port = args.port
+    if args.announce is None and _is_wildcard(args.host):
+        # Others cannot dial 0.0.0.0: the peer announces this machine's address
+        # (``_announce``), checked by asking peers to dial it back
+        # (``_reachability``); fail now, with the usual message, if it has none.
         if port == 0:
             port = _free_port(args.host)
-        toward = _first_initial_host(args.initial_peer)
-        announce = f"{_announce_host(args.host, toward)}:{port}"
+        _announce_host(args.host, _first_initial_host(args.initial_peer))
     return PeerConfig(
         host=args.host,
         port=port,
         initial_peers=tuple(args.initial_peer),
-        announce=announce,
+        announce=args.announce,
         client_mode=args.client_mode,
         swarm_key=_swarm_key(args),
     )
@@ -666,6 +666,23 @@ def _swarm_command() -> str:
 
 def _is_loopback(host: str) -> bool:
     return host.startswith("127.") or host in ("::1", "localhost")
+
+
+def _join_address(peer: Peer) -> str:
+    """The address others join through: this peer's, unless others found they
+    cannot reach it (``_reachability``); then the initial peer it joined by."""
+    from ._reachability import Reachability
+
+    reachability = peer.async_peer.reachability
+    if reachability is Reachability.UNREACHABLE and peer.async_peer.config.initial_peers:
+        say(
+            f"reachability: other peers cannot dial this one at {peer.address} (behind a "
+            "NAT or a firewall): it trains as a client, and others join through its initial peer"
+        )
+        return peer.async_peer.config.initial_peers[0]
+    if reachability is Reachability.REACHABLE:
+        say(f"reachability: other peers reach this one at {peer.address}")
+    return peer.address
 
 
 def _join_command(args: argparse.Namespace, address: str, run_id: str) -> str:
@@ -918,7 +935,7 @@ def _run_train(args: argparse.Namespace, given: frozenset[str] = frozenset()) ->
             with _open_dashboard(args, config, reporter) as dashboard:
                 dashboard.attach(peer)
                 say(f"training task {task.name} in run {run_id}")
-                say(f"join with: {_join_command(args, peer.address, run_id)}")
+                say(f"join with: {_join_command(args, _join_address(peer), run_id)}")
                 waiting = _waiting_line(config)
                 if waiting is not None:
                     say(waiting)
@@ -979,6 +996,7 @@ def _status_object(
                 "accuracy": record.accuracy,
                 "client": record.client,
                 "device": record.device,
+                "reachability": record.reachability,
                 "age": max(0.0, now - record.time),
             }
             for record in live
@@ -999,15 +1017,24 @@ def _status_table(status: dict[str, Any]) -> str:
     if status["peers"]:
         lines.append(
             f"{'peer':<40}  {'epoch':>5}  {'compute samples/s':>17}  {'train loss':>10}  "
-            f"{'accuracy':>8}  {'age (s)':>7}  device"
+            f"{'accuracy':>8}  {'age (s)':>7}  {'reachability':<12}  device"
         )
     for p in status["peers"]:
         lines.append(
             f"{p['peer_id']:<40}  {p['epoch']:>5}  {p['compute_samples_per_second']:>17.1f}  "
             f"{_format_metric(p['train_loss']):>10}  {_format_metric(p['accuracy'], '.3f'):>8}  "
-            f"{p['age']:>7.1f}  {p['device']}" + ("  (client)" if p["client"] else "")
+            f"{p['age']:>7.1f}  {_reachability_cell(p):<12}  {p['device']}"
         )
     return "\n".join(lines)
+
+
+def _reachability_cell(peer: dict[str, Any]) -> str:
+    """A peer's reachability (``swarm._reachability``); for a record of an older
+    peer, which has none, ``client`` or ``-``."""
+    reachability: str | None = peer.get("reachability")
+    if reachability is None:
+        return "client" if peer["client"] else "-"
+    return reachability
 
 
 async def _run_status(args: argparse.Namespace) -> int:

@@ -3,6 +3,10 @@
     with NetBed([Link("20mbit"), Link("20mbit", loss=0.01), ...]) as bed:
         subprocess.run(bed.exec(0, ["swarm", "train", ...]))
 
+    # peers 2 and 3 each behind a home router of their own
+    with NetBed([Link()] * 4, nats=[None, None, Nat(), Nat(symmetric=True)]) as bed:
+        ...
+
 Layout (every name is unique to this bed, ``<tag>`` = ``swnb<pid>x<random hex>``):
 
 - namespace ``<tag>-br`` holds bridge ``br0`` and one veth end ``v<i>`` per
@@ -11,14 +15,35 @@ Layout (every name is unique to this bed, ``<tag>`` = ``swnb<pid>x<random hex>``
   nothing can route out of it.
 - namespace ``<tag>-p<i>`` is peer i: loopback plus ``eth0`` (the other veth
   end) with address ``10.77.0.<i+1>/24``.
-- ``tc qdisc tbf`` on ``eth0`` caps peer i's upload and on ``v<i>`` its
-  download (``Link.up``/``Link.down``, tc rate syntax such as ``20mbit``).
+- a peer with a ``Nat`` (``nats[i]``) sits behind a home router of its own:
+  namespace ``<tag>-r<i>`` holds ``wan0`` (on the bridge, with the public
+  address ``10.77.0.<i+1>/24``) and ``lan0`` (``10.78.<i>.1/24``); the peer's
+  ``eth0`` has the private address ``10.78.<i>.2/24`` and a default route via
+  the router. The router forwards with ``iptables -t nat -A POSTROUTING -o
+  wan0 -j MASQUERADE`` and a FORWARD chain whose policy is DROP and that
+  admits only what the LAN sent and the replies to it (conntrack
+  ESTABLISHED,RELATED): nobody outside can open a connection to the peer.
+  ``bed.addresses[i]`` is the address the peer's own interface has (what it
+  would announce), ``bed.public_addresses[i]`` the one others see its packets
+  come from (the router's, for a NATed peer).
+- ``tc qdisc tbf`` on ``eth0`` (a NATed peer: the router's ``wan0``) caps
+  peer i's upload and on ``v<i>`` its download (``Link.up``/``Link.down``,
+  tc rate syntax such as ``20mbit``).
 - ``Link.loss`` drops packets at random on that link in both directions
   (``iptables -m statistic --mode random``): on arrival in peer i's namespace,
   and, for what peer i sends, on arrival in every other peer's namespace. The
   dropped packets have crossed the link first, as lost packets do.
 
 The kernel here has tbf but no netem: there is no added latency.
+
+NAT behaviours (RFC 4787 terms). ``Nat()``: Linux MASQUERADE keeps a LAN
+socket's source port when it is free, so its mapping is endpoint-independent
+in practice (one public port per LAN socket, whoever it talks to); its
+filtering is address-and-port-dependent (conntrack admits only packets from
+the exact address and port the LAN socket sent to): a "port-restricted cone",
+the most common home router. ``Nat(symmetric=True)`` adds ``--random-fully``:
+every new destination gets a fresh random public port (endpoint-dependent
+mapping), as on symmetric and carrier-grade NATs.
 
 Teardown kills every process started with ``popen`` (its whole process group)
 and deletes every namespace of the bed, which destroys its links; it runs on
@@ -43,6 +68,19 @@ from types import TracebackType
 #: Every namespace of every bed starts with this.
 PREFIX = "swnb"
 SUBNET = "10.77.0"
+#: A NATed peer i's home network is ``10.78.<i>.0/24``.
+HOME_SUBNET = "10.78"
+
+
+@dataclass(frozen=True)
+class Nat:
+    """A home router in front of one peer (module docstring: NAT behaviours).
+
+    ``symmetric``: endpoint-dependent mapping (a new public port per
+    destination) instead of the port-preserving, endpoint-independent one.
+    """
+
+    symmetric: bool = False
 
 
 @dataclass(frozen=True)
@@ -143,16 +181,28 @@ class NetBed:
     if a command fails, after removing what was built), exiting tears it down.
     """
 
-    def __init__(self, links: Sequence[Link]) -> None:
+    def __init__(self, links: Sequence[Link], nats: Sequence[Nat | None] | None = None) -> None:
         if not 1 <= len(links) <= 200:
             raise ValueError("a bed has 1 to 200 peers")
         self.links = tuple(links)
+        self.nats: tuple[Nat | None, ...] = (
+            (None,) * len(links) if nats is None else tuple(nats)
+        )
+        if len(self.nats) != len(self.links):
+            raise ValueError(f"{len(self.nats)} nats for {len(self.links)} links: one per peer")
         # the pid marks whose bed it is (remove_stale_beds); the random part
         # keeps a later process that got the same pid from colliding with it
         self.tag = f"{PREFIX}{os.getpid()}x{secrets.token_hex(3)}"
         self.bridge_ns = f"{self.tag}-br"
         self.peer_ns = [f"{self.tag}-p{i}" for i in range(len(links))]
-        self.addresses = [f"{SUBNET}.{i + 1}" for i in range(len(links))]
+        self.router_ns = [
+            None if nat is None else f"{self.tag}-r{i}" for i, nat in enumerate(self.nats)
+        ]
+        self.public_addresses = [f"{SUBNET}.{i + 1}" for i in range(len(links))]
+        self.addresses = [
+            public if nat is None else f"{HOME_SUBNET}.{i}.2"
+            for i, (nat, public) in enumerate(zip(self.nats, self.public_addresses, strict=True))
+        ]
         self._processes: list[subprocess.Popen[bytes]] = []
 
     def __enter__(self) -> NetBed:
@@ -170,7 +220,7 @@ class NetBed:
         self._teardown()
 
     def _build(self) -> None:
-        if any(link.loss for link in self.links):
+        if any(link.loss for link in self.links) or any(self.nats):
             ensure_iptables()
         br = self.bridge_ns
         _run("ip", "netns", "add", br)
@@ -180,20 +230,63 @@ class NetBed:
         for i, ns in enumerate(self.peer_ns):
             _run("ip", "netns", "add", ns)
             _run("ip", "-n", ns, "link", "set", "lo", "up")
-            _run("ip", "-n", br, "link", "add", f"v{i}", "type", "veth", "peer", "name", "eth0",
-                 "netns", ns)  # fmt: skip
+            router, nat = self.router_ns[i], self.nats[i]
+            # the namespace on the public bridge, and its interface there
+            wan_ns, wan = (ns, "eth0") if router is None else (router, "wan0")
+            if router is not None:
+                _run("ip", "netns", "add", router)
+                _run("ip", "-n", router, "link", "set", "lo", "up")
+            _run("ip", "-n", br, "link", "add", f"v{i}", "type", "veth", "peer", "name", wan,
+                 "netns", wan_ns)  # fmt: skip
             _run("ip", "-n", br, "link", "set", f"v{i}", "master", "br0")
             _run("ip", "-n", br, "link", "set", f"v{i}", "up")
-            _run("ip", "-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
-            _run("ip", "-n", ns, "link", "set", "eth0", "up")
+            _run("ip", "-n", wan_ns, "addr", "add", f"{self.public_addresses[i]}/24", "dev", wan)
+            _run("ip", "-n", wan_ns, "link", "set", wan, "up")
+            if router is not None and nat is not None:
+                self._build_router(i, router, ns, nat)
             link = self.links[i]
             if link.up is not None:
-                _shape(ns, "eth0", link.up)
+                _shape(wan_ns, wan, link.up)
             if link.down is not None:
                 _shape(br, f"v{i}", link.down)
         for i, link in enumerate(self.links):
             if link.loss:
                 self.add_loss(i, link.loss)
+
+    def _build_router(self, i: int, router: str, peer_ns: str, nat: Nat) -> None:
+        """Peer i's home: its ``eth0`` on the router's LAN, the router NATing."""
+        lan = f"{HOME_SUBNET}.{i}"
+        _run("ip", "-n", router, "link", "add", "lan0", "type", "veth", "peer", "name", "eth0",
+             "netns", peer_ns)  # fmt: skip
+        _run("ip", "-n", router, "addr", "add", f"{lan}.1/24", "dev", "lan0")
+        _run("ip", "-n", router, "link", "set", "lan0", "up")
+        _run("ip", "-n", peer_ns, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
+        _run("ip", "-n", peer_ns, "link", "set", "eth0", "up")
+        _run("ip", "-n", peer_ns, "route", "add", "default", "via", f"{lan}.1")
+        in_router = ("ip", "netns", "exec", router)
+        _run(*in_router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        masquerade = ["-j", "MASQUERADE", *(["--random-fully"] if nat.symmetric else [])]
+        _run(*in_router, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "wan0", *masquerade)
+        # a home router: the LAN may start anything, the outside only answer
+        _run(*in_router, "iptables", "-P", "FORWARD", "DROP")
+        _run(*in_router, "iptables", "-A", "FORWARD", "-i", "lan0", "-o", "wan0", "-j", "ACCEPT")
+        _run(*in_router, "iptables", "-A", "FORWARD", "-m", "conntrack", "--ctstate",
+             "ESTABLISHED,RELATED", "-j", "ACCEPT")  # fmt: skip
+
+    def forward_port(self, peer: int, port: int) -> None:
+        """From now on, NATed peer ``peer``'s router forwards TCP and UDP ``port``
+        of its public address to the peer (what a user sets up on a home router,
+        or UPnP does): the peer is reachable at ``public_addresses[peer]:port``."""
+        router = self.router_ns[peer]
+        if router is None:
+            raise ValueError(f"peer {peer} is not behind a NAT")
+        in_router = ("ip", "netns", "exec", router)
+        for protocol in ("tcp", "udp"):
+            _run(*in_router, "iptables", "-t", "nat", "-A", "PREROUTING", "-i", "wan0",
+                 "-p", protocol, "--dport", str(port),
+                 "-j", "DNAT", "--to-destination", f"{self.addresses[peer]}:{port}")  # fmt: skip
+            _run(*in_router, "iptables", "-A", "FORWARD", "-i", "wan0", "-o", "lan0",
+                 "-p", protocol, "--dport", str(port), "-j", "ACCEPT")  # fmt: skip
 
     def add_loss(self, peer: int, probability: float) -> None:
         """From now on, drop packets of peer ``peer``'s link at random, each way
@@ -201,7 +294,7 @@ class NetBed:
         self.drop_arriving(peer, probability)
         for j in range(len(self.peer_ns)):
             if j != peer:
-                self.drop_arriving(j, probability, source=self.addresses[peer])
+                self.drop_arriving(j, probability, source=self.public_addresses[peer])
 
     def drop_arriving(self, peer: int, probability: float, *, source: str | None = None) -> None:
         """From now on, drop packets arriving at peer ``peer`` (from ``source``
@@ -235,6 +328,7 @@ class NetBed:
                     os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         present = set(_namespaces())
-        for ns in [*self.peer_ns, self.bridge_ns]:
+        routers = [ns for ns in self.router_ns if ns is not None]
+        for ns in [*self.peer_ns, *routers, self.bridge_ns]:
             if ns in present:
                 subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)

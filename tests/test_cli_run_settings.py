@@ -138,15 +138,25 @@ def test_status_names_each_number_for_what_it_is() -> None:
     )
     assert table[1].split() == [
         "peer", "epoch", "compute", "samples/s", "train", "loss", "accuracy", "age", "(s)",
-        "device",
+        "reachability", "device",
     ]  # fmt: skip
-    assert table[2].split() == [str(peer), "12", "20000.0", "0.2500", "0.900", "0.5", "unknown"]
+    # a record of an older peer: it says neither its reachability nor its device
+    assert table[2].split() == [
+        str(peer), "12", "20000.0", "0.2500", "0.900", "0.5", "-", "unknown"
+    ]  # fmt: skip
+    assert shown["reachability"] is None
     # a peer that says where it trains: the label, whole, in the table and the JSON
     gpu = replace(record, device="cuda:0 NVIDIA H100 80GB HBM3 bf16")
     status = _status_object("digits", swarm, [gpu], 1100.0, RUN)
     assert status["peers"][0]["device"] == gpu.device
     shown_row = _status_table(status).splitlines()[2]
-    assert shown_row.endswith("  0.5  cuda:0 NVIDIA H100 80GB HBM3 bf16")
+    assert shown_row.endswith("  0.5  -             cuda:0 NVIDIA H100 80GB HBM3 bf16")
+    # a peer behind a NAT says so
+    natted = PeerProgress(peer, 12, 40, 1.0, 1099.5, client=True, reachability="unreachable")
+    assert PeerProgress.from_value(peer, natted.to_value()) == natted
+    status = _status_object("digits", swarm, [natted], 1100.0, RUN)
+    assert status["peers"][0]["reachability"] == "unreachable"
+    assert _status_table(status).splitlines()[2].split()[-2:] == ["unreachable", "unknown"]
     # a peer that has not measured its rate yet: no "compute 0 samples/s"
     fresh = replace(record, samples_per_second=0.0)
     unmeasured = estimate([fresh], now=1100.0, target_batch_size=1, stale_after=30.0)

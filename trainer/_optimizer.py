@@ -907,6 +907,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self.loss,
             self.accuracy,
             self.peer.async_peer.client_mode,
+            reachability=self.peer.async_peer.reachability.value,
             device=PeerProgress.device_of(self.params),
         )
 

@@ -70,7 +70,7 @@ import torch
 import trio
 
 from dht import DHTValue, owner_marker
-from swarm import ConfigError, PeerID, ProtocolError
+from swarm import ConfigError, PeerID, ProtocolError, Reachability
 from swarm._wire import expect_float, expect_int
 
 from ._task import PRECISIONS
@@ -105,6 +105,11 @@ def _label(device: torch.device, dtype: torch.dtype) -> str:
     return where[: MAX_DEVICE_LABEL - len(precision)] + precision
 
 
+#: Values of a record's ``reachability`` (``swarm.Reachability``); older
+#: records have none, newer peers may send others: both read as None.
+_REACHABILITY = frozenset(r.value for r in Reachability)
+
+
 def progress_key(run_id: str) -> str:
     return f"{run_id}.progress"
 
@@ -123,6 +128,8 @@ class PeerProgress:
     client: bool = False
     #: where and in what precision the peer trains (``device_label``)
     device: str = UNKNOWN_DEVICE
+    #: ``swarm.Reachability`` value: whether others can dial this peer
+    reachability: str | None = None
 
     @staticmethod
     def device_of(tensors: Sequence[torch.Tensor]) -> str:
@@ -139,6 +146,7 @@ class PeerProgress:
             "accuracy": self.accuracy,
             "client": self.client,
             "device": self.device,
+            "reachability": self.reachability,
         }
 
     @classmethod
@@ -171,6 +179,7 @@ class PeerProgress:
             optional("accuracy"),
             bool(value.get("client", False)),
             device,
+            reachability if (reachability := value.get("reachability")) in _REACHABILITY else None,
         )
 
 
