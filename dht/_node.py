@@ -196,6 +196,7 @@ class DHTNode:
             new_trio_gauge(
                 "swarm_dht_stored_keys", "Keys this DHT node stores", self.stored_key_count, token
             ),
+            *server.proto.counters.metrics,
         )
 
     def _check_open(self) -> None:

@@ -54,9 +54,11 @@ from typing import Any, NamedTuple
 
 from kademlia.node import Node
 from kademlia.protocol import KademliaProtocol
+from prometheus_client import Counter, Gauge
 
 from swarm._bans import BanList
 from swarm._clock import WallClock
+from swarm._counters import count_of, gauge_value, new_counter
 from swarm._errors import ProtocolError, RecordRejectedError, RejectReason
 from swarm._identity import PEER_ID_SIZE, Identity, PeerID
 from swarm._wire import expect_bytes, expect_int, expect_list, expect_str, pack
@@ -182,6 +184,61 @@ def _is_ip(text: str) -> bool:
     return False
 
 
+class DatagramCounters:
+    """A DHT node's traffic figures, as ``prometheus_client`` objects
+    (``swarm._counters``): the one copy, which a peer's metrics registry
+    exposes and ``SwarmProtocol``'s integer properties read."""
+
+    def __init__(self) -> None:
+        self.failed_requests = new_counter(
+            "swarm_dht_failed_requests", "DHT requests that got no answer in time"
+        )
+        self.sent_requests = new_counter("swarm_dht_sent_requests", "DHT requests sent")
+        self.sent_datagrams = new_counter(
+            "swarm_dht_sent_datagrams", "DHT datagrams sent, requests and replies together"
+        )
+        self.sent_bytes = new_counter(
+            "swarm_dht_sent_bytes", "DHT bytes sent, requests and replies together"
+        )
+        self.received_datagrams = new_counter(
+            "swarm_dht_received_datagrams", "DHT datagrams received"
+        )
+        self.dropped_datagrams = new_counter(
+            "swarm_dht_dropped_datagrams",
+            "DHT datagrams dropped as malformed, unsigned or not a valid request",
+        )
+        self.ignored_requests = new_counter(
+            "swarm_dht_ignored_requests", "DHT requests a client-mode node left unanswered"
+        )
+        self.rate_limited_datagrams = new_counter(
+            "swarm_dht_rate_limited_datagrams",
+            "DHT datagrams dropped because their source was over its request budget",
+        )
+        self.unsent_replies = new_counter(
+            "swarm_dht_unsent_replies",
+            "DHT replies not sent because their address was over its reply byte budget",
+        )
+        self.largest_datagram = Gauge(
+            "swarm_dht_largest_datagram_bytes", "The largest DHT datagram sent", registry=None
+        )
+
+    @property
+    def metrics(self) -> tuple[Counter | Gauge, ...]:
+        """Every figure, for a metrics registry."""
+        return (
+            self.failed_requests,
+            self.sent_requests,
+            self.sent_datagrams,
+            self.sent_bytes,
+            self.received_datagrams,
+            self.dropped_datagrams,
+            self.ignored_requests,
+            self.rate_limited_datagrams,
+            self.unsent_replies,
+            self.largest_datagram,
+        )
+
+
 class SwarmProtocol(KademliaProtocol):
     def __init__(
         self,
@@ -224,16 +281,12 @@ class SwarmProtocol(KademliaProtocol):
         #: entries of requests answered since are skipped when they come up
         self._deadlines: list[tuple[float, int, bytes, bool]] = []
         self._sequence = 0
+        #: this node's traffic figures (``DatagramCounters``), read through the
+        #: properties below and registered as they are by a peer's metrics
+        self.counters = DatagramCounters()
         #: the one timer that handles due deadlines (armed for the earliest)
         self._expiry: asyncio.TimerHandle | None = None
         self._expiry_at = math.inf
-        #: requests that got no answer in time, and requests sent (for benchmarks)
-        self.failed_requests = 0
-        self.sent_requests = 0
-        #: datagrams and bytes this node sent, requests and replies together
-        self.sent_datagrams = 0
-        self.sent_bytes = 0
-        self.largest_datagram = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pinging: set[bytes] = set()
         #: (node id, ip, port) -> when it was last pinged back / sent our
@@ -245,17 +298,9 @@ class SwarmProtocol(KademliaProtocol):
         #: hide the real node at its real address.
         self._failed: dict[tuple[bytes, str, int], float] = {}
         self._closed = False
-        self.received_datagrams = 0
-        self.dropped_datagrams = 0
-        #: requests a client-mode node left unanswered
-        self.ignored_requests = 0
-        #: datagrams dropped because their source address or node id was over budget
-        self.rate_limited_datagrams = 0
         self._by_address = RateLimiter.for_requests(rate_limit, rate_clock)
         self._by_node = RateLimiter.for_requests(rate_limit, rate_clock)
         self._reply_bytes = RateLimiter.for_reply_bytes(rate_limit, rate_clock)
-        #: replies not sent because their address was over its reply byte budget
-        self.unsent_replies = 0
         self._handlers: dict[str, Callable[[Node, list[Any]], Any]] = {
             "ping": self._rpc_ping,
             "find_node": self._rpc_find_node,
@@ -292,30 +337,30 @@ class SwarmProtocol(KademliaProtocol):
 
     def datagram_received(self, data: bytes, addr: Address) -> None:
         bans = self.bans
-        self.received_datagrams += 1
+        self.counters.received_datagrams.inc()
         if bans is not None and bans.is_banned((addr[0], addr[1])):
-            self.dropped_datagrams += 1
+            self.counters.dropped_datagrams.inc()
             return
         if not self._by_address.allow((addr[0], addr[1])):
-            self.rate_limited_datagrams += 1
+            self.counters.rate_limited_datagrams.inc()
             return
         try:
             datagram = messages.decode(data, proof_key=self._proof_key)
         except ProtocolError as e:
             # No ban: the source address of an unverified datagram is unproven,
             # and banning it would let anyone get an honest node ignored.
-            self.dropped_datagrams += 1
+            self.counters.dropped_datagrams.inc()
             log.debug("dropped datagram from %s: %s", addr, e)
             return
         if bans is not None and bans.is_banned(datagram.sender):
-            self.dropped_datagrams += 1
+            self.counters.dropped_datagrams.inc()
             return
         if datagram.kind is messages.Kind.REQUEST:
             if self.client_mode and not (self.answers_pings and _is_ping(datagram.body)):
-                self.ignored_requests += 1
+                self.counters.ignored_requests.inc()
                 return
             if not self._by_node.allow(bytes(datagram.sender)):
-                self.rate_limited_datagrams += 1
+                self.counters.rate_limited_datagrams.inc()
                 return
             self._answer(datagram, (addr[0], addr[1]))
         else:
@@ -330,7 +375,7 @@ class SwarmProtocol(KademliaProtocol):
                 raise ProtocolError(f"unknown method {method!r}")
             response = handler(sender, args)
         except ProtocolError as e:
-            self.dropped_datagrams += 1
+            self.counters.dropped_datagrams.inc()
             log.debug("malformed request from %s: %s", addr, e)
             self._offence(datagram.sender, f"malformed DHT request: {e}")
             return
@@ -344,7 +389,7 @@ class SwarmProtocol(KademliaProtocol):
         if self._reply_bytes.allow((addr[0], addr[1]), len(reply)):
             self._sendto(reply, addr)
         else:
-            self.unsent_replies += 1
+            self.counters.unsent_replies.inc()
         if sender.id != self.source_node.id and not from_client:
             self._ping_back_if_new(sender)
 
@@ -369,6 +414,58 @@ class SwarmProtocol(KademliaProtocol):
             period = self.bans.offend(sender, reason)
             log.info("banned DHT node %s for %.0f s: %s", sender.short(), period, reason)
 
+    # -- traffic figures (``self.counters``), as integers ------------------------
+
+    @property
+    def failed_requests(self) -> int:
+        """DHT requests that got no answer in time."""
+        return count_of(self.counters.failed_requests)
+
+    @property
+    def sent_requests(self) -> int:
+        """DHT requests sent."""
+        return count_of(self.counters.sent_requests)
+
+    @property
+    def sent_datagrams(self) -> int:
+        """DHT datagrams sent, requests and replies together."""
+        return count_of(self.counters.sent_datagrams)
+
+    @property
+    def sent_bytes(self) -> int:
+        """DHT bytes sent, requests and replies together."""
+        return count_of(self.counters.sent_bytes)
+
+    @property
+    def received_datagrams(self) -> int:
+        """DHT datagrams received."""
+        return count_of(self.counters.received_datagrams)
+
+    @property
+    def dropped_datagrams(self) -> int:
+        """DHT datagrams dropped as malformed, unsigned or not a valid request."""
+        return count_of(self.counters.dropped_datagrams)
+
+    @property
+    def ignored_requests(self) -> int:
+        """DHT requests a client-mode node left unanswered."""
+        return count_of(self.counters.ignored_requests)
+
+    @property
+    def rate_limited_datagrams(self) -> int:
+        """DHT datagrams dropped because their source was over its request budget."""
+        return count_of(self.counters.rate_limited_datagrams)
+
+    @property
+    def unsent_replies(self) -> int:
+        """DHT replies not sent because their address was over its reply byte budget."""
+        return count_of(self.counters.unsent_replies)
+
+    @property
+    def largest_datagram(self) -> int:
+        """The largest DHT datagram sent, in bytes."""
+        return int(gauge_value(self.counters.largest_datagram))
+
     def _send(self, kind: messages.Kind, msg_id: bytes, body: Any, addr: Address) -> None:
         datagram = messages.encode(self._identity, kind, msg_id, body, proof_key=self._proof_key)
         self._sendto(datagram, addr)
@@ -376,9 +473,10 @@ class SwarmProtocol(KademliaProtocol):
     def _sendto(self, data: bytes, addr: Address) -> None:
         if self.transport is None or self._closed:
             return
-        self.sent_datagrams += 1
-        self.sent_bytes += len(data)
-        self.largest_datagram = max(self.largest_datagram, len(data))
+        self.counters.sent_datagrams.inc()
+        self.counters.sent_bytes.inc(len(data))
+        if len(data) > self.largest_datagram:
+            self.counters.largest_datagram.set(len(data))
         self.transport.sendto(data, addr)
 
     def call(
@@ -427,7 +525,7 @@ class SwarmProtocol(KademliaProtocol):
         pending = _Pending(on_reply, addr, expected, now, now + late, now + timeout, on_late)
         self._outstanding[msg_id] = pending
         self._push_deadline(pending.late_at if on_late is not None else pending.deadline, msg_id)
-        self.sent_requests += 1
+        self.counters.sent_requests.inc()
         self._sendto(datagram, addr)
 
     def _push_deadline(self, when: float, msg_id: bytes) -> None:
@@ -462,7 +560,7 @@ class SwarmProtocol(KademliaProtocol):
                 pending.on_late()
             else:
                 del self._outstanding[msg_id]
-                self.failed_requests += 1
+                self.counters.failed_requests.inc()
                 pending.on_reply((False, None))
         # The callbacks above may have armed the timer for a later deadline
         # than the earliest one left.

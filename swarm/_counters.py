@@ -59,3 +59,11 @@ def new_trio_gauge(
     gauge = Gauge(name, documentation, registry=None)
     gauge.set_function(on_trio_thread)
     return gauge
+
+
+def gauge_value(gauge: Gauge) -> float:
+    """The current value of ``gauge`` (one without labels)."""
+    for metric in gauge.collect():
+        for sample in metric.samples:
+            return float(sample.value)
+    raise AssertionError(f"gauge {gauge!r} has no sample")  # prometheus_client changed

@@ -167,6 +167,13 @@ def test_metrics_serve_the_peers_own_counters_not_copies() -> None:
             dht = peer.async_peer.dht
             assert got["swarm_dht_contacts"] == peer.run_sync(dht.routing_table_size) == 1
             assert got["swarm_dht_stored_keys"] == peer.run_sync(dht.stored_key_count)
+            # the DHT's datagram counters (read after the scrape: maintenance may
+            # have sent more since, never fewer)
+            stats = peer.run_sync(dht.stats)
+            assert 0 < got["swarm_dht_sent_datagrams_total"] <= stats.sent_datagrams
+            assert 0 < got["swarm_dht_sent_bytes_total"] <= stats.sent_bytes
+            assert got["swarm_dht_largest_datagram_bytes"] <= stats.largest_datagram
+            assert got["swarm_dht_dropped_datagrams_total"] == dht.dropped_datagrams == 0
         # the echo: what one sent the other received, and only `second` dialed
         assert (
             scraped[second]["swarm_bytes_sent_total"]
