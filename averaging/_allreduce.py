@@ -214,6 +214,9 @@ class AllReduceResult:
     #: (``SelfDialError``): their parts kept our local values, but they did
     #: not fail, so they are not in ``failed_reducers``.
     self_dialed: frozenset[int] = frozenset()
+    #: The round ran over the lossy data plane (``_lossy``): a chunk is one
+    #: piece, and losing pieces is no failure of anybody.
+    lossy: bool = False
 
     def part_contributors(self, part: int) -> frozenset[int]:
         """Members whose data is in every chunk of ``part`` of the local result."""
@@ -350,6 +353,7 @@ async def _lossy_round(
         failed_senders=outcome.failed_senders,
         failed_reducers=outcome.failed_reducers,
         timed_out=outcome.timed_out,
+        lossy=True,
     )
     if group.local.mode is not MemberMode.AUX:
         unflatten_into(flat, tensors)

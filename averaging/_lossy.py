@@ -53,6 +53,7 @@ import math
 import secrets
 import select
 import socket
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -231,6 +232,7 @@ class _LossyRound:
         self.pacers = _pacers(net)
         me = group.local_index
         self.inbound: dict[tuple[int, int, int], _Inbound] = {}
+        self._all_inbound: list[_Inbound] = []  # for the counts of dropped datagrams
         self.stray = 0
         self._empty = trio.Event()
         self._idle = False  # the reader waits for the socket to become readable
@@ -422,6 +424,7 @@ class _LossyRound:
             )
             route = (int(Kind.PART), me, sender)
             self.inbound[route] = inbound
+            self._all_inbound.append(inbound)
             await stream.send([self.sock.getsockname()[1], round_])
             marker = expect_list(await stream.receive(), 3, "end of sending")
             if expect_str(marker[0], "marker") != "sent":
@@ -537,6 +540,7 @@ class _LossyRound:
                     on_result,
                 )
                 self.inbound[(int(Kind.RESULT), part, me)] = inbound
+                self._all_inbound.append(inbound)
                 up = Pair(Kind.PART, self.tag, round_, part, me, part_size)
                 sealer = DatagramSealer(stream.export_key(key_label(Kind.PART, gid, round_)), up)
                 pacer = self.pacers.pacer(member.peer_id)
@@ -607,14 +611,38 @@ class _LossyRound:
             elif part != me and hi > lo and not aux:
                 self._failed_reducers.add(part)
             contributors.append(tuple(pieces))
-        dropped: dict[str, int] = {"stray": self.stray}
+        dropped: Counter[str] = Counter()
+        for inbound in self._all_inbound:
+            dropped.update(inbound.opener.dropped)
+        if self.stray:
+            dropped["stray"] = self.stray
+        if not aux:
+            self._log(contributors, dropped)
         return LossyOutcome(
             partition=Partition(self.partition.total, self.partition.part_bounds, PIECE_ELEMENTS),
             contributors=tuple(contributors),
             failed_senders=frozenset(self._failed_senders),
             failed_reducers=frozenset(self._failed_reducers),
             timed_out=timed_out,
-            dropped=dropped,
+            dropped=dict(dropped),
+        )
+
+    def _log(self, contributors: list[tuple[frozenset[int], ...]], dropped: Counter[str]) -> None:
+        """One line per round: how much of the senders' data our result holds,
+        counted per element (what "averaged with k peers" means here)."""
+        senders = len(self.group.senders())
+        have = total = 0
+        for part, (lo, hi) in enumerate(self.partition.part_bounds):
+            for piece, who in enumerate(contributors[part]):
+                size = min(PIECE_ELEMENTS, hi - lo - piece * PIECE_ELEMENTS)
+                have += size * len(who)
+                total += size * senders
+        logger.info(
+            "lossy all-reduce %s: %.1f%% of the %d senders' data in our result%s",
+            self.group.group_id.hex()[:8],
+            100.0 * have / total if total else 100.0,
+            senders,
+            f"; dropped datagrams: {dict(sorted(dropped.items()))}" if dropped else "",
         )
 
 

@@ -10,6 +10,7 @@ alone holds its own values.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 
@@ -122,14 +123,22 @@ async def test_weighted_mean_over_a_clean_network(encrypt: bool) -> None:
         assert not result.failed_senders and not result.failed_reducers
 
 
-async def test_loss_duplicates_and_reordering_average_only_what_arrived() -> None:
+async def test_loss_duplicates_and_reordering_average_only_what_arrived(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     plan = FaultPlan(datagrams=DatagramFaults(drop=0.2, duplicate=0.2, reorder=0.2, seed=7))
+    caplog.set_level(logging.INFO, logger="averaging._lossy")
     async with open_peers(4) as nets:
         inputs, outputs, results = await run_round(nets, make_groups(nets), WEIGHTS, plan)
     # 20% of about 2 x 4 x 3 x 15 datagrams are lost: many pieces are partial.
     assert check_pieces(inputs, outputs, results, WEIGHTS, range(4)) > 0
     for result in results:  # losing pieces is not a failure of anybody
         assert not result.failed_senders and not result.failed_reducers
+    # Each member says how much data its result holds, and the duplicates
+    # were dropped as replays (the same sequence number twice).
+    lines = [r.getMessage() for r in caplog.records if "lossy all-reduce" in r.getMessage()]
+    assert len([line for line in lines if "senders' data in our result" in line]) == 4
+    assert any("'replayed'" in line for line in lines), lines
 
 
 async def test_everything_lost_keeps_local_values() -> None:

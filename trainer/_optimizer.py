@@ -1393,9 +1393,24 @@ def _same_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 def _log_average(epoch: int, what: str, result: StepResult) -> None:
     """Log the peers whose data is in the average (its contributors), never
-    merely the group's members: "with N peers" only when all N are in it."""
+    merely the group's members: "with N peers" only when all N are in it.
+    After a lossy round, where few members reach every piece, also how much
+    of the members' data the average holds, counted per element."""
     contributors, members = len(result.contributors), len(result.members)
-    if contributors == members:
+    lossy = result.allreduce is not None and result.allreduce.lossy
+    if lossy and contributors != members and result.group is not None:
+        assert result.allreduce is not None
+        held = 1.0 - lost_fraction(result.allreduce, len(result.group.senders()))
+        log.info(
+            "epoch %d: averaged %s of %d group members over a lossy network: %.1f%% of "
+            "their data arrived (%d of them in every element)",
+            epoch,
+            what,
+            members,
+            100 * held,
+            contributors,
+        )
+    elif contributors == members:
         log.info("epoch %d: averaged %s with %d peers", epoch, what, contributors)
     else:
         log.info(
