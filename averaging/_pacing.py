@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 from swarm import PeerID
 
-#: First rate towards a peer: 100 Mbit/s.
-INITIAL_RATE = 12.5e6
+#: First rate towards a peer: 20 Mbit/s (a home uplink shared by a few receivers).
+INITIAL_RATE = 2.5e6
 MIN_RATE = 64e3
 MAX_RATE = 5e9
 GROWTH = 1.25

@@ -34,7 +34,7 @@ async def test_four_peers_train_digits_through_ten_percent_loss(tmp_path: Path) 
         "--run-id", "lossy",
         "--target-batch-size", "256",
         "--threads", "1",
-        "--matchmaking-time", "2",
+        "--matchmaking-time", "1",
         "--lossy",
     ]  # fmt: skip
     local = ["--max-epochs", str(EPOCHS), "--min-peers", "4", "--eval-every", str(EPOCHS)]
@@ -73,7 +73,9 @@ async def test_four_peers_train_digits_through_ten_percent_loss(tmp_path: Path) 
         assert finals[i].startswith(f"finished at epoch {EPOCHS}: accuracy "), finals[i]
         accuracies.append(float(finals[i].split("accuracy ")[1].split(",")[0]))
         log = (tmp_path / f"peer{i}.log").read_text().splitlines()
-        held += [float(m.group(1)) for m in map(_HELD.search, log) if m and m.group(2) == "4"]
+        # rounds of 2 to 4 peers: under loss, matchmaking over the DHT loses
+        # messages too, and some groups form without everyone
+        held += [float(m.group(1)) for m in map(_HELD.search, log) if m and m.group(2) != "1"]
     assert min(accuracies) >= 0.9, accuracies
     # one model within noise: parameters were re-synchronised
     assert max(accuracies) - min(accuracies) <= 0.03, accuracies
