@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from weakref import WeakKeyDictionary
 
+import numpy as np
 import torch
 import trio
 
@@ -124,7 +125,7 @@ class _Inbound:
     """One direction of one pair as the receiving end sees it."""
 
     opener: DatagramOpener
-    on_piece: Callable[[int, torch.Tensor], None]
+    on_piece: Callable[[int, np.ndarray], None]
     complete: trio.Event = field(default_factory=trio.Event)
     first: float | None = None
     last: float = 0.0
@@ -249,7 +250,7 @@ class _LossyRound:
                 partition.part_size(me), dict.fromkeys(group.senders(), 0.0)
             )
         # Sender role: results by part, written into ``flat`` only at the end.
-        self._results: dict[int, tuple[torch.Tensor, PieceMask, dict[int, PieceMask]]] = {}
+        self._results: dict[int, tuple[np.ndarray, PieceMask, dict[int, PieceMask]]] = {}
         self._failed_reducers: set[int] = set()
 
     # ------------------------------------------------------------- datagrams
@@ -324,9 +325,10 @@ class _LossyRound:
         start = trio.current_time()
         sent_bytes = 0
         rate = pacer.rate
+        array = values.numpy()
         for piece in range(sealer.pair.num_pieces):
             lo, hi = sealer.pair.piece_bounds(piece)
-            datagram = sealer.seal(piece, values[lo:hi])
+            datagram = sealer.seal(piece, array[lo:hi])
             due = start + sent_bytes / rate
             now = trio.current_time()
             if due > now + 0.001:  # sleeping is coarse: below a millisecond, burst
@@ -464,7 +466,7 @@ class _LossyRound:
             self._changed.set()
             self._changed = trio.Event()
 
-    def _sender_piece(self, sender: int, piece: int, values: torch.Tensor) -> None:
+    def _sender_piece(self, sender: int, piece: int, values: np.ndarray) -> None:
         assert self.reducer is not None
         self.reducer.add(sender, piece, values)
         if self.reducer.masks[sender].complete:
@@ -482,11 +484,12 @@ class _LossyRound:
         start = trio.current_time()
         sent_bytes = 0
         rate = pacer.rate
+        array = result.numpy()
         for piece in range(sealer.pair.num_pieces):
             if not reducer.has_result(piece):
                 continue
             lo, hi = sealer.pair.piece_bounds(piece)
-            datagram = sealer.seal(piece, result[lo:hi])
+            datagram = sealer.seal(piece, array[lo:hi])
             due = start + sent_bytes / rate
             now = trio.current_time()
             if due > now + 0.001:
@@ -526,10 +529,10 @@ class _LossyRound:
                 port = expect_int(reply[0], "udp port", lo=1, hi=65535)
                 round_ = expect_int(reply[1], "round", lo=0, hi=2**32 - 1)
                 gid = self.group.group_id
-                buffer = torch.zeros(part_size, dtype=torch.float32)
+                buffer = np.zeros(part_size, dtype=np.float32)
                 got = PieceMask(-(-part_size // PIECE_ELEMENTS))
 
-                def on_result(piece: int, values: torch.Tensor) -> None:
+                def on_result(piece: int, values: np.ndarray) -> None:
                     a, b = down.piece_bounds(piece)
                     buffer[a:b] = values
                     got.add(piece)
@@ -588,26 +591,28 @@ class _LossyRound:
         local = frozenset({me})
         contributors: list[tuple[frozenset[int], ...]] = []
         aux = self.group.local.mode is MemberMode.AUX
+        flat = self.flat.numpy()  # piece by piece: numpy's slicing is the cheaper
+        interned: dict[frozenset[int], frozenset[int]] = {}
         for part, (lo, hi) in enumerate(self.partition.part_bounds):
             n = -(-(hi - lo) // PIECE_ELEMENTS)
             pieces: list[frozenset[int]] = [frozenset() if aux else local] * n
             if part == me and self.reducer is not None and self.reduced.is_set():
-                result = self.reducer.result()
+                result = self.reducer.result().numpy()
                 for p in range(n):
                     who = self.reducer.contributors(p)
                     if who:
                         a, b = p * PIECE_ELEMENTS, min((p + 1) * PIECE_ELEMENTS, hi - lo)
                         if not aux:
-                            self.flat[lo + a : lo + b] = result[a:b]
-                        pieces[p] = who
+                            flat[lo + a : lo + b] = result[a:b]
+                        pieces[p] = interned.setdefault(who, who)
             elif part in self._results and not aux:
                 buffer, got, masks = self._results[part]
                 for p in got.pieces():
                     who = frozenset(s for s, m in masks.items() if p in m)
                     if who:  # a piece nobody contributed to cannot be a result
                         a, b = p * PIECE_ELEMENTS, min((p + 1) * PIECE_ELEMENTS, hi - lo)
-                        self.flat[lo + a : lo + b] = buffer[a:b]
-                        pieces[p] = who
+                        flat[lo + a : lo + b] = buffer[a:b]
+                        pieces[p] = interned.setdefault(who, who)
             elif part != me and hi > lo and not aux:
                 self._failed_reducers.add(part)
             contributors.append(tuple(pieces))

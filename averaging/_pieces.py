@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
+import numpy as np
 import torch
 
 from swarm import ProtocolError
@@ -130,7 +131,10 @@ class PieceReducer:
         self.num_pieces = num_pieces(part_size)
         self._weights = dict(weights)
         self._acc = torch.zeros(part_size, dtype=torch.float32)
-        self._weight_sum = torch.zeros(self.num_pieces, dtype=torch.float64)
+        # Pieces arrive one datagram at a time: numpy and plain lists cost a
+        # few microseconds per piece where torch's dispatch costs tens.
+        self._acc_np = self._acc.numpy()
+        self._weight_sum = [0.0] * self.num_pieces
         self.masks = {s: PieceMask(self.num_pieces) for s in weights}
         self._finished = False
 
@@ -148,7 +152,7 @@ class PieceReducer:
     def weight(self, sender: int) -> float:
         return self._weights[sender]
 
-    def add(self, sender: int, piece: int, values: torch.Tensor) -> bool:
+    def add(self, sender: int, piece: int, values: torch.Tensor | np.ndarray) -> bool:
         """Add ``sender``'s ``piece``; False (and nothing added) if it already
         arrived or the phase is finished. ``ValueError`` for a piece out of
         range or of the wrong size: the caller checked both (``_datagrams``)."""
@@ -156,20 +160,32 @@ class PieceReducer:
             return False
         start = piece * PIECE_ELEMENTS
         end = min(start + PIECE_ELEMENTS, self.part_size)
-        if values.numel() != end - start:
-            raise ValueError(f"piece {piece} has {end - start} values, got {values.numel()}")
+        array = values.detach().numpy() if isinstance(values, torch.Tensor) else values
+        if array.size != end - start:
+            raise ValueError(f"piece {piece} has {end - start} values, got {array.size}")
         self.masks[sender].add(piece)
         w = self._weights[sender]
         if w > 0:
-            self._acc[start:end].add_(values.reshape(-1), alpha=w)
+            acc = self._acc_np[start:end]
+            if w == 1.0:
+                acc += array.reshape(-1)
+            else:
+                acc += np.float32(w) * array.reshape(-1)
             self._weight_sum[piece] += w
         return True
 
     def add_all(self, sender: int, values: torch.Tensor) -> None:
-        """Every piece of ``sender`` at once (the reducer's own part)."""
-        for piece in range(self.num_pieces):
-            start = piece * PIECE_ELEMENTS
-            self.add(sender, piece, values[start : start + PIECE_ELEMENTS])
+        """Every piece of ``sender`` at once (the reducer's own part), before
+        any other piece of it. ``ValueError`` otherwise or for a wrong size."""
+        if values.numel() != self.part_size:
+            raise ValueError(f"a part of {self.part_size} values, got {values.numel()}")
+        if self._finished or self.masks[sender].count:
+            raise ValueError(f"sender {sender} already delivered pieces")
+        self.masks[sender] = PieceMask.full(self.num_pieces)
+        w = self._weights[sender]
+        if w > 0:
+            self._acc.add_(values.reshape(-1).to(torch.float32), alpha=w)
+            self._weight_sum = [total + w for total in self._weight_sum]
 
     def complete(self, senders: Iterable[int]) -> bool:
         """Whether every piece of each of ``senders`` arrived."""
@@ -180,12 +196,13 @@ class PieceReducer:
         if self._finished:
             return
         self._finished = True
-        per_element = self._weight_sum.repeat_interleave(PIECE_ELEMENTS)[: self.part_size]
-        has = per_element > 0
-        self._acc[has] = (self._acc[has].double() / per_element[has]).float()
+        sums = torch.tensor(self._weight_sum, dtype=torch.float64)
+        # 1 / weight per piece (0 where none arrived: those hold zeros anyway)
+        inverse = torch.where(sums > 0, 1.0 / sums.clamp_min(1e-300), 0.0).float()
+        self._acc.mul_(inverse.repeat_interleave(PIECE_ELEMENTS)[: self.part_size])
 
     def has_result(self, piece: int) -> bool:
-        return bool(self._weight_sum[piece] > 0)
+        return self._weight_sum[piece] > 0
 
     def result(self) -> torch.Tensor:
         """The averaged part (pieces without result hold zeros: check

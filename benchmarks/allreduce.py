@@ -523,16 +523,13 @@ def link_main(args: argparse.Namespace) -> None:
     for name, result, bound in rows:
         held = result.get("held") or []
         per_round = ", ".join(
-            f"{t:.2f}s/{h:.1%}" for t, h in zip(result["rounds_s"], held, strict=True)
+            f"{t:.2f}s/{h:.1%}"
+            for t, h in zip(result["rounds_s"], held or result["rounds_s"], strict=True)
         )
         print(
             f"  {name:28} {result['median_s']:7.2f}s {bound:7.2f}s"
             f" {bound / result['median_s']:6.1%} {result['cpu_s']:8.2f}s"
-            + (
-                f"   held {statistics.median(held):.1%} (rounds: {per_round})"
-                if held
-                else ""
-            )
+            + (f"   held {statistics.median(held):.1%} (rounds: {per_round})" if held else "")
         )
     if args.json:
         print(json.dumps([{"run": n, "bound_s": b, **r} for n, r, b in rows]))
