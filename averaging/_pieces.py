@@ -37,7 +37,7 @@ data that did arrive.
 
 Variance, not bias, is what loss costs: a piece averaged over fewer
 contributions is noisier, and a lost result leaves a member's own value,
-which makes members drift apart; ``_drift`` bounds that drift.
+which makes members drift apart; ``trainer._drift`` bounds that drift.
 """
 
 from __future__ import annotations
