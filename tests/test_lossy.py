@@ -23,7 +23,8 @@ from averaging._codecs import FLOAT16
 from averaging._datagrams import PIECE_ELEMENTS
 from averaging._faults import DatagramFaults, FaultPlan
 from averaging._group import Group, GroupMember, MemberMode
-from swarm import ConfigError, Identity
+from averaging._lossy import LOSSY_STREAM, LOSSY_VERSION
+from swarm import ConfigError, Identity, SwarmError
 from swarm._connections import ConnectionConfig, Connections, open_connections
 
 TOTAL = 20_000  # about 15 pieces per part in a group of 4
@@ -179,3 +180,34 @@ async def test_lossy_needs_raw_float32_and_the_mean() -> None:
         groups = make_groups(nets)
         with pytest.raises(ConfigError):
             await all_reduce(nets[0], groups[0], [torch.zeros(10)], config=LOSSY, codec=FLOAT16)
+
+
+async def test_control_streams_that_break_the_rules_are_refused() -> None:
+    """Member 0 runs a round with member 1, which never shows up; peer 2, not
+    a member, opens control streams to member 0 by hand: claiming member 1's
+    index, or naming a group member 0 does not run. Both are refused with a
+    one-line reason, and member 0 ends with its own values and member 1 out."""
+    async with open_peers(3) as nets:
+        groups = make_groups(nets[:2])
+        x = member_data(0)
+        results: list[AllReduceResult] = []
+
+        async def member0() -> None:
+            results.append(await all_reduce(nets[0], groups[0], [x], config=LOSSY))
+
+        async def refused(header: list[object], reason: str) -> None:
+            with pytest.raises(SwarmError, match=reason):
+                async with nets[2].open_stream(
+                    nets[0].peer_id, ("127.0.0.1", nets[0].port), LOSSY_STREAM
+                ) as stream:
+                    await stream.send(header)
+                    await stream.receive()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(member0)
+            gid = groups[0].group_id
+            await refused([LOSSY_VERSION, gid, 0, 1, 1.0, TOTAL, 9], "another peer")
+            await refused([LOSSY_VERSION + 1, gid, 0, 1, 1.0, TOTAL, 9], "version")
+            await refused([LOSSY_VERSION, b"nope", 0, 1, 1.0, TOTAL, 9], "no lossy all-reduce")
+    assert results[0].failed_senders == {1} and results[0].failed_reducers == {1}
+    assert torch.equal(x, member_data(0))
