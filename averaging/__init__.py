@@ -11,6 +11,10 @@ Modules, pure code first:
 - ``_moshpit``: the Moshpit grid, its key schedule and group placement
 - ``_grid``: ``GridAgreement``, one grid per epoch that every peer computes alike
 - ``_allreduce``: the fault-tolerant butterfly all-reduce over peer connections
+- ``_datagrams``: the lossy data plane's authenticated, frame-sized datagrams
+- ``_pieces``: which pieces arrived, and the per-piece renormalised mean over them
+- ``_pacing``: the lossy data plane's send rate per peer, from receiver reports
+- ``_lossy``: the lossy all-reduce round (``AllReduceConfig(lossy=True)``)
 - ``_matchmaking``: leader-based group formation over the DHT
 - ``_averager``: ``Averager``, one Moshpit round per ``step()``
 - ``_arctopk``: ARC-Top-K, Top-K compression a group all-reduces without indices
@@ -22,7 +26,7 @@ from ._allreduce import AllReduceConfig, AllReduceResult, all_reduce, serve_allr
 from ._arctopk import ArcTopKRound, RowSelection, arc_topk_compress, contraction_bound, select_rows
 from ._averager import Averager, AveragerConfig, StepInProgressError, StepResult
 from ._codecs import FLOAT16, NONE, UINT4, UINT8, Codec, CodecKind
-from ._faults import FaultPlan, InjectedFault, MemberFault
+from ._faults import DatagramFaults, FaultPlan, InjectedFault, MemberFault
 from ._grid import GridAgreement, GridProposal
 from ._group import Group, GroupMember, MemberMode
 from ._matchmaking import MatchmakingConfig
@@ -52,6 +56,7 @@ __all__ = [
     "CenteredClip",
     "Codec",
     "CodecKind",
+    "DatagramFaults",
     "FaultPlan",
     "GridAgreement",
     "GridProposal",

@@ -78,6 +78,7 @@ from ._codecs import (
 )
 from ._faults import FaultPlan, InjectedFault, MemberFault
 from ._group import Group, MemberMode
+from ._lossy import lossy_all_reduce, serve_lossy_allreduce
 from ._partition import Partition, flatten, unflatten_into
 from ._reducer import PartReducer, ReceivedParts
 from ._robust import CenteredClip
@@ -148,6 +149,14 @@ class AllReduceConfig:
     #: 4 x 100 Mbit/s links (5M floats) 64K-element chunks reached 80% of the
     #: link limit where 1M-element ones reached 70%.
     min_chunks_per_part: int = 8
+    #: The lossy data plane (``_lossy``, issue 18): payload in authenticated,
+    #: paced UDP datagrams that are never retransmitted, each piece averaged
+    #: over the contributions that arrived. For lossy or long links, where TCP
+    #: spends its time on retransmissions; it costs accuracy per round (lost
+    #: pieces) and drift between members (``trainer``'s re-synchronisation).
+    #: Raw float32 only (codec ``NONE``), weighted mean only. Every member
+    #: must use the same setting.
+    lossy: bool = False
 
     def __post_init__(self) -> None:
         for name in ("sender_timeout", "reducer_timeout", "round_timeout"):
@@ -164,6 +173,8 @@ class AllReduceConfig:
             raise ConfigError(
                 f"aggregation must be None or CenteredClip(tau=...), not {self.aggregation!r}"
             )
+        if self.lossy and self.aggregation is not None:
+            raise ConfigError("lossy=True averages by weighted mean: aggregation must be None")
         if not 1 <= self.min_chunks_per_part <= 1 << 20:
             raise ConfigError(
                 f"min_chunks_per_part={self.min_chunks_per_part} must be in [1, 2**20]"
@@ -203,6 +214,9 @@ class AllReduceResult:
     #: (``SelfDialError``): their parts kept our local values, but they did
     #: not fail, so they are not in ``failed_reducers``.
     self_dialed: frozenset[int] = frozenset()
+    #: The round ran over the lossy data plane (``_lossy``): a chunk is one
+    #: piece, and losing pieces is no failure of anybody.
+    lossy: bool = False
 
     def part_contributors(self, part: int) -> frozenset[int]:
         """Members whose data is in every chunk of ``part`` of the local result."""
@@ -278,6 +292,8 @@ async def all_reduce(
         raise ConfigError(f"weight must be a finite number >= 0, got {weight}")
     if net.peer_id != group.local.peer_id:
         raise ConfigError("the group's local member is not this peer")
+    if config.lossy:  # the seam of the lossy data plane (issue 18): averaging/_lossy.py
+        return await _lossy_round(net, group, tensors, weight, codec, config, plan)
     flat = flatten(tensors)
     partition = Partition.for_group(group, flat.numel(), config.chunk_elements)
     chunk = pipelined_chunk_elements(partition, config)
@@ -297,6 +313,48 @@ async def all_reduce(
                     if partition.part_size(part) > 0:
                         nursery.start_soon(rnd.send_part, part)
     result = rnd.result(timed_out=deadline.cancelled_caught)
+    if group.local.mode is not MemberMode.AUX:
+        unflatten_into(flat, tensors)
+        _log_contributors(result, len(group.senders()))
+    return result
+
+
+async def _lossy_round(
+    net: Network,
+    group: Group,
+    tensors: Sequence[torch.Tensor],
+    weight: float,
+    codec: Codec,
+    config: AllReduceConfig,
+    plan: FaultPlan,
+) -> AllReduceResult:
+    """``all_reduce`` over the lossy data plane (``_lossy``): same promises,
+    but a chunk of the result is one piece (``PIECE_ELEMENTS`` values)."""
+    if codec != NONE:
+        raise ConfigError(
+            f"the lossy all-reduce sends raw float32: codec must be NONE, not {codec}"
+        )
+    flat = flatten(tensors)
+    outcome = await lossy_all_reduce(
+        net,
+        group,
+        flat,
+        weight,
+        sender_timeout=config.sender_timeout,
+        round_timeout=config.round_timeout,
+        fault_plan=plan,
+    )
+    result = AllReduceResult(
+        group_id=group.group_id,
+        local_index=group.local_index,
+        part_bounds=outcome.partition.part_bounds,
+        chunk_elements=outcome.partition.chunk_elements,
+        contributors=outcome.contributors,
+        failed_senders=outcome.failed_senders,
+        failed_reducers=outcome.failed_reducers,
+        timed_out=outcome.timed_out,
+        lossy=True,
+    )
     if group.local.mode is not MemberMode.AUX:
         unflatten_into(flat, tensors)
         _log_contributors(result, len(group.senders()))
@@ -1015,8 +1073,10 @@ def serve_allreduce(net: Network) -> None:
     ``all_reduce`` does this itself, but a peer that will join groups should do
     it up front: a member that enters the round a moment before this peer would
     otherwise find no handler here and count this peer as a failed reducer.
+    The lossy round's control streams (``_lossy``) are served from then on too.
     """
     _registry(net)
+    serve_lossy_allreduce(net)
 
 
 def _registry(net: Network) -> _Registry:

@@ -12,6 +12,7 @@ receives exactly chunks 0 and 1 of that member's data.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -76,10 +77,60 @@ NO_FAULT = MemberFault()
 
 
 @dataclass(frozen=True)
+class DatagramFaults:
+    """A terrible network for the lossy all-reduce's datagrams (``_lossy``),
+    applied where each member receives them, from a seeded generator.
+
+    Each datagram is dropped with probability ``drop``; one that is kept is
+    delivered twice with probability ``duplicate``, and held back until after
+    the next datagram with probability ``reorder``.
+    """
+
+    drop: float = 0.0
+    duplicate: float = 0.0
+    reorder: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("drop", "duplicate", "reorder"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name}={value} must be a probability in [0, 1]")
+
+    def filter(self, member: int) -> DatagramFilter:
+        """The filter of member ``member``'s receiver: its own seeded stream."""
+        return DatagramFilter(self, random.Random(self.seed * 1_000_003 + member))
+
+
+class DatagramFilter:
+    """One receiver's ``DatagramFaults``: datagrams in, datagrams to deliver out."""
+
+    def __init__(self, faults: DatagramFaults, rng: random.Random) -> None:
+        self._faults = faults
+        self._rng = rng
+        self._held: bytes | None = None
+
+    def __call__(self, datagram: bytes) -> list[bytes]:
+        f, rng = self._faults, self._rng
+        if rng.random() < f.drop:
+            return []
+        out = [datagram, datagram] if rng.random() < f.duplicate else [datagram]
+        if self._held is not None:
+            out.append(self._held)  # the held one goes after this one: reordered
+            self._held = None
+        elif rng.random() < f.reorder:
+            self._held, out = out[-1], out[:-1]
+        return out
+
+
+@dataclass(frozen=True)
 class FaultPlan:
-    """Faults by member index; members not named behave."""
+    """Faults by member index; members not named behave. ``datagrams``: the
+    network the lossy all-reduce's datagrams cross (None: whatever the real
+    one does)."""
 
     faults: Mapping[int, MemberFault] = field(default_factory=dict)
+    datagrams: DatagramFaults | None = None
 
     def for_member(self, index: int) -> MemberFault:
         return self.faults.get(index, NO_FAULT)

@@ -90,7 +90,7 @@ from ._framing import (
     FrameKind,
     Progress,
 )
-from ._handshake import Handshake, HandshakeResult
+from ._handshake import Handshake, HandshakeResult, exported_key
 from ._identity import Identity, PeerID
 from ._wire import expect_list, expect_str, pack, unpack
 
@@ -246,6 +246,7 @@ class _Connection:
         self._decoder = FrameDecoder(
             result.receive_key, encrypt=result.encrypt, max_frame_size=config.max_frame_size
         )
+        self._handshake_result = result
         self._pending: deque[Frame] = deque()
         self._failure: ProtocolError | None = None  # raised once the frames before it are out
         # Received bytes not yet decoded: ``_read_ahead[_ahead_start:_ahead_end]``.
@@ -274,6 +275,10 @@ class _Connection:
         """
         self.closed = True
         self.socket.close()
+
+    def export_key(self, label: bytes) -> bytes:
+        """``_handshake.exported_key`` of this connection's session."""
+        return exported_key(self._handshake_result, dialer=self._dialer, label=label)
 
     async def send_frame(self, kind: FrameKind, payload: bytes | bytearray | memoryview) -> None:
         await self.send_frames([(kind, payload)])
@@ -532,6 +537,13 @@ class Stream:
         self._reset: str | None = None
         self._closed = False
         self._done = False  # dialer: the listener's handler has returned
+
+    def export_key(self, label: bytes) -> bytes:
+        """A 32-byte key bound to this stream's session and ``label``; the
+        remote end derives the same (``_handshake.exported_key``). Keys of
+        streams on other connections differ: put a fresh value in ``label``
+        where a key must not repeat across streams."""
+        return self._connection.export_key(label)
 
     @property
     def ended_cleanly(self) -> bool:

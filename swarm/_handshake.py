@@ -359,6 +359,30 @@ class Handshake:
         self._state = _State.DONE
 
 
+_EXPORT_INFO = b"swarm/session/v1/export/"
+
+
+def exported_key(result: HandshakeResult, *, dialer: bool, label: bytes) -> bytes:
+    """A 32-byte key for ``label`` that both ends of the session derive alike.
+
+    HKDF-SHA256 over both session keys (dialer-to-listener first), salted with
+    the transcript hash, ``label`` in ``info``: for protocols that run beside
+    the connection (the lossy all-reduce's datagrams) and must be bound to the
+    same proven peers, swarm key included. Knowing an exported key reveals
+    nothing about the session keys or about keys exported for other labels.
+    ``dialer`` is this side's role in the handshake.
+    """
+    first, second = (
+        (result.send_key, result.receive_key) if dialer else (result.receive_key, result.send_key)
+    )
+    return HKDF(
+        algorithm=hashes.SHA256(),
+        length=KEY_SIZE,
+        salt=result.transcript_hash,
+        info=_EXPORT_INFO + label,
+    ).derive(first + second)
+
+
 def _transcript2(m1: bytes, core2: bytes) -> bytes:
     return hashlib.sha256(DOMAIN + _length_prefixed(m1) + _length_prefixed(core2)).digest()
 

@@ -76,6 +76,10 @@ class RunSettings:
     #: the model's precision (``--precision``: fp32, bf16 or fp16); records of
     #: runs from before the setting existed mean fp32
     precision: str = "fp32"
+    #: gradients over the lossy data plane (``--lossy``); records of runs from
+    #: before the setting existed mean off. Peers that disagree would each
+    #: refuse the other's streams: every all-reduce round would fail.
+    lossy: bool = False
 
     #: command-line option of each setting a peer must share, by field name
     OPTIONS = {
@@ -86,6 +90,7 @@ class RunSettings:
         "diloco": "--diloco",
         "max_epochs": "--max-epochs",
         "precision": "--precision",
+        "lossy": "--lossy",
     }
 
     def to_value(self) -> dict[str, Any]:
@@ -121,6 +126,9 @@ class RunSettings:
 
         target, group = integer("target_batch_size"), integer("target_group_size")
         assert target is not None and group is not None
+        lossy = value.get("lossy", False)
+        if not isinstance(lossy, bool):
+            raise ProtocolError("run setting lossy must be true or false")
         matchmaking_time = number("matchmaking_time")
         if matchmaking_time <= 0:
             raise ProtocolError("run setting matchmaking_time must be positive")
@@ -134,6 +142,7 @@ class RunSettings:
             max_epochs=integer("max_epochs", optional=True),
             started=number("started"),
             precision=text("precision") if "precision" in value else "fp32",
+            lossy=lossy,
         )
 
 

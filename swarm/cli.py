@@ -179,6 +179,13 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         help="the model's precision: fp32, or bf16/fp16 parameters with float32 master "
         "weights and float32 averaging (default %(default)s)",
     )
+    run.add_argument(
+        "--lossy",
+        action="store_true",
+        help="average gradients over the lossy data plane: paced, authenticated UDP "
+        "datagrams that are never retransmitted, for lossy or long links; parameters are "
+        "re-synchronised over TCP at a period set by the measured loss (default: off)",
+    )
     training = parser.add_argument_group("training (this peer)")
     training.add_argument(
         "--device",
@@ -551,6 +558,7 @@ def _collaborative_config(args: argparse.Namespace) -> CollaborativeConfig:
         checkpoint_every=args.checkpoint_every,
         diloco=None if args.diloco is None else DiLoCo(local_steps=args.diloco),
         drop_compute=_drop_compute(args.drop_compute),
+        lossy=args.lossy,
     )
 
 
@@ -711,6 +719,8 @@ def _join_command(args: argparse.Namespace, address: str, run_id: str) -> str:
                 f"--{option.replace('_', '-')}",
                 f"{value:g}" if isinstance(value, float) else str(value),
             ]
+    if args.lossy:
+        parts.append("--lossy")
     return f"{_swarm_command()} {shlex.join(parts)}"
 
 
@@ -868,6 +878,7 @@ def _agree_on_settings(
         max_epochs=args.max_epochs,
         started=dht.now(),
         precision=args.precision,
+        lossy=args.lossy,
     )
     settings = reconcile(run, mine, frozenset(given & RunSettings.OPTIONS.keys()))
     if settings.task_name != task.name:

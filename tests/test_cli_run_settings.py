@@ -51,7 +51,7 @@ def test_throughput_counts_only_epochs_it_saw_taken() -> None:
 
 
 def test_a_joiner_adopts_what_it_did_not_set_and_is_refused_otherwise() -> None:
-    mine = RunSettings("other.py:make", "digits", 512, 1.0, 4, 8, None, 2000.0, "bf16")
+    mine = RunSettings("other.py:make", "digits", 512, 1.0, 4, 8, None, 2000.0, "bf16", True)
     # nothing set: the run's settings, start time included
     assert reconcile(RUN, mine, frozenset()) == RUN
     # the same task under another path is the same task: its own path is kept
@@ -94,6 +94,13 @@ def test_settings_records_round_trip_and_every_peer_chooses_the_same() -> None:
     assert RunSettings.from_value(older).precision == "fp32"
     bf16 = RunSettings(**(RUN.to_value() | {"precision": "bf16"}))
     assert RunSettings.from_value(bf16.to_value()) == bf16
+    # --lossy: a boolean; a record from before it was a run setting means off
+    lossy = RunSettings(**(RUN.to_value() | {"lossy": True}))
+    assert RunSettings.from_value(lossy.to_value()) == lossy
+    older = {k: v for k, v in RUN.to_value().items() if k != "lossy"}
+    assert RunSettings.from_value(older).lossy is False
+    with pytest.raises(ProtocolError):
+        RunSettings.from_value(RUN.to_value() | {"lossy": 1})
 
     a, b = (Identity.generate().peer_id for _ in range(2))
     later = RunSettings(**(RUN.to_value() | {"started": 2000.0, "target_batch_size": 64}))

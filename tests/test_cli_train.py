@@ -185,6 +185,12 @@ def test_diloco_and_drop_compute_options() -> None:
     assert config.diloco is None and config.drop_compute == DropCompute(threshold=2.5)
     # every peer of a run must use DiLoCo alike: the join command says so
     assert "--diloco 10" in _join_command(parse("--diloco", "10"), "127.0.0.1:1", "run")
+    # --lossy: gradients over the lossy data plane, a run setting like DiLoCo
+    assert _collaborative_config(parse("--lossy")).lossy
+    assert not _collaborative_config(parse()).lossy
+    assert _join_command(parse("--lossy"), "127.0.0.1:1", "run").endswith(" --lossy")
+    with pytest.raises(ConfigError, match="lossy"):
+        _collaborative_config(parse("--lossy", "--diloco", "4"))
     for argv, expected in [
         (("--diloco", "0"), "--diloco"),
         (("--drop-compute", "soon"), "--drop-compute"),

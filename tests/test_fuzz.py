@@ -46,8 +46,10 @@ from averaging._allreduce import (
     parse_sender_header,
 )
 from averaging._codecs import FLOAT16, NONE, UINT4, UINT8, decode, decode_split, encode
+from averaging._datagrams import PIECE_ELEMENTS, DatagramOpener, DatagramSealer, Kind, Pair
 from averaging._group import Group, GroupMember, MemberMode
 from averaging._partition import Partition
+from averaging._pieces import PieceMask
 from averaging._state_transfer import (
     DonorBusy,
     DonorRefused,
@@ -309,6 +311,34 @@ def _results() -> list[bytes]:
     ]
 
 
+# the lossy all-reduce: datagrams (dropped, never raising) and contributor masks
+
+_LOSSY_KEY = bytes(range(32))
+_LOSSY_PAIR = Pair(Kind.RESULT, b"t" * 8, 9, part=1, sender=0, part_size=PIECE_ELEMENTS + 7)
+
+
+def _lossy_datagrams() -> list[bytes]:
+    sealer = DatagramSealer(_LOSSY_KEY, _LOSSY_PAIR)
+    return [
+        sealer.seal(0, torch.linspace(-1, 1, PIECE_ELEMENTS)),
+        sealer.seal(1, torch.ones(7)),
+    ]
+
+
+def _lossy_datagram(data: bytes) -> None:
+    """A datagram that is not exactly one of the sealed ones never opens:
+    dropping is the opener's only answer to bad input (it never raises)."""
+    opened = DatagramOpener(_LOSSY_KEY, _LOSSY_PAIR).open(data)
+    if opened is None:
+        raise ProtocolError("dropped")
+    if data not in _lossy_datagrams():
+        raise AssertionError("an altered datagram was accepted")
+
+
+def _lossy_mask(data: bytes) -> None:
+    PieceMask.from_bytes(data[1:], data[0] if data else 0)
+
+
 # training state and its transfer
 
 _TEMPLATE = {
@@ -379,6 +409,8 @@ TARGETS = [
     Target("allreduce-result", _results, _result),
     Target("state-transfer", _state_headers, _transfer, (ProtocolError, DonorBusy, DonorRefused)),
     Target("state", _state_samples, _state),
+    Target("lossy-datagram", _lossy_datagrams, _lossy_datagram),
+    Target("lossy-mask", lambda: [bytes([11, 0xFF, 0x07]), bytes([8, 0x81])], _lossy_mask),
 ]
 IDS = [t.name for t in TARGETS]
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

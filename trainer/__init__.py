@@ -12,6 +12,7 @@ Modules:
 - ``_ef21m``: ``ArcTopK`` gradient compression with EF21M error feedback
 - ``_diloco``: DiLoCo mode: local inner steps, then an outer Nesterov step
 - ``_dropcompute``: DropCompute: a compute threshold per step, chosen from measured times
+- ``_drift``: when the lossy data plane re-synchronises parameters (bounded drift)
 - ``_amp``: mixed precision: batched finiteness checks, ``GradScaler`` unscaling
 - ``_buffers``: a model's buffers by name, plain and ``torch.compile``d alike
 - ``_optimizer``: ``CollaborativeOptimizer``, one global step per target batch
@@ -20,6 +21,7 @@ Modules:
 from ._buffers import load_plain_state_dict, model_buffers, plain_state_dict
 from ._checkpoint import Checkpoint, CheckpointDir, load_checkpoint, save_checkpoint
 from ._diloco import DiLoCo
+from ._drift import ResyncSchedule, lost_fraction
 from ._dropcompute import DropCompute, choose_threshold
 from ._ef21m import ArcTopK
 from ._export import ExportedModel, export_model
@@ -69,6 +71,7 @@ __all__ = [
     "PeerProgress",
     "ProgressSummary",
     "ProgressTree",
+    "ResyncSchedule",
     "RoundTiming",
     "RoundTimingConfig",
     "SwarmProgress",
@@ -82,6 +85,7 @@ __all__ = [
     "load_checkpoint",
     "load_plain_state_dict",
     "load_task",
+    "lost_fraction",
     "make_digits_cnn_task",
     "make_digits_task",
     "model_buffers",

@@ -85,6 +85,7 @@ from ._amp import grads_finite, unscale
 from ._buffers import BUFFER_KEY, model_buffers, plain_name
 from ._checkpoint import Checkpoint, CheckpointDir
 from ._diloco import DiLoCo, OuterLoop
+from ._drift import ResyncSchedule, lost_fraction
 from ._dropcompute import ComputeBudget, DropCompute
 from ._ef21m import EF21M, ArcTopK
 from ._progress import (
@@ -134,6 +135,12 @@ class CollaborativeConfig:
     diloco: DiLoCo | None = None
     #: a compute budget per global step (see ``DropCompute``); None: off
     drop_compute: DropCompute | None = None
+    #: average gradients over the lossy data plane (``AllReduceConfig.lossy``):
+    #: for lossy or long links. Parameters and optimizer state are then
+    #: re-synchronised over the reliable all-reduce at a period chosen from the
+    #: measured loss, at most ``state_averaging_interval`` (``_drift``). Dense
+    #: gradients only. A run setting every peer must share (``swarm train --lossy``).
+    lossy: bool = False
 
     def __post_init__(self) -> None:
         bound = self.averaging.matchmaking.bound
@@ -161,6 +168,16 @@ class CollaborativeConfig:
             self.gradient_compression, ArcTopK
         ):
             raise ConfigError("gradient_compression must be None (dense) or an ArcTopK(...)")
+        if self.lossy and (self.gradient_compression is not None or self.diloco is not None):
+            raise ConfigError(
+                "lossy averages dense float32 gradients: it cannot be combined with "
+                "gradient_compression or diloco"
+            )
+        if self.lossy and self.state_averaging_interval < 1:
+            raise ConfigError(
+                "lossy needs state_averaging_interval >= 1: re-synchronising parameters is "
+                "what keeps the peers from drifting apart"
+            )
         if self.gradient_compression is not None and self.diloco is not None:
             raise ConfigError(
                 "gradient_compression and diloco cannot be combined: DiLoCo averages "
@@ -350,6 +367,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._out_of_time = False
         self._state_averager: Averager | None = None
         self._state_staging: HostStaging | None = None
+        self._resync = (
+            ResyncSchedule(self.config.state_averaging_interval) if self.config.lossy else None
+        )
         self._closed = False
         #: held while the state changes (see the module doc); donors try it
         self._state_lock = threading.Lock()
@@ -1009,13 +1029,29 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._raise_scheduler_error()
         self._after_global_step(alone)
 
+    def _resync_due(self) -> bool:
+        """Whether parameters and state are averaged after this global step:
+        every ``state_averaging_interval`` epochs, or in lossy mode at the
+        period ``_drift`` chooses from the loss measured in this step."""
+        if self._resync is None:
+            interval = self.config.state_averaging_interval
+            return bool(interval) and self.epoch % interval == 0
+        step = self.last_step
+        result = None if step is None or step.averaging is None else step.averaging
+        if result is not None and result.allreduce is not None and result.group is not None:
+            self._resync.observe(lost_fraction(result.allreduce, len(result.group.senders())))
+        return self._resync.due(self.epoch)
+
     def _after_global_step(self, alone: bool) -> None:
-        interval = self.config.state_averaging_interval
-        if interval and self.epoch % interval == 0 and not alone:
+        if self._resync_due() and not alone:
             # the peers that just averaged gradients together are the ones to
-            # expect: the round closes as soon as they are in
+            # expect: the round closes as soon as they are in (in lossy mode
+            # the members: few have their data in *every* piece of a result)
             step = self.last_step
-            contributors = 0 if step is None else len(step.contributors)
+            if step is not None and self._resync is not None and step.averaging is not None:
+                contributors = len(step.averaging.members)
+            else:
+                contributors = 0 if step is None else len(step.contributors)
             reading = self._reading
             self._average_state(contributors or (1 if reading is None else reading.expected))
         if self._checkpoints is not None and self.epoch % self.config.checkpoint_every == 0:
@@ -1029,6 +1065,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         tensors = self._staging.host
         if self._diloco is None:
             prefix, config = f"{self.run_id}.grads", self.config.averaging
+            if self.config.lossy:
+                config = replace(config, allreduce=replace(config.allreduce, lossy=True))
         else:
             prefix = f"{self.run_id}.diloco"
             config = replace(self.config.averaging, codec=self._diloco.config.codec)
@@ -1127,7 +1165,11 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 self.peer,
                 staging.host,
                 prefix=f"{self.run_id}.state",
-                config=self.config.averaging,
+                # the re-synchronisation that bounds drift must not lose anything
+                config=replace(
+                    self.config.averaging,
+                    allreduce=replace(self.config.averaging.allreduce, lossy=False),
+                ),
                 grid=self._grid(self.swarm_progress().num_peers),
             )
         else:
@@ -1353,9 +1395,24 @@ def _same_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 def _log_average(epoch: int, what: str, result: StepResult) -> None:
     """Log the peers whose data is in the average (its contributors), never
-    merely the group's members: "with N peers" only when all N are in it."""
+    merely the group's members: "with N peers" only when all N are in it.
+    After a lossy round, where few members reach every piece, also how much
+    of the members' data the average holds, counted per element."""
     contributors, members = len(result.contributors), len(result.members)
-    if contributors == members:
+    lossy = result.allreduce is not None and result.allreduce.lossy
+    if lossy and contributors != members and result.group is not None:
+        assert result.allreduce is not None
+        held = 1.0 - lost_fraction(result.allreduce, len(result.group.senders()))
+        log.info(
+            "epoch %d: averaged %s of %d group members over a lossy network: %.1f%% of "
+            "their data arrived (%d of them in every element)",
+            epoch,
+            what,
+            members,
+            100 * held,
+            contributors,
+        )
+    elif contributors == members:
         log.info("epoch %d: averaged %s with %d peers", epoch, what, contributors)
     else:
         log.info(

@@ -1,0 +1,244 @@
+"""Datagrams of the lossy all-reduce: wire format and authentication, no sockets.
+
+The lossy data plane (DESIGN.md, "Networks like volunteers have"; Weintraub,
+Banner, Orda 2025) sends all-reduce payload in UDP datagrams that are never
+retransmitted. Each datagram is one *piece*: up to ``PIECE_ELEMENTS`` float32
+values at a fixed place of one part, small enough for one Ethernet frame
+(``MAX_DATAGRAM_SIZE``, the DHT's budget), so losing a datagram loses one
+piece and never a train of IP fragments.
+
+Layout (little-endian)::
+
+    magic "SL" | version u8 | kind u8 | group tag (8 bytes) | round u32 |
+    part u16 | sender u16 | offset u32 | count u16 | seq u32 |
+    AES-256-GCM(values, count * 4 bytes) | GCM tag (16 bytes)
+
+- ``kind``: ``PART`` (a sender's values, to the reducer of ``part``) or
+  ``RESULT`` (the reducer's averaged values, back to member ``sender``).
+- ``group tag``: the first 8 bytes of SHA-256 of the group id; ``round``: a
+  random number the reducer draws for each (sender, part) pair and sends over
+  the reliable stream.
+- ``offset``: the first element of the piece within the part, always a
+  multiple of ``PIECE_ELEMENTS``; ``count``: its elements (all of them but the
+  part's last piece have ``PIECE_ELEMENTS``).
+- ``seq``: the datagram's number in its direction, which is the GCM nonce.
+- The 30-byte header is the GCM's associated data; the values are encrypted.
+
+Keys. Each (sender, part) pair has one reliable stream (``_connections``),
+whose session keys came from the signed handshake (``_handshake``; a private
+swarm's key is mixed into them). Each direction's datagram key is exported
+from that session with a label holding the kind, the group id and the random
+``round``, so a key is never used in two rounds or two directions, and the
+sequence number never repeats under one key: the nonce never repeats.
+
+What a receiver (``DatagramOpener``) drops, without averaging anything of it
+in and without raising, counting each reason (``dropped``):
+
+- truncated or oversized datagrams, another magic or version (``malformed``);
+- another group, round, kind, part or sender than the pair's (``misrouted``);
+- an offset off the piece grid or a count that is not that piece's (``misplaced``);
+- a tag that does not verify: forged, altered, or from another key (``forged``);
+- a sequence number seen before: a replay or a duplicate (``replayed``);
+- a second datagram for a piece already received under another sequence
+  number (``duplicate``): only the sender's key can make one, so it is a
+  misbehaving sender, and the first copy stays;
+- values that are not all finite (``nonfinite``).
+
+Reordering is harmless by construction: a piece goes to its offset whatever
+order it arrives in, and the piece bookkeeping (``_pieces``) is per piece.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from swarm import ConfigError
+
+#: Largest datagram (header, values, tag): one Ethernet frame's payload with
+#: room for IP and UDP headers, as the DHT's datagrams.
+MAX_DATAGRAM_SIZE = 1400
+MAGIC = b"SL"
+VERSION = 1
+HEADER = struct.Struct("<2sBB8sIHHIHI")
+TAG_SIZE = 16
+#: Values per piece: as many float32 as fit ``MAX_DATAGRAM_SIZE`` (336 x 4 =
+#: 1,344 bytes of values, 1,390 bytes in all).
+PIECE_ELEMENTS = (MAX_DATAGRAM_SIZE - HEADER.size - TAG_SIZE) // 4 // 16 * 16
+KEY_LABEL = b"swarm/lossy-allreduce/v1/"
+_MAX_SEQ = 2**32 - 1
+
+
+class Kind(enum.IntEnum):
+    """Which way a datagram goes."""
+
+    PART = 1  # a sender's values, to the part's reducer
+    RESULT = 2  # the reducer's averaged values, back to a member
+
+
+def group_tag(group_id: bytes) -> bytes:
+    """The 8 bytes of a group id that each datagram carries."""
+    return hashlib.sha256(group_id).digest()[:8]
+
+
+def key_label(kind: Kind, group_id: bytes, round_: int) -> bytes:
+    """The label under which both ends export one direction's key from their
+    stream (``Stream.export_key``): distinct for each kind, group and round."""
+    return KEY_LABEL + struct.pack("<BI", kind, round_) + group_id
+
+
+@dataclass(frozen=True)
+class Pair:
+    """What fixes one direction of one (sender, part) pair: every datagram of
+    it carries these, and its key is exported for them."""
+
+    kind: Kind
+    group_tag: bytes
+    round: int
+    part: int
+    sender: int
+    part_size: int
+
+    def __post_init__(self) -> None:
+        if len(self.group_tag) != 8:
+            raise ConfigError("a group tag is 8 bytes")
+        if not (
+            0 <= self.round <= _MAX_SEQ and 0 <= self.part < 2**16 and 0 <= self.sender < 2**16
+        ):
+            raise ConfigError("round, part or sender out of range")
+        if not 0 <= self.part_size <= PIECE_ELEMENTS * _MAX_SEQ:
+            raise ConfigError(f"part_size={self.part_size} out of range")
+
+    @property
+    def num_pieces(self) -> int:
+        return -(-self.part_size // PIECE_ELEMENTS)
+
+    def piece_bounds(self, piece: int) -> tuple[int, int]:
+        """Elements ``[start, end)`` of ``piece`` within the part."""
+        start = piece * PIECE_ELEMENTS
+        return start, min(start + PIECE_ELEMENTS, self.part_size)
+
+
+class DatagramSealer:
+    """Seals the pieces of one direction of a pair, numbering them in order.
+
+    Not safe to share between tasks that interleave (it keeps the sequence
+    number); one sender task per pair.
+    """
+
+    def __init__(self, key: bytes, pair: Pair) -> None:
+        self._aead = AESGCM(key)
+        self.pair = pair
+        self.seq = 0
+
+    def seal(self, piece: int, values: torch.Tensor | np.ndarray) -> bytes:
+        """The datagram of ``piece`` holding ``values`` (float32, its size).
+
+        Raises ``ValueError`` for a piece out of range or values of the wrong
+        size, ``OverflowError`` once 2**32 datagrams used the key.
+        """
+        start, end = self.pair.piece_bounds(piece)
+        array = values.detach().numpy() if isinstance(values, torch.Tensor) else values
+        if not 0 <= piece < self.pair.num_pieces or array.size != end - start:
+            raise ValueError(f"piece {piece} of a part of {self.pair.part_size} with {array.size}")
+        if self.seq > _MAX_SEQ:
+            raise OverflowError("2**32 datagrams under one key")
+        p = self.pair
+        header = HEADER.pack(
+            MAGIC,
+            VERSION,
+            p.kind,
+            p.group_tag,
+            p.round,
+            p.part,
+            p.sender,
+            start,
+            end - start,
+            self.seq,
+        )
+        # numpy, not torch, per datagram: microseconds less each, and a round
+        # sends thousands
+        data = np.ascontiguousarray(array, dtype="<f4").tobytes()
+        sealed = self._aead.encrypt(_nonce(self.seq), data, header)
+        self.seq += 1
+        return header + sealed
+
+
+def _nonce(seq: int) -> bytes:
+    return seq.to_bytes(12, "little")
+
+
+def peek_route(datagram: bytes) -> tuple[int, int, int] | None:
+    """``(kind, part, sender)`` of a datagram, to find its opener; None if
+    it is too short or not ours. Nothing in it is authenticated yet."""
+    if len(datagram) < HEADER.size + TAG_SIZE or datagram[:2] != MAGIC:
+        return None
+    _, _, kind, _, _, part, sender, _, _, _ = HEADER.unpack_from(datagram)
+    return kind, part, sender
+
+
+class DatagramOpener:
+    """Opens the datagrams of one direction of a pair, each piece at most once.
+
+    ``open`` returns ``(piece, values)`` for a datagram that authenticates and
+    brings a piece not seen before, and None for anything else (the module
+    docstring lists what is dropped; ``dropped`` counts why).
+    """
+
+    def __init__(self, key: bytes, pair: Pair) -> None:
+        self._aead = AESGCM(key)
+        self.pair = pair
+        self._seen_seq: set[int] = set()
+        self._have = bytearray(pair.num_pieces)
+        self.received = 0  # pieces accepted
+        self.dropped: Counter[str] = Counter()
+
+    def has(self, piece: int) -> bool:
+        return bool(self._have[piece])
+
+    def open(self, datagram: bytes | bytearray | memoryview) -> tuple[int, np.ndarray] | None:
+        """``(piece, values)`` (values: float32, read-only), or None."""
+        data = bytes(datagram)
+        if not HEADER.size + TAG_SIZE <= len(data) <= MAX_DATAGRAM_SIZE:
+            return self._drop("malformed")
+        magic, version, kind, tag, round_, part, sender, offset, count, seq = HEADER.unpack_from(
+            data
+        )
+        if magic != MAGIC or version != VERSION:
+            return self._drop("malformed")
+        p = self.pair
+        if (kind, tag, round_, part, sender) != (p.kind, p.group_tag, p.round, p.part, p.sender):
+            return self._drop("misrouted")
+        piece, rest = divmod(offset, PIECE_ELEMENTS)
+        if rest or piece >= p.num_pieces:
+            return self._drop("misplaced")
+        start, end = p.piece_bounds(piece)
+        if count != end - start or len(data) != HEADER.size + 4 * count + TAG_SIZE:
+            return self._drop("misplaced")
+        if seq in self._seen_seq:
+            return self._drop("replayed")
+        try:
+            plain = self._aead.decrypt(_nonce(seq), data[HEADER.size :], data[: HEADER.size])
+        except InvalidTag:
+            return self._drop("forged")
+        self._seen_seq.add(seq)
+        if self._have[piece]:
+            return self._drop("duplicate")
+        values = np.frombuffer(plain, dtype="<f4")
+        if not np.isfinite(values).all():
+            return self._drop("nonfinite")
+        self._have[piece] = 1
+        self.received += 1
+        return piece, values
+
+    def _drop(self, reason: str) -> tuple[int, np.ndarray] | None:
+        self.dropped[reason] += 1
+        return None

@@ -1,0 +1,716 @@
+"""The lossy all-reduce round: payload in datagrams, control on the reliable streams.
+
+``AllReduceConfig(lossy=True)`` makes ``all_reduce`` run this round instead of
+the TCP one (Weintraub, Banner, Orda 2025; DESIGN.md, "Networks like
+volunteers have"). The butterfly is the same (member j reduces part j), but
+each part is cut into pieces of ``PIECE_ELEMENTS`` values that travel in
+authenticated UDP datagrams (``_datagrams``) and are never retransmitted.
+
+Per (sender i, reducer j) pair, over one reliable stream ``LOSSY_STREAM``
+opened by i to j (the control channel)::
+
+    i -> j  header [version, group id, part j, sender i, weight, total, udp port]
+    j -> i  [udp port, round]                      (keys exported for ``round``)
+    i => j  PART datagrams of part j, paced (``Pacer``)
+    i -> j  ["sent", datagrams, seconds]            (end of sending)
+    j -> i  ["report", received, seconds, contributor masks]
+    j => i  RESULT datagrams of the averaged part j, paced
+    j -> i  ["sent", datagrams, seconds]
+    i -> j  ["got", received, seconds]
+
+Each member opens one UDP socket for the round; its port travels in the
+header and the reply. The masks of the report say, for each contributor of
+part j (weight > 0), which of its pieces are in the result: "which pieces
+each member received" is control, so every member knows exactly whose data is
+in each piece it gets back (``AllReduceResult.contributors``, one set per
+piece; ``chunk_elements`` is ``PIECE_ELEMENTS``).
+
+When a phase ends. The reducer averages once every expected piece arrived, or
+once each sender's end-of-sending arrived and ``DRAIN`` seconds more passed
+(datagrams sent before it may still be on their way), or at the reduce
+deadline, half the round's timeout after the start, whichever comes first. A
+sender that has not opened its stream within ``sender_timeout`` is left out, as
+is one whose stream breaks (what it delivered still counts). A member stops
+waiting for a part's results the same way: all pieces, or the reducer's
+end-of-sending plus ``DRAIN``, or the round's deadline. The estimator and what
+is lost: ``_pieces``. Pieces of a part whose report never came keep the local
+values (we could not say whose data is in them), and that reducer is in
+``failed_reducers``; senders left out entirely are in ``failed_senders``.
+Losing a piece is not a failure.
+
+Pacing. Nothing else protects a link from a sender flooding it: each sender
+paces its datagrams to one rate per remote peer (``Pacer``), set from what
+that peer reported for the previous round (``_pacing``).
+
+Restrictions: only the ``NONE`` codec (raw float32) and the weighted mean
+(no ``CenteredClip``): ``all_reduce`` raises ``ConfigError`` otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import select
+import socket
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+from weakref import WeakKeyDictionary
+
+import numpy as np
+import torch
+import trio
+
+from swarm import ConfigError, PeerID, ProtocolError
+from swarm._wire import expect_bytes, expect_float, expect_int, expect_list, expect_str
+
+from ._datagrams import (
+    PIECE_ELEMENTS,
+    DatagramOpener,
+    DatagramSealer,
+    Kind,
+    Pair,
+    group_tag,
+    key_label,
+    peek_route,
+)
+from ._faults import DatagramFilter, FaultPlan
+from ._group import Group, MemberMode
+from ._pacing import Pacer, PacerRegistry
+from ._partition import Partition
+from ._pieces import PieceMask, PieceReducer
+
+logger = logging.getLogger(__name__)
+
+#: Name of the control stream of the lossy all-reduce.
+LOSSY_STREAM = "allreduce-lossy"
+LOSSY_VERSION = 1
+#: Seconds a phase waits for late datagrams after the end-of-sending marker:
+#: the marker travels on TCP, the datagrams it follows on UDP, and the two
+#: may be reordered on the way by a few milliseconds.
+DRAIN = 0.05
+#: How long a control stream for a group this peer does not run (yet) waits.
+UNKNOWN_GROUP_WAIT = 2.0
+HEADER_TIMEOUT = 5.0
+#: Kernel receive buffer asked for the round's socket: a burst from several
+#: senders must not overflow it while the trio thread is busy.
+SOCKET_BUFFER = 8 * 2**20
+
+
+class _LossyStream(Protocol):
+    remote: PeerID
+
+    async def send(self, message: Any) -> None: ...
+    async def receive(self) -> Any: ...
+    async def aclose(self) -> None: ...
+    def export_key(self, label: bytes) -> bytes: ...
+
+
+class LossyNetwork(Protocol):
+    """The parts of ``swarm._connections.Connections`` the lossy round uses."""
+
+    @property
+    def peer_id(self) -> PeerID: ...
+
+    def set_handler(self, name: str, handler: Callable[[Any], Any]) -> None: ...
+
+    def open_stream(self, peer_id: PeerID, address: tuple[str, int], name: str) -> Any: ...
+
+
+@dataclass
+class _Inbound:
+    """One direction of one pair as the receiving end sees it."""
+
+    opener: DatagramOpener
+    on_piece: Callable[[int, np.ndarray], None]
+    complete: trio.Event = field(default_factory=trio.Event)
+    first: float | None = None
+    last: float = 0.0
+
+    def deliver(self, datagram: bytes) -> None:
+        opened = self.opener.open(datagram)
+        if opened is None:
+            return
+        now = trio.current_time()
+        if self.first is None:
+            self.first = now
+        self.last = now
+        self.on_piece(*opened)
+        if self.opener.received == self.opener.pair.num_pieces:
+            self.complete.set()
+
+    @property
+    def span(self) -> float:
+        return 0.0 if self.first is None else self.last - self.first
+
+
+@dataclass(frozen=True)
+class LossyOutcome:
+    """What ``lossy_all_reduce`` did, for ``AllReduceResult``."""
+
+    partition: Partition
+    contributors: tuple[tuple[frozenset[int], ...], ...]
+    failed_senders: frozenset[int]
+    failed_reducers: frozenset[int]
+    timed_out: bool
+    dropped: dict[str, int]
+
+
+async def lossy_all_reduce(
+    net: LossyNetwork,
+    group: Group,
+    flat: torch.Tensor,
+    weight: float,
+    *,
+    sender_timeout: float,
+    round_timeout: float,
+    fault_plan: FaultPlan | None = None,
+) -> LossyOutcome:
+    """Average ``flat`` (float32 vector) with ``group`` in place, pieces by datagram.
+
+    Every member calls this with the same group and vector size. Each piece
+    of the result is the renormalised weighted mean over the contributions
+    that reached its reducer (``_pieces``), or the local values where the
+    reduced piece did not come back. Returns at the latest ``round_timeout``
+    after the call (``timed_out``). Raises ``OSError`` if no UDP socket can be
+    opened (before anything is sent). On cancellation ``flat`` is unchanged
+    (results are written only at the end) and the cancellation propagates.
+    """
+    partition = Partition.for_group(group, flat.numel(), PIECE_ELEMENTS)
+    family = socket.AF_INET6 if ":" in group.local.host else socket.AF_INET
+    # A plain non-blocking socket, read by one task (``read_datagrams``) that
+    # can tell when the kernel's queue is empty (``settled``).
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    with sock:
+        sock.setblocking(False)
+        for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+            with suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
+        sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
+        rnd = _LossyRound(net, group, partition, flat, weight, sock, sender_timeout, round_timeout)
+        plan = fault_plan if fault_plan is not None else FaultPlan()
+        faults = plan.datagrams.filter(group.local_index) if plan.datagrams else None
+        with trio.move_on_after(round_timeout) as deadline, _registry(net).register(rnd):
+            async with trio.open_nursery() as outer:
+                outer.start_soon(rnd.read_datagrams, faults)
+                async with trio.open_nursery() as nursery:
+                    if rnd.reducer is not None:
+                        nursery.start_soon(rnd.reduce)
+                    if group.local.mode is not MemberMode.AUX:
+                        for part in range(group.size):
+                            if part != group.local_index and partition.part_size(part) > 0:
+                                nursery.start_soon(rnd.send_part, part)
+                outer.cancel_scope.cancel()
+        return rnd.finish(timed_out=deadline.cancelled_caught)
+
+
+class _LossyRound:
+    """One member's state for one lossy round: its reducer and sender roles."""
+
+    def __init__(
+        self,
+        net: LossyNetwork,
+        group: Group,
+        partition: Partition,
+        flat: torch.Tensor,
+        weight: float,
+        sock: socket.socket,
+        sender_timeout: float,
+        round_timeout: float,
+    ) -> None:
+        self.net = net
+        self.group = group
+        self.partition = partition
+        self.flat = flat
+        self.weight = weight
+        self.sock = sock
+        self.sender_timeout = sender_timeout
+        self.reduce_deadline = trio.current_time() + round_timeout / 2
+        self.tag = group_tag(group.group_id)
+        self.pacers = _pacers(net)
+        me = group.local_index
+        self.inbound: dict[tuple[int, int, int], _Inbound] = {}
+        self._all_inbound: list[_Inbound] = []  # for the counts of dropped datagrams
+        self.stray = 0
+        self._empty = trio.Event()
+        self._idle = False  # the reader waits for the socket to become readable
+        # Reducer role.
+        self.reducer: PieceReducer | None = None
+        self.reduced = trio.Event()
+        self._senders_left = {s for s in group.senders() if s != me}
+        self._accepted: set[int] = set()
+        self._serving = 0  # senders being served (``serve_sender``)
+        self._failed_senders: set[int] = set()
+        self._changed = trio.Event()
+        if partition.part_size(me) > 0:
+            self.reducer = PieceReducer(
+                partition.part_size(me), dict.fromkeys(group.senders(), 0.0)
+            )
+        # Sender role: results by part, written into ``flat`` only at the end.
+        self._results: dict[int, tuple[np.ndarray, PieceMask, dict[int, PieceMask]]] = {}
+        self._failed_reducers: set[int] = set()
+
+    # ------------------------------------------------------------- datagrams
+
+    async def read_datagrams(self, faults: DatagramFilter | None) -> None:
+        """Route every datagram to its pair's opener until cancelled."""
+        batch = 0
+        while True:
+            try:
+                data = self.sock.recv(2048)
+            except BlockingIOError:
+                self._empty.set()
+                self._empty = trio.Event()
+                self._idle = True
+                try:
+                    await trio.lowlevel.wait_readable(self.sock)
+                finally:
+                    self._idle = False
+                continue
+            except OSError:  # e.g. ICMP port unreachable from a round that ended
+                await trio.lowlevel.checkpoint()
+                continue
+            for datagram in faults(data) if faults is not None else (data,):
+                route = peek_route(datagram)
+                inbound = self.inbound.get(route) if route is not None else None
+                if inbound is None:
+                    self.stray += 1
+                else:
+                    inbound.deliver(datagram)
+            batch += 1
+            if batch % 64 == 0:  # let the senders and the control streams run
+                await trio.lowlevel.checkpoint()
+
+    async def settled(self) -> None:
+        """Return once the reader has found the kernel's queue empty after
+        this call: every datagram that had arrived by then was delivered. A
+        phase ends with this after its drain, so that a busy CPU, which delays
+        the reader as much as the drain's timer, does not lose datagrams
+        that did arrive."""
+        readable, _, _ = select.select([self.sock], [], [], 0)
+        if readable or not self._idle:
+            await self._empty.wait()
+
+    async def _wait_for_pieces(self, inbound: _Inbound) -> None:
+        """After the end-of-sending marker: all pieces, or ``DRAIN`` and then
+        what had arrived by then."""
+        if not inbound.complete.is_set():
+            with trio.move_on_after(DRAIN):
+                await inbound.complete.wait()
+            if not inbound.complete.is_set():
+                await self.settled()
+
+    async def _sendto(self, datagram: bytes, address: tuple[str, int]) -> None:
+        """Send one datagram; one the kernel refuses (ENOBUFS, unreachable)
+        is lost, like one dropped on the way."""
+        while True:
+            try:
+                self.sock.sendto(datagram, address)
+                return
+            except BlockingIOError:
+                # The send buffer is full. Several tasks send on this socket,
+                # and only one may wait for it to become writable: poll.
+                await trio.sleep(0.001)
+            except OSError:
+                return
+
+    async def _send_pieces(
+        self, sealer: DatagramSealer, values: torch.Tensor, address: tuple[str, int], pacer: Pacer
+    ) -> float:
+        """Send every piece of ``values``, paced at ``pacer.rate``; return the
+        seconds it took. A datagram the kernel refuses counts as lost."""
+        start = trio.current_time()
+        sent_bytes = 0
+        rate = pacer.rate
+        array = values.numpy()
+        for piece in range(sealer.pair.num_pieces):
+            lo, hi = sealer.pair.piece_bounds(piece)
+            datagram = sealer.seal(piece, array[lo:hi])
+            due = start + sent_bytes / rate
+            now = trio.current_time()
+            if due > now + 0.001:  # sleeping is coarse: below a millisecond, burst
+                await trio.sleep(due - now)
+            elif piece % 32 == 0:
+                await trio.lowlevel.checkpoint()
+            await self._sendto(datagram, address)
+            sent_bytes += len(datagram)
+        return trio.current_time() - start
+
+    # ----------------------------------------------------------------- reducer
+
+    def accept_header(self, stream: _LossyStream, message: Any) -> tuple[int, float, int]:
+        """A sender's header checked against this round: (sender, weight, udp port).
+
+        Raises ``ProtocolError`` with the one-line reason for the refusal.
+        """
+        fields = expect_list(message, 7, "lossy all-reduce header")
+        if expect_int(fields[0], "version") != LOSSY_VERSION:
+            raise ProtocolError(f"lossy all-reduce version {fields[0]}, expected {LOSSY_VERSION}")
+        me = self.group.local_index
+        if expect_int(fields[2], "part") != me or self.reducer is None:
+            raise ProtocolError(f"part {fields[2]} is not reduced here (member {me})")
+        sender = expect_int(fields[3], "sender", lo=0, hi=self.group.size - 1)
+        weight = expect_float(fields[4], "weight")
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ProtocolError("weight must be finite and >= 0")
+        if expect_int(fields[5], "total") != self.partition.total:
+            raise ProtocolError(f"vector sizes differ: ours has {self.partition.total} elements")
+        port = expect_int(fields[6], "udp port", lo=1, hi=65535)
+        member = self.group.members[sender]
+        if stream.remote != member.peer_id:
+            raise ProtocolError(f"member {sender} of the group is another peer")
+        if member.mode is MemberMode.AUX or sender == me:
+            raise ProtocolError(f"member {sender} sends no data here")
+        if sender in self._accepted or sender not in self._senders_left:
+            raise ProtocolError(f"member {sender} already has a stream, or is too late")
+        self._accepted.add(sender)
+        return sender, weight, port
+
+    def _sender_done(self, sender: int, *, failed: bool = False) -> None:
+        self._senders_left.discard(sender)
+        if failed:
+            self._failed_senders.add(sender)
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def reduce(self) -> None:
+        """Average our part once its phase ends (module docstring)."""
+        assert self.reducer is not None
+        me = self.group.local_index
+        lo, hi = self.partition.part_bounds[me]
+        if me in self.group.senders():
+            self.reducer.set_weight(me, self.weight)
+            self.reducer.add_all(me, self.flat[lo:hi])
+        start = trio.current_time()
+        with trio.move_on_at(self.reduce_deadline):
+            while self._senders_left:
+                late = trio.current_time() >= start + self.sender_timeout
+                for sender in list(self._senders_left - self._accepted) if late else []:
+                    self._sender_done(sender, failed=True)
+                if not self._senders_left:
+                    break
+                with trio.move_on_at(start + self.sender_timeout if not late else math.inf):
+                    await self._changed.wait()
+        for sender in self._senders_left - self._accepted:
+            self._sender_done(sender, failed=True)
+        self.reducer.finish()
+        self.reduced.set()
+        # Our socket closes when the round returns: serve every sender we
+        # accepted (they are bounded by the round's deadline) first.
+        while self._serving:
+            await self._changed.wait()
+
+    async def serve_sender(
+        self, stream: _LossyStream, sender: int, weight: float, port: int
+    ) -> None:
+        """The reducer's side of one pair, until the sender has its results.
+
+        The per-sender boundary: a failure ends this pair only.
+        """
+        assert self.reducer is not None
+        reducer = self.reducer
+        me = self.group.local_index
+        self._serving += 1
+        try:
+            reducer.set_weight(sender, weight)
+            round_ = secrets.randbelow(2**32)
+            gid = self.group.group_id
+            part_size = self.partition.part_size(me)
+            up = Pair(Kind.PART, self.tag, round_, me, sender, part_size)
+            inbound = _Inbound(
+                DatagramOpener(stream.export_key(key_label(Kind.PART, gid, round_)), up),
+                lambda piece, values: self._sender_piece(sender, piece, values),
+            )
+            route = (int(Kind.PART), me, sender)
+            self.inbound[route] = inbound
+            self._all_inbound.append(inbound)
+            await stream.send([self.sock.getsockname()[1], round_])
+            marker = expect_list(await stream.receive(), 3, "end of sending")
+            if expect_str(marker[0], "marker") != "sent":
+                raise ProtocolError("expected the end of sending")
+            expect_int(marker[1], "datagrams sent", lo=0)
+            expect_float(marker[2], "seconds sending")
+            await self._wait_for_pieces(inbound)
+            self._sender_done(sender)
+            await self.reduced.wait()
+            del self.inbound[route]
+            masks = [
+                [s, mask.to_bytes()]
+                for s, mask in sorted(reducer.masks.items())
+                if mask.count and reducer.weight(s) > 0
+            ]
+            await stream.send(["report", inbound.opener.received, inbound.span, masks])
+            # The all-gather: our averaged part back to the sender.
+            down = Pair(Kind.RESULT, self.tag, round_, me, sender, part_size)
+            sealer = DatagramSealer(stream.export_key(key_label(Kind.RESULT, gid, round_)), down)
+            result = reducer.result()
+            address = (self.group.members[sender].host, port)
+            pacer = self.pacers.pacer(stream.remote)
+            span = await self._send_results(sealer, result, address, pacer, reducer)
+            await stream.send(["sent", sealer.seq, span])
+            got = expect_list(await stream.receive(), 3, "results received")
+            if expect_str(got[0], "marker") != "got":
+                raise ProtocolError("expected the results received")
+            received = expect_int(got[1], "results received", lo=0, hi=sealer.seq)
+            arrival = expect_float(got[2], "seconds")
+            self.pacers.sender_report(stream.remote, sealer.seq, received, span, arrival)
+        except Exception as e:  # per-peer boundary: this sender only
+            logger.info("lossy all-reduce: serving member %d failed: %r", sender, e)
+            self._sender_done(sender, failed=not self.reduced.is_set())
+            await stream.aclose()
+        finally:
+            self._serving -= 1
+            self._changed.set()
+            self._changed = trio.Event()
+
+    def _sender_piece(self, sender: int, piece: int, values: np.ndarray) -> None:
+        assert self.reducer is not None
+        self.reducer.add(sender, piece, values)
+        if self.reducer.masks[sender].complete:
+            self._sender_done(sender)
+
+    async def _send_results(
+        self,
+        sealer: DatagramSealer,
+        result: torch.Tensor,
+        address: tuple[str, int],
+        pacer: Pacer,
+        reducer: PieceReducer,
+    ) -> float:
+        """Send the pieces of ``result`` that have one; seconds it took."""
+        start = trio.current_time()
+        sent_bytes = 0
+        rate = pacer.rate
+        array = result.numpy()
+        for piece in range(sealer.pair.num_pieces):
+            if not reducer.has_result(piece):
+                continue
+            lo, hi = sealer.pair.piece_bounds(piece)
+            datagram = sealer.seal(piece, array[lo:hi])
+            due = start + sent_bytes / rate
+            now = trio.current_time()
+            if due > now + 0.001:
+                await trio.sleep(due - now)
+            elif piece % 32 == 0:
+                await trio.lowlevel.checkpoint()
+            await self._sendto(datagram, address)
+            sent_bytes += len(datagram)
+        return trio.current_time() - start
+
+    # ------------------------------------------------------------------ sender
+
+    async def send_part(self, part: int) -> None:
+        """Send our values of ``part`` to its reducer and take its results back.
+
+        The per-reducer boundary: a failure leaves this part at our local
+        values and marks its reducer failed.
+        """
+        me = self.group.local_index
+        member = self.group.members[part]
+        lo, hi = self.partition.part_bounds[part]
+        part_size = hi - lo
+        try:
+            async with self.net.open_stream(member.peer_id, member.address, LOSSY_STREAM) as stream:
+                await stream.send(
+                    [
+                        LOSSY_VERSION,
+                        self.group.group_id,
+                        part,
+                        me,
+                        self.weight,
+                        self.partition.total,
+                        self.sock.getsockname()[1],
+                    ]
+                )
+                reply = expect_list(await stream.receive(), 2, "lossy all-reduce reply")
+                port = expect_int(reply[0], "udp port", lo=1, hi=65535)
+                round_ = expect_int(reply[1], "round", lo=0, hi=2**32 - 1)
+                gid = self.group.group_id
+                buffer = np.zeros(part_size, dtype=np.float32)
+                got = PieceMask(-(-part_size // PIECE_ELEMENTS))
+
+                def on_result(piece: int, values: np.ndarray) -> None:
+                    a, b = down.piece_bounds(piece)
+                    buffer[a:b] = values
+                    got.add(piece)
+
+                down = Pair(Kind.RESULT, self.tag, round_, part, me, part_size)
+                inbound = _Inbound(
+                    DatagramOpener(stream.export_key(key_label(Kind.RESULT, gid, round_)), down),
+                    on_result,
+                )
+                self.inbound[(int(Kind.RESULT), part, me)] = inbound
+                self._all_inbound.append(inbound)
+                up = Pair(Kind.PART, self.tag, round_, part, me, part_size)
+                sealer = DatagramSealer(stream.export_key(key_label(Kind.PART, gid, round_)), up)
+                pacer = self.pacers.pacer(member.peer_id)
+                span = await self._send_pieces(sealer, self.flat[lo:hi], (member.host, port), pacer)
+                await stream.send(["sent", sealer.seq, span])
+                report = expect_list(await stream.receive(), 4, "reducer report")
+                if expect_str(report[0], "marker") != "report":
+                    raise ProtocolError("expected the reducer's report")
+                received = expect_int(report[1], "pieces received", lo=0, hi=sealer.seq)
+                self.pacers.sender_report(
+                    member.peer_id, sealer.seq, received, span, expect_float(report[2], "seconds")
+                )
+                masks = self._parse_masks(report[3], got.n)
+                marker = expect_list(await stream.receive(), 3, "end of results")
+                if expect_str(marker[0], "marker") != "sent":
+                    raise ProtocolError("expected the end of the results")
+                await self._wait_for_pieces(inbound)
+                # From here on nothing more is taken: the result is what arrived.
+                del self.inbound[(int(Kind.RESULT), part, me)]
+                self._results[part] = (buffer, got, masks)
+                await stream.send(["got", inbound.opener.received, inbound.span])
+        except Exception as e:  # per-peer boundary: this reducer only
+            logger.info("lossy all-reduce: part %d from member %d failed: %r", part, part, e)
+            self._failed_reducers.add(part)
+
+    def _parse_masks(self, obj: Any, n: int) -> dict[int, PieceMask]:
+        if not isinstance(obj, list) or len(obj) > self.group.size:
+            raise ProtocolError("contributor masks: expected a list, one per contributor at most")
+        entries = obj
+        masks: dict[int, PieceMask] = {}
+        senders = set(self.group.senders())
+        for entry in entries:
+            fields = expect_list(entry, 2, "contributor mask")
+            s = expect_int(fields[0], "contributor", lo=0, hi=self.group.size - 1)
+            if s not in senders or s in masks:
+                raise ProtocolError(f"contributor {s} is not a sender, or named twice")
+            masks[s] = PieceMask.from_bytes(expect_bytes(fields[1], "mask", max_size=n), n)
+        return masks
+
+    # ------------------------------------------------------------------ result
+
+    def finish(self, *, timed_out: bool) -> LossyOutcome:
+        """Write the results into ``flat``; what each piece holds."""
+        me = self.group.local_index
+        local = frozenset({me})
+        contributors: list[tuple[frozenset[int], ...]] = []
+        aux = self.group.local.mode is MemberMode.AUX
+        flat = self.flat.numpy()  # piece by piece: numpy's slicing is the cheaper
+        interned: dict[frozenset[int], frozenset[int]] = {}
+        for part, (lo, hi) in enumerate(self.partition.part_bounds):
+            n = -(-(hi - lo) // PIECE_ELEMENTS)
+            pieces: list[frozenset[int]] = [frozenset() if aux else local] * n
+            if part == me and self.reducer is not None and self.reduced.is_set():
+                result = self.reducer.result().numpy()
+                for p in range(n):
+                    who = self.reducer.contributors(p)
+                    if who:
+                        a, b = p * PIECE_ELEMENTS, min((p + 1) * PIECE_ELEMENTS, hi - lo)
+                        if not aux:
+                            flat[lo + a : lo + b] = result[a:b]
+                        pieces[p] = interned.setdefault(who, who)
+            elif part in self._results and not aux:
+                buffer, got, masks = self._results[part]
+                for p in got.pieces():
+                    who = frozenset(s for s, m in masks.items() if p in m)
+                    if who:  # a piece nobody contributed to cannot be a result
+                        a, b = p * PIECE_ELEMENTS, min((p + 1) * PIECE_ELEMENTS, hi - lo)
+                        flat[lo + a : lo + b] = buffer[a:b]
+                        pieces[p] = interned.setdefault(who, who)
+            elif part != me and hi > lo and not aux:
+                self._failed_reducers.add(part)
+            contributors.append(tuple(pieces))
+        dropped: Counter[str] = Counter()
+        for inbound in self._all_inbound:
+            dropped.update(inbound.opener.dropped)
+        if self.stray:
+            dropped["stray"] = self.stray
+        if not aux:
+            self._log(contributors, dropped)
+        return LossyOutcome(
+            partition=Partition(self.partition.total, self.partition.part_bounds, PIECE_ELEMENTS),
+            contributors=tuple(contributors),
+            failed_senders=frozenset(self._failed_senders),
+            failed_reducers=frozenset(self._failed_reducers),
+            timed_out=timed_out,
+            dropped=dict(dropped),
+        )
+
+    def _log(self, contributors: list[tuple[frozenset[int], ...]], dropped: Counter[str]) -> None:
+        """One line per round: how much of the senders' data our result holds,
+        counted per element (what "averaged with k peers" means here)."""
+        senders = len(self.group.senders())
+        have = total = 0
+        for part, (lo, hi) in enumerate(self.partition.part_bounds):
+            for piece, who in enumerate(contributors[part]):
+                size = min(PIECE_ELEMENTS, hi - lo - piece * PIECE_ELEMENTS)
+                have += size * len(who)
+                total += size * senders
+        logger.info(
+            "lossy all-reduce %s: %.1f%% of the %d senders' data in our result%s",
+            self.group.group_id.hex()[:8],
+            100.0 * have / total if total else 100.0,
+            senders,
+            f"; dropped datagrams: {dict(sorted(dropped.items()))}" if dropped else "",
+        )
+
+
+# ---------------------------------------------------------------- the registry
+
+
+class _Registry:
+    """The lossy rounds this peer runs now, by group id; routes control streams."""
+
+    def __init__(self) -> None:
+        self._rounds: dict[bytes, _LossyRound] = {}
+        self._changed = trio.Event()
+
+    @contextmanager
+    def register(self, rnd: _LossyRound) -> Iterator[None]:
+        gid = rnd.group.group_id
+        if gid in self._rounds:
+            raise ConfigError(f"a round of group {gid.hex()} is already running on this peer")
+        self._rounds[gid] = rnd
+        self._changed.set()
+        self._changed = trio.Event()
+        try:
+            yield
+        finally:
+            del self._rounds[gid]
+
+    async def handle(self, stream: _LossyStream) -> None:
+        """The connection handler of ``LOSSY_STREAM``: ``ProtocolError`` refuses."""
+        with trio.move_on_after(HEADER_TIMEOUT) as wait:
+            header = await stream.receive()
+        if wait.cancelled_caught:
+            raise ProtocolError("no lossy all-reduce header in time")
+        fields = expect_list(header, 7, "lossy all-reduce header")
+        gid = expect_bytes(fields[1], "group id", max_size=64)
+        with trio.move_on_after(UNKNOWN_GROUP_WAIT):
+            while gid not in self._rounds:
+                await self._changed.wait()
+        rnd = self._rounds.get(gid)
+        if rnd is None:
+            raise ProtocolError(f"no lossy all-reduce round for group {gid.hex()[:16]} here")
+        sender, weight, port = rnd.accept_header(stream, header)
+        await rnd.serve_sender(stream, sender, weight, port)
+
+
+_registries: WeakKeyDictionary[Any, _Registry] = WeakKeyDictionary()
+_pacer_registries: WeakKeyDictionary[Any, PacerRegistry] = WeakKeyDictionary()
+
+
+def serve_lossy_allreduce(net: LossyNetwork) -> None:
+    """Accept lossy all-reduce control streams on ``net`` from now on."""
+    _registry(net)
+
+
+def _registry(net: LossyNetwork) -> _Registry:
+    registry = _registries.get(net)
+    if registry is None:
+        registry = _registries[net] = _Registry()
+        net.set_handler(LOSSY_STREAM, registry.handle)
+    return registry
+
+
+def _pacers(net: LossyNetwork) -> PacerRegistry:
+    pacers = _pacer_registries.get(net)
+    if pacers is None:
+        pacers = _pacer_registries[net] = PacerRegistry()
+    return pacers

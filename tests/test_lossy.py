@@ -1,0 +1,213 @@
+"""The lossy all-reduce (``averaging._lossy``) over real sockets on 127.0.0.1.
+
+Datagrams cross real UDP sockets; the loss, duplication and reordering come
+from a seeded ``DatagramFaults`` filter at each receiver, composed into the
+real round (as the TCP all-reduce's ``FaultPlan``). The invariant checked for
+every member and every piece: the piece is the weighted mean over exactly the
+members recorded as its contributors, and a piece recorded as the member's
+alone holds its own values.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import pytest
+import torch
+import trio
+
+from averaging import AllReduceConfig, AllReduceResult, all_reduce
+from averaging._codecs import FLOAT16
+from averaging._datagrams import PIECE_ELEMENTS
+from averaging._faults import DatagramFaults, FaultPlan
+from averaging._group import Group, GroupMember, MemberMode
+from averaging._lossy import LOSSY_STREAM, LOSSY_VERSION
+from swarm import ConfigError, Identity, SwarmError
+from swarm._connections import ConnectionConfig, Connections, open_connections
+
+TOTAL = 20_000  # about 15 pieces per part in a group of 4
+LOSSY = AllReduceConfig(sender_timeout=2.0, reducer_timeout=4.0, round_timeout=15.0, lossy=True)
+WEIGHTS = [1.0, 2.0, 0.5, 1.5]
+
+
+@asynccontextmanager
+async def open_peers(n: int, *, encrypt: bool = True) -> AsyncIterator[list[Connections]]:
+    async with AsyncExitStack() as stack:
+        yield [
+            await stack.enter_async_context(
+                open_connections(
+                    Identity.from_seed(bytes([i + 1]) * 32),
+                    config=ConnectionConfig(encrypt=encrypt),
+                )
+            )
+            for i in range(n)
+        ]
+
+
+def make_groups(
+    nets: Sequence[Connections], modes: Sequence[MemberMode] | None = None
+) -> list[Group]:
+    modes = modes or [MemberMode.NODE] * len(nets)
+    members = tuple(
+        GroupMember(net.peer_id, "127.0.0.1", net.port, 1.0, mode)
+        for net, mode in zip(nets, modes, strict=True)
+    )
+    return [Group(b"lossy-group", members, i) for i in range(len(nets))]
+
+
+def member_data(i: int) -> torch.Tensor:
+    return torch.randn(TOTAL, generator=torch.Generator().manual_seed(100 + i))
+
+
+async def run_round(
+    nets: Sequence[Connections],
+    groups: Sequence[Group],
+    weights: Sequence[float],
+    plan: FaultPlan | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[AllReduceResult]]:
+    inputs = [member_data(i) for i in range(len(nets))]
+    tensors = [[x[:300].clone().view(30, 10), x[300:].clone()] for x in inputs]
+    results: list[AllReduceResult | None] = [None] * len(nets)
+
+    async def member(i: int) -> None:
+        results[i] = await all_reduce(
+            nets[i], groups[i], tensors[i], weight=weights[i], config=LOSSY, fault_plan=plan
+        )
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(nets)):
+            nursery.start_soon(member, i)
+    outputs = [torch.cat([t[0].reshape(-1), t[1]]) for t in tensors]
+    done = [r for r in results if r is not None]
+    assert len(done) == len(nets)
+    return inputs, outputs, done
+
+
+def check_pieces(
+    inputs: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    results: Sequence[AllReduceResult],
+    weights: Sequence[float],
+    members: Sequence[int],
+) -> int:
+    """The invariant for every piece of every member in ``members``; returns
+    how many pieces hold fewer contributions than all senders'."""
+    partial = 0
+    for i in members:
+        result = results[i]
+        assert result.chunk_elements == PIECE_ELEMENTS
+        assert not result.timed_out
+        for part, (start, end) in enumerate(result.part_bounds):
+            assert len(result.contributors[part]) == -(-(end - start) // PIECE_ELEMENTS)
+            for piece, who in enumerate(result.contributors[part]):
+                a = start + piece * PIECE_ELEMENTS
+                b = min(a + PIECE_ELEMENTS, end)
+                assert who, (i, part, piece)
+                partial += len(who) < len(weights)
+                total = sum(weights[s] for s in who)
+                mean = sum(weights[s] * inputs[s][a:b] for s in who) / total
+                assert torch.allclose(outputs[i][a:b], mean, atol=1e-5, rtol=0), (i, part, piece)
+    return partial
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
+async def test_weighted_mean_over_a_clean_network(encrypt: bool) -> None:
+    async with open_peers(4, encrypt=encrypt) as nets:
+        inputs, outputs, results = await run_round(nets, make_groups(nets), WEIGHTS)
+    assert check_pieces(inputs, outputs, results, WEIGHTS, range(4)) == 0
+    expected = sum(w * x for w, x in zip(WEIGHTS, inputs, strict=True)) / sum(WEIGHTS)
+    for out in outputs:
+        assert torch.allclose(out, expected, atol=1e-5, rtol=0)
+    for result in results:
+        assert not result.failed_senders and not result.failed_reducers
+
+
+async def test_loss_duplicates_and_reordering_average_only_what_arrived(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    plan = FaultPlan(datagrams=DatagramFaults(drop=0.2, duplicate=0.2, reorder=0.2, seed=7))
+    caplog.set_level(logging.INFO, logger="averaging._lossy")
+    async with open_peers(4) as nets:
+        inputs, outputs, results = await run_round(nets, make_groups(nets), WEIGHTS, plan)
+    # 20% of about 2 x 4 x 3 x 15 datagrams are lost: many pieces are partial.
+    assert check_pieces(inputs, outputs, results, WEIGHTS, range(4)) > 0
+    for result in results:  # losing pieces is not a failure of anybody
+        assert not result.failed_senders and not result.failed_reducers
+    # Each member says how much data its result holds, and the duplicates
+    # were dropped as replays (the same sequence number twice).
+    lines = [r.getMessage() for r in caplog.records if "lossy all-reduce" in r.getMessage()]
+    assert len([line for line in lines if "senders' data in our result" in line]) == 4
+    assert any("'replayed'" in line for line in lines), lines
+
+
+async def test_everything_lost_keeps_local_values() -> None:
+    plan = FaultPlan(datagrams=DatagramFaults(drop=1.0, seed=1))
+    async with open_peers(3) as nets:
+        inputs, outputs, results = await run_round(nets, make_groups(nets), WEIGHTS[:3], plan)
+    for i, result in enumerate(results):
+        for part in range(len(result.part_bounds)):
+            # Our own part holds our data only; the others' results never came.
+            assert set(result.contributors[part]) == {frozenset({i})}
+        assert torch.equal(outputs[i], inputs[i])
+
+
+async def test_client_and_auxiliary_members() -> None:
+    modes = [MemberMode.NODE, MemberMode.CLIENT, MemberMode.AUX]
+    async with open_peers(3) as nets:
+        inputs, outputs, _ = await run_round(nets, make_groups(nets, modes), [1.0, 3.0, 0.0])
+    expected = (inputs[0] + 3 * inputs[1]) / 4
+    assert torch.allclose(outputs[0], expected, atol=1e-5, rtol=0)
+    assert torch.allclose(outputs[1], expected, atol=1e-5, rtol=0)
+    assert torch.equal(outputs[2], inputs[2])  # auxiliary: reduces, keeps its tensors
+
+
+async def test_rounds_reuse_connections_and_keys_differ() -> None:
+    async with open_peers(2) as nets:
+        groups = make_groups(nets)
+        for _ in range(3):
+            inputs, outputs, results = await run_round(nets, groups, [1.0, 1.0])
+            assert check_pieces(inputs, outputs, results, [1.0, 1.0], range(2)) == 0
+
+
+async def test_lossy_needs_raw_float32_and_the_mean() -> None:
+    from averaging import CenteredClip
+
+    with pytest.raises(ConfigError):
+        AllReduceConfig(lossy=True, aggregation=CenteredClip(tau=1.0))
+    async with open_peers(2) as nets:
+        groups = make_groups(nets)
+        with pytest.raises(ConfigError):
+            await all_reduce(nets[0], groups[0], [torch.zeros(10)], config=LOSSY, codec=FLOAT16)
+
+
+async def test_control_streams_that_break_the_rules_are_refused() -> None:
+    """Member 0 runs a round with member 1, which never shows up; peer 2, not
+    a member, opens control streams to member 0 by hand: claiming member 1's
+    index, or naming a group member 0 does not run. Both are refused with a
+    one-line reason, and member 0 ends with its own values and member 1 out."""
+    async with open_peers(3) as nets:
+        groups = make_groups(nets[:2])
+        x = member_data(0)
+        results: list[AllReduceResult] = []
+
+        async def member0() -> None:
+            results.append(await all_reduce(nets[0], groups[0], [x], config=LOSSY))
+
+        async def refused(header: list[object], reason: str) -> None:
+            with pytest.raises(SwarmError, match=reason):
+                async with nets[2].open_stream(
+                    nets[0].peer_id, ("127.0.0.1", nets[0].port), LOSSY_STREAM
+                ) as stream:
+                    await stream.send(header)
+                    await stream.receive()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(member0)
+            gid = groups[0].group_id
+            await refused([LOSSY_VERSION, gid, 0, 1, 1.0, TOTAL, 9], "another peer")
+            await refused([LOSSY_VERSION + 1, gid, 0, 1, 1.0, TOTAL, 9], "version")
+            await refused([LOSSY_VERSION, b"nope", 0, 1, 1.0, TOTAL, 9], "no lossy all-reduce")
+    assert results[0].failed_senders == {1} and results[0].failed_reducers == {1}
+    assert torch.equal(x, member_data(0))
