@@ -55,11 +55,14 @@ manager), ``StreamResetError`` (the remote aborted the stream),
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 import math
 import os
 import socket
+import struct
+import termios
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager, suppress
@@ -352,6 +355,17 @@ class _Connection:
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(self.socket)
 
+    def unacknowledged_bytes(self) -> int:
+        """Bytes handed to the kernel that the remote has not acknowledged yet
+        (queued or in flight: Linux's SIOCOUTQ); 0 where that cannot be read."""
+        if self.closed:
+            return 0
+        try:
+            raw = fcntl.ioctl(self.socket.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+        except OSError:
+            return 0
+        return max(0, int(struct.unpack("i", raw)[0]))
+
     def check_sizes(self, frames: list[tuple[FrameKind, bytes | bytearray | memoryview]]) -> None:
         """``ValueError`` if a payload exceeds ``max_frame_size``."""
         for _, payload in frames:
@@ -577,6 +591,13 @@ class Stream:
         """
         self._check_send()
         await self._send([(FrameKind.BYTES, data) for data in frames])
+
+    def unacknowledged_bytes(self) -> int:
+        """Bytes sent on this stream's connection that the remote's kernel has
+        not acknowledged yet (0 where the platform cannot tell). What a send
+        handed over minus the growth of this is what crossed the link meanwhile
+        (``averaging._link_meter``)."""
+        return self._connection.unacknowledged_bytes()
 
     async def send_eof(self) -> None:
         """Tell the remote we will send nothing more; idempotent."""
