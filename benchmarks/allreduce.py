@@ -146,6 +146,8 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         reducer_timeout=120.0,
         round_timeout=600.0,
         chunk_elements=args.chunk_elements,
+        window_bytes=args.window_bytes,
+        min_chunks_per_part=args.min_chunks_per_part,
     )
     x = torch.empty(args.size, dtype=torch.float32)
     bounds = [args.size * i // args.split for i in range(args.split + 1)]
@@ -321,6 +323,10 @@ def launch(
                         str(args.rounds),
                         "--chunk-elements",
                         str(args.chunk_elements),
+                        "--window-bytes",
+                        str(args.window_bytes),
+                        "--min-chunks-per-part",
+                        str(args.min_chunks_per_part),
                         "--threads",
                         str(args.threads),
                         "--split",
@@ -373,6 +379,12 @@ def main() -> None:
         default=None,
         help="elements per all-reduce chunk (default: AllReduceConfig's)",
     )
+    parser.add_argument(
+        "--window-bytes", type=int, default=None, help="default: AllReduceConfig's"
+    )
+    parser.add_argument(
+        "--min-chunks-per-part", type=int, default=None, help="default: AllReduceConfig's"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per peer")
     parser.add_argument(
         "--split", type=int, default=1, help="our all-reduce gets the vector as N tensors"
@@ -400,10 +412,12 @@ def main() -> None:
     parser.add_argument("--bandwidths", help=argparse.SUPPRESS)
     parser.add_argument("--measured", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.chunk_elements is None:
-        from averaging import AllReduceConfig
+    from averaging import AllReduceConfig
 
-        args.chunk_elements = AllReduceConfig().chunk_elements
+    defaults = AllReduceConfig()
+    for name in ("chunk_elements", "window_bytes", "min_chunks_per_part"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(defaults, name))
     if args.worker:
         worker(args)
         return
@@ -487,7 +501,7 @@ def link_main(args: argparse.Namespace) -> None:
         ]
         for codec in codecs:
             runs.append((f"ours, plaintext, {codec}", "ours", False, codec, None, False))
-        if "none" in codecs:
+        if "none" in codecs and not args.plain_only:
             runs.insert(2, ("ours, encrypted, none", "ours", True, "none", None, False))
         if args.slow_peer:
             # what part sizes in proportion to the links would give, and what
