@@ -36,6 +36,7 @@ import enum
 import math
 import struct
 import sys
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -187,15 +188,16 @@ def _encode_uint8(x: torch.Tensor, block: int, out: bytearray, at: int) -> None:
     half to even, as ``round`` does) in its lowest mantissa byte, which is
     copied out as is; |x| <= absmax keeps it in [0, 254] without a clamp.
     abs, div, round, clamp, add and a float-to-uint8 conversion each took a
-    pass before, and a padded copy of the vector a last partial block: 2x
-    the time. A NaN absmax gives a NaN scale, an Inf one an Inf scale: the
-    blob decodes to non-finite values either way.
+    pass before, and a padded copy of the vector a last partial block; the
+    products go to a reused buffer (``_scratch``). A NaN absmax gives a NaN
+    scale, an Inf one an Inf scale: the blob decodes to non-finite values
+    either way.
     """
     n = x.numel()
     full, tail = divmod(n, block)
     blocks = full + (tail > 0)
     scale = _writable(out, torch.float32, blocks, at)
-    q = torch.empty(n, dtype=torch.float32)
+    q = _scratch(n)
     # the whole blocks, then the last partial one (as a block of its own size)
     for first, rows_of, size in ((0, full, block), (full, 1 if tail else 0, tail)):
         if rows_of == 0:
@@ -212,6 +214,23 @@ def _encode_uint8(x: torch.Tensor, block: int, out: bytearray, at: int) -> None:
     q.add_(127.0 + 2.0**23)
     low_bytes = q.view(torch.uint8)[0::4]  # little-endian: the lowest byte first
     _writable(out, torch.uint8, n, at + 4 * blocks).copy_(low_bytes)
+
+
+_local = threading.local()
+
+
+def _scratch(n: int) -> torch.Tensor:
+    """``n`` float32 values of this thread's scratch buffer (contents undefined).
+
+    Reused between calls: fresh memory costs a page fault per 4 KiB when it
+    is first written, which for a 5 MB chunk took longer than quantizing it.
+    Each thread that encodes keeps one buffer of the largest chunk it encoded
+    (4 MiB at the all-reduce's default chunk size).
+    """
+    buffer: torch.Tensor | None = getattr(_local, "buffer", None)
+    if buffer is None or buffer.numel() < n:
+        buffer = _local.buffer = torch.empty(n, dtype=torch.float32)
+    return buffer[:n]
 
 
 def _writable(out: bytearray, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
