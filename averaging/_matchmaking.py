@@ -8,7 +8,11 @@ One round, for one peer and its group key (the Moshpit key of this round):
 
 1. It announces itself under the key: a signed sub-key (``owner_marker``) whose
    value says where to dial it and by when, as a leader, it will close its group
-   (``join_by``, now + ``matchmaking_time``).
+   (``join_by``, now + ``matchmaking_time``), and the upload and download rates
+   its link was measured to move (``_link_meter``), which the group's parts
+   follow (``_partition.part_weights``). Records and members without rates
+   (peers that declared their bandwidth, or measured nothing yet, or predate
+   the rates) are the shorter lists they always were, and still parse.
 2. As a *leader* it admits followers until the group is full or ``join_by``
    passes, then, with at least ``min_group_size`` members, tells every follower
    the group on the stream the follower opened.
