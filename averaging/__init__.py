@@ -3,7 +3,8 @@
 Modules, pure code first:
 
 - ``_group``: a group's ordered members, their modes (node, client, aux) and id
-- ``_partition``: flatten tensors and cut the vector into parts by bandwidth
+- ``_partition``: flatten tensors and cut the vector into parts by link rate
+- ``_link_meter``: a peer's upload and download rates, measured from its rounds
 - ``_codecs``: parts on the wire: float32, float16, 8-bit blockwise, 4-bit groups
 - ``_reducer``: per-chunk weighted accumulation that survives failed senders
 - ``_robust``: CenteredClip, Byzantine-robust aggregation of a chunk
@@ -29,6 +30,7 @@ from ._codecs import FLOAT16, NONE, UINT4, UINT8, Codec, CodecKind
 from ._faults import DatagramFaults, FaultPlan, InjectedFault, MemberFault
 from ._grid import GridAgreement, GridProposal
 from ._group import Group, GroupMember, MemberMode
+from ._link_meter import LinkMeter
 from ._matchmaking import MatchmakingConfig
 from ._moshpit import MoshpitGrid, MoshpitState
 from ._partition import flat_zeros_like
@@ -64,6 +66,7 @@ __all__ = [
     "GroupMember",
     "HostStaging",
     "InjectedFault",
+    "LinkMeter",
     "LoadedState",
     "LocalTensorError",
     "MatchmakingConfig",

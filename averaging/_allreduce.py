@@ -55,7 +55,12 @@ import logging
 import math
 import struct
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import AbstractAsyncContextManager, contextmanager
+from contextlib import (
+    AbstractAsyncContextManager,
+    AbstractContextManager,
+    contextmanager,
+    nullcontext,
+)
 from dataclasses import dataclass
 from typing import Any, Protocol
 from weakref import WeakKeyDictionary
@@ -78,6 +83,7 @@ from ._codecs import (
 )
 from ._faults import FaultPlan, InjectedFault, MemberFault
 from ._group import Group, MemberMode
+from ._link_meter import LinkMeter, RoundTraffic
 from ._lossy import lossy_all_reduce, serve_lossy_allreduce
 from ._partition import Partition, flatten, unflatten_into
 from ._reducer import PartReducer, ReceivedParts
@@ -242,6 +248,7 @@ class StreamLike(Protocol):
         progress: Callable[[memoryview, int], None] | None = None,
     ) -> int: ...
     async def aclose(self) -> None: ...
+    def unacknowledged_bytes(self) -> int: ...
 
 
 class Network(Protocol):
@@ -266,6 +273,7 @@ async def all_reduce(
     codec: Codec = NONE,
     config: AllReduceConfig | None = None,
     fault_plan: FaultPlan | None = None,
+    meter: LinkMeter | None = None,
 ) -> AllReduceResult:
     """Average ``tensors`` with ``group``, in place; return who contributed where.
 
@@ -281,6 +289,9 @@ async def all_reduce(
     and ``InjectedFault`` if the fault plan says so. On cancellation, the
     tensors hold a mix of averaged and local chunks (each chunk whole) and
     the cancellation propagates; remote members see us fail.
+
+    ``meter``, if given, gets this round's upload and download rates
+    (``_link_meter``) if nothing failed in it; a lossy round measures nothing.
     """
     config = config if config is not None else AllReduceConfig()
     plan = fault_plan if fault_plan is not None else FaultPlan()
@@ -299,7 +310,8 @@ async def all_reduce(
     chunk = pipelined_chunk_elements(partition, config)
     if chunk != partition.chunk_elements:
         partition = Partition(partition.total, partition.part_bounds, chunk)
-    rnd = _Round(net, group, partition, flat, weight, codec, config, fault)
+    traffic = meter.round_traffic() if meter is not None else None
+    rnd = _Round(net, group, partition, flat, weight, codec, config, fault, traffic)
     with (
         trio.move_on_after(config.round_timeout) as deadline,
         rnd.reducer_buffer(),
@@ -313,6 +325,8 @@ async def all_reduce(
                     if partition.part_size(part) > 0:
                         nursery.start_soon(rnd.send_part, part)
     result = rnd.result(timed_out=deadline.cancelled_caught)
+    if meter is not None and traffic is not None and _fault_free(result):
+        meter.record(traffic)
     if group.local.mode is not MemberMode.AUX:
         unflatten_into(flat, tensors)
         _log_contributors(result, len(group.senders()))
@@ -361,6 +375,14 @@ async def _lossy_round(
     return result
 
 
+def _fault_free(result: AllReduceResult) -> bool:
+    """Whether a round measured links only: a stalled or failed member makes
+    the others' sends to it look slow."""
+    return not (
+        result.timed_out or result.failed_senders or result.failed_reducers or result.self_dialed
+    )
+
+
 def _log_contributors(result: AllReduceResult, senders: int) -> None:
     """One line per round saying whose data is in *every* element of our
     result: what a caller may truthfully report as "averaged with k peers"."""
@@ -402,8 +424,10 @@ class _Round:
         codec: Codec,
         config: AllReduceConfig,
         fault: MemberFault,
+        traffic: RoundTraffic | None = None,
     ) -> None:
         self.net = net
+        self.traffic = traffic
         self.group = group
         self.partition = partition
         self.flat = flat
@@ -537,7 +561,8 @@ class _Round:
                         chunk = reducer.delivered(sender)
                         frame = await stream.receive()
                         header, size = parse_chunk_header(frame, chunk, sizes[chunk])
-                        payload = await scratch.receive(stream, size, check.watch(header))
+                        with self._receiving(stream, size):
+                            payload = await scratch.receive(stream, size, check.watch(header))
                     if header is None or payload is None:
                         logger.info("all-reduce: member %d missed sender_timeout", sender)
                         self._completed(reducer.fail(sender))
@@ -560,6 +585,22 @@ class _Round:
                 await stream.aclose()  # not a clean end: the sender sees it fail
             serving.cancel()
 
+    def _sending(
+        self, stream: StreamLike, frames: Sequence[bytes | bytearray | memoryview]
+    ) -> AbstractContextManager[None]:
+        """Times a send to another peer for the link meter (not our own part)."""
+        if self.traffic is None or isinstance(stream, _LocalStream):
+            return nullcontext()
+        return self.traffic.sending(sum(memoryview(f).nbytes for f in frames), stream)
+
+    def _receiving(self, stream: StreamLike, size: int) -> AbstractContextManager[None]:
+        """Times the receipt of a payload from another peer for the link meter.
+        The payload follows its header in the same send: from the header on,
+        the receive waits only for the payload's bytes to cross the link."""
+        if self.traffic is None or isinstance(stream, _LocalStream):
+            return nullcontext()
+        return self.traffic.receiving(size)
+
     def _blame(self, member: int, error: Exception) -> None:
         """A member that broke the all-reduce protocol (a malformed or NaN part,
         a forged result) is banned by the connection layer; other failures
@@ -573,8 +614,9 @@ class _Round:
             await done.wait()
             await self.fault.before_reply(chunk)
             # A sender that stops reading must not hold the round open.
-            with trio.fail_after(self.config.reducer_timeout):
-                await stream.send_bytes_batch(self._frames[chunk])
+            frames = self._frames[chunk]
+            with trio.fail_after(self.config.reducer_timeout), self._sending(stream, frames):
+                await stream.send_bytes_batch(frames)
             self._frame_sent(chunk, sender)
 
     def _completed(self, chunks: range) -> None:
@@ -713,7 +755,9 @@ class _Round:
                 # this chunk, which overwrite it, come only once the reducer
                 # has all of it (or has excluded us and ignores the rest).
                 header, payload = encode_split(self.flat[start + a : start + b], self.codec)
-                await stream.send_bytes_batch((_CHUNK_INDEX.pack(chunk) + header, payload))
+                frames = (_CHUNK_INDEX.pack(chunk) + header, payload)
+                with self._sending(stream, frames):
+                    await stream.send_bytes_batch(frames)
         except Exception as e:  # per-peer boundary: ends this exchange
             failure.append(e)
             scope.cancel()
@@ -734,7 +778,8 @@ class _Round:
                         self.received.received(part, chunk, contributors)
                         window.advance(chunk + 1)
                         continue
-                    payload = await scratch.receive(stream, size, check.watch(blob_header))
+                    with self._receiving(stream, size):
+                        payload = await scratch.receive(stream, size, check.watch(blob_header))
                 values = decode_split(blob_header, payload, expected_length=b - a)
                 # Into place only once it is known to be good: a failed chunk
                 # keeps the local values. Our own reducer's float32 results are
@@ -1135,6 +1180,9 @@ class _LocalStream:
     async def aclose(self) -> None:
         await self._send.aclose()
         await self._receive.aclose()
+
+    def unacknowledged_bytes(self) -> int:
+        return 0  # nothing crosses a link
 
 
 def _local_stream_pair(peer: PeerID) -> tuple[_LocalStream, _LocalStream]:

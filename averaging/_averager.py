@@ -25,6 +25,7 @@ from ._allreduce import AllReduceConfig, AllReduceResult, all_reduce, serve_allr
 from ._codecs import NONE, Codec
 from ._faults import FaultPlan
 from ._group import Group, GroupMember, MemberMode
+from ._link_meter import LinkMeter
 from ._matchmaking import Matchmaker, MatchmakingConfig
 from ._moshpit import MoshpitGrid, MoshpitState
 
@@ -42,16 +43,23 @@ class AveragerConfig:
     matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
     allreduce: AllReduceConfig = field(default_factory=AllReduceConfig)
     codec: Codec = NONE
-    #: this peer's share of the reducing work, relative to the others
-    bandwidth: float = 1.0
+    #: this peer's declared share of the reducing work, relative to the
+    #: others'. None (the default): parts follow the upload rates the members
+    #: measured in their earlier rounds (``_link_meter``), equal shares until
+    #: every member of a group has measured. A number overrides the
+    #: measurement: this peer then publishes none, and its groups cut parts by
+    #: declared shares (1.0 for members that declared nothing).
+    bandwidth: float | None = None
     #: NODE (default), AUX (reduces, weight 0); CLIENT follows the peer's client_mode
     mode: MemberMode = MemberMode.NODE
     #: peers the grid is sized for when no grid is given (MoshpitGrid.for_swarm)
     expected_peers: int = 256
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.bandwidth) and self.bandwidth > 0):
-            raise ConfigError(f"bandwidth={self.bandwidth} must be a positive number")
+        if self.bandwidth is not None and not (
+            math.isfinite(self.bandwidth) and self.bandwidth > 0
+        ):
+            raise ConfigError(f"bandwidth={self.bandwidth} must be a positive number or None")
         if self.expected_peers < 1:
             raise ConfigError("expected_peers must be at least 1")
 
@@ -149,6 +157,8 @@ class Averager:
         self.state = MoshpitState(0, tuple(coordinates))
         self.grid.group_key(prefix, 0, self.state.coordinates)  # validates the coordinates
         self.fault_plan = fault_plan
+        #: this peer's upload and download rates, measured from its rounds
+        self.link_meter = LinkMeter(trio.current_time)
         self._matchmaker = Matchmaker(self.peer, prefix, config.matchmaking)
         self.peer.connections.set_handler(self._matchmaker.stream_name, self._matchmaker.handle)
         serve_allreduce(self.peer.connections)
@@ -171,9 +181,17 @@ class Averager:
         return self.config.mode
 
     def _member(self) -> GroupMember:
+        """This peer as a group member: its declared share, or (by default)
+        the rates its link was measured to move."""
         host, port = self.peer.endpoint
-        bandwidth = 0.0 if self.mode is MemberMode.CLIENT else self.config.bandwidth
-        return GroupMember(self.peer.peer_id, host, port, bandwidth, self.mode)
+        if self.mode is MemberMode.CLIENT:
+            return GroupMember(self.peer.peer_id, host, port, 0.0, self.mode)
+        if self.config.bandwidth is not None:
+            return GroupMember(self.peer.peer_id, host, port, self.config.bandwidth, self.mode)
+        meter = self.link_meter
+        return GroupMember(
+            self.peer.peer_id, host, port, 1.0, self.mode, meter.upload, meter.download
+        )
 
     async def step(
         self,
@@ -283,6 +301,7 @@ class Averager:
                 codec=self.config.codec if codec is None else codec,
                 config=self.config.allreduce,
                 fault_plan=self.fault_plan,
+                meter=self.link_meter,
             )
             if last:
                 members = [bytes(m.peer_id) for m in group.members]

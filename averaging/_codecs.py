@@ -36,6 +36,7 @@ import enum
 import math
 import struct
 import sys
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -159,15 +160,11 @@ def encode_into(values: torch.Tensor, codec: Codec, prefix: bytes = b"") -> byte
     if codec.kind is CodecKind.FLOAT16:
         _writable(out, torch.float16, n, at).copy_(x)
         return out
+    if codec.kind is CodecKind.UINT8:
+        _encode_uint8(x, codec.block_size, out, at)
+        return out
     rows = _padded_blocks(x, codec.block_size)
     blocks = rows.shape[0]
-    if codec.kind is CodecKind.UINT8:
-        scale = _writable(out, torch.float32, blocks, at)
-        torch.amax(rows.abs(), dim=1, out=scale).div_(127.0)
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = rows.div(safe.unsqueeze(1)).round_().clamp_(-127, 127).add_(127)
-        _writable(out, torch.uint8, n, at + 4 * blocks).copy_(q.view(-1)[:n])
-        return out
     low = _writable(out, torch.float32, blocks, at)
     scale = _writable(out, torch.float32, blocks, at + 4 * blocks)
     torch.amin(rows, dim=1, out=low)
@@ -180,6 +177,60 @@ def encode_into(values: torch.Tensor, codec: Codec, prefix: bytes = b"") -> byte
     packed = _writable(out, torch.uint8, (n + 1) // 2, at + 8 * blocks)
     torch.bitwise_or(q4[0::2], q4[1::2] << 4, out=packed)
     return out
+
+
+def _encode_uint8(x: torch.Tensor, block: int, out: bytearray, at: int) -> None:
+    """UINT8's payload of the ``n`` values ``x`` into ``out[at:]``.
+
+    absmax as max(amax, -amin): two reductions that allocate nothing (amax
+    of abs() wrote a copy first). Then x * 127 / absmax plus 127 + 2**23: a
+    float32 in [2**23, 2**23 + 255) holds round(x / scale) + 127 (rounded
+    half to even, as ``round`` does) in its lowest mantissa byte, which is
+    copied out as is; |x| <= absmax keeps it in [0, 254] without a clamp.
+    abs, div, round, clamp, add and a float-to-uint8 conversion each took a
+    pass before, and a padded copy of the vector a last partial block; the
+    products go to a reused buffer (``_scratch``). A NaN absmax gives a NaN
+    scale, an Inf one an Inf scale: the blob decodes to non-finite values
+    either way.
+    """
+    n = x.numel()
+    full, tail = divmod(n, block)
+    blocks = full + (tail > 0)
+    scale = _writable(out, torch.float32, blocks, at)
+    q = _scratch(n)
+    # the whole blocks, then the last partial one (as a block of its own size)
+    for first, rows_of, size in ((0, full, block), (full, 1 if tail else 0, tail)):
+        if rows_of == 0:
+            continue
+        start = first * block
+        rows = x[start : start + rows_of * size].view(rows_of, size)
+        part = scale[first : first + rows_of]
+        torch.maximum(torch.amax(rows, dim=1), torch.amin(rows, dim=1).neg_(), out=part)
+        inverse = torch.where(part > 0, 127.0 / part, torch.zeros_like(part))
+        torch.mul(
+            rows, inverse.unsqueeze(1), out=q[start : start + rows_of * size].view(rows_of, size)
+        )
+    scale.div_(127.0)
+    q.add_(127.0 + 2.0**23)
+    low_bytes = q.view(torch.uint8)[0::4]  # little-endian: the lowest byte first
+    _writable(out, torch.uint8, n, at + 4 * blocks).copy_(low_bytes)
+
+
+_local = threading.local()
+
+
+def _scratch(n: int) -> torch.Tensor:
+    """``n`` float32 values of this thread's scratch buffer (contents undefined).
+
+    Reused between calls: fresh memory costs a page fault per 4 KiB when it
+    is first written, which for a 5 MB chunk took longer than quantizing it.
+    Each thread that encodes keeps one buffer of the largest chunk it encoded
+    (4 MiB at the all-reduce's default chunk size).
+    """
+    buffer: torch.Tensor | None = getattr(_local, "buffer", None)
+    if buffer is None or buffer.numel() < n:
+        buffer = _local.buffer = torch.empty(n, dtype=torch.float32)
+    return buffer[:n]
 
 
 def _writable(out: bytearray, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:

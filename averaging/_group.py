@@ -38,17 +38,30 @@ class MemberMode(enum.Enum):
 
 @dataclass(frozen=True)
 class GroupMember:
-    """One member: who it is, where to dial it, how fast it is, what it does."""
+    """One member: who it is, where to dial it, how fast it is, what it does.
+
+    ``bandwidth`` is the member's declared share of the reducing work, relative
+    to the others' (0: it reduces nothing). ``upload`` and ``download`` are the
+    rates its link was measured to move in its earlier rounds, in bytes per
+    second (``_link_meter``; 0: not measured, or the member declared its
+    share instead). Parts follow the measured uploads when every member that
+    reduces has one, and the declared shares otherwise
+    (``_partition.part_weights``).
+    """
 
     peer_id: PeerID
     host: str
     port: int
     bandwidth: float = 1.0
     mode: MemberMode = MemberMode.NODE
+    upload: float = 0.0
+    download: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.bandwidth) and self.bandwidth >= 0):
-            raise ConfigError(f"bandwidth must be a finite number >= 0, got {self.bandwidth}")
+        for name in ("bandwidth", "upload", "download"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
 

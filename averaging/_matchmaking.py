@@ -8,7 +8,11 @@ One round, for one peer and its group key (the Moshpit key of this round):
 
 1. It announces itself under the key: a signed sub-key (``owner_marker``) whose
    value says where to dial it and by when, as a leader, it will close its group
-   (``join_by``, now + ``matchmaking_time``).
+   (``join_by``, now + ``matchmaking_time``), and the upload and download rates
+   its link was measured to move (``_link_meter``), which the group's parts
+   follow (``_partition.part_weights``). Records and members without rates
+   (peers that declared their bandwidth, or measured nothing yet, or predate
+   the rates) are the shorter lists they always were, and still parse.
 2. As a *leader* it admits followers until the group is full or ``join_by``
    passes, then, with at least ``min_group_size`` members, tells every follower
    the group on the stream the follower opened.
@@ -118,13 +122,18 @@ class Candidate:
         return (self.join_by, bytes(self.peer_id))
 
     def to_wire(self) -> list[Any]:
-        return [bytes(self.peer_id), *member_to_wire(self.member)[1:], self.join_by]
+        """``[peer_id, host, port, bandwidth, mode, join_by]``, then the measured
+        ``upload, download`` if there are any (``member_to_wire``)."""
+        wire = member_to_wire(self.member)
+        return [*wire[:5], self.join_by, *wire[5:]]
 
     @classmethod
     def from_wire(cls, obj: Any) -> Candidate:
-        peer_id, host, port, bandwidth, mode, join_by = expect_list(obj, 6, "candidate")
-        member = member_from_wire([peer_id, host, port, bandwidth, mode])
-        return cls(member, expect_float(join_by, "candidate join_by"))
+        """Decode ``to_wire``'s list (6 items, or 8 with measured rates);
+        raises ``ProtocolError`` if malformed."""
+        fields = _expect_fields(obj, "candidate", 6)
+        member = member_from_wire([*fields[:5], *fields[6:]])
+        return cls(member, expect_float(fields[5], "candidate join_by"))
 
 
 def expect_message(obj: Any, what: str) -> list[Any]:
@@ -134,13 +143,42 @@ def expect_message(obj: Any, what: str) -> list[Any]:
     return obj
 
 
+def _expect_fields(obj: Any, what: str, length: int) -> list[Any]:
+    """A list of ``length`` items, or of ``length + 2`` when it ends with the
+    measured rates (records of peers that measure none, or predate
+    measuring, have none)."""
+    if isinstance(obj, list) and len(obj) == length + 2:
+        return obj
+    return expect_list(obj, length, what)
+
+
+def _rates(member: GroupMember) -> list[float]:
+    """The measured rates on the wire: none if nothing was measured, so the
+    records of a peer that measures nothing are as they were before."""
+    if member.upload == 0 and member.download == 0:
+        return []
+    return [member.upload, member.download]
+
+
 def member_to_wire(member: GroupMember) -> list[Any]:
-    return [bytes(member.peer_id), member.host, member.port, member.bandwidth, member.mode.value]
+    """``[peer_id, host, port, bandwidth, mode]``, then ``upload, download``
+    (bytes per second) if the member measured its link."""
+    return [
+        bytes(member.peer_id),
+        member.host,
+        member.port,
+        member.bandwidth,
+        member.mode.value,
+        *_rates(member),
+    ]
 
 
 def member_from_wire(obj: Any) -> GroupMember:
-    """Decode a group member; raises ``ProtocolError`` if malformed."""
-    peer_id, host, port, bandwidth, mode = expect_list(obj, 5, "member")
+    """Decode a group member (5 items, or 7 with measured rates); raises
+    ``ProtocolError`` if malformed."""
+    fields = _expect_fields(obj, "member", 5)
+    peer_id, host, port, bandwidth, mode = fields[:5]
+    upload, download = fields[5:] or (0.0, 0.0)
     try:
         return GroupMember(
             PeerID(expect_bytes(peer_id, "member peer id", size=20)),
@@ -148,14 +186,25 @@ def member_from_wire(obj: Any) -> GroupMember:
             expect_int(port, "member port", lo=1, hi=65535),
             expect_float(bandwidth, "member bandwidth"),
             MemberMode(expect_str(mode, "member mode", max_size=8)),
+            expect_float(upload, "member upload"),
+            expect_float(download, "member download"),
         )
     except (ValueError, ConfigError) as e:
         raise ProtocolError(f"bad member: {e}") from e
 
 
 def announcement(member: GroupMember, join_by: float) -> list[Any]:
-    """The DHT value a peer stores under its group key (its sub-key names it)."""
-    return [member.host, member.port, member.bandwidth, member.mode.value, join_by]
+    """The DHT value a peer stores under its group key (its sub-key names it):
+    ``[host, port, bandwidth, mode, join_by]``, then the measured ``upload,
+    download`` if there are any."""
+    return [
+        member.host,
+        member.port,
+        member.bandwidth,
+        member.mode.value,
+        join_by,
+        *_rates(member),
+    ]
 
 
 def parse_candidates(found: DHTValue | None, me: PeerID) -> list[Candidate]:
@@ -173,9 +222,9 @@ def parse_candidates(found: DHTValue | None, me: PeerID) -> list[Candidate]:
             continue
         try:
             peer_id = PeerID.from_hex(subkey[len("[owner:") : -1])
-            host, port, bandwidth, mode, join_by = expect_list(entry.value, 5, "announcement")
-            member = member_from_wire([bytes(peer_id), host, port, bandwidth, mode])
-            candidates.append(Candidate(member, expect_float(join_by, "join_by")))
+            fields = _expect_fields(entry.value, "announcement", 5)
+            member = member_from_wire([bytes(peer_id), *fields[:4], *fields[5:]])
+            candidates.append(Candidate(member, expect_float(fields[4], "join_by")))
         except (ProtocolError, ValueError) as e:
             log.debug("skipping announcement %s: %s", subkey, e)
     return [c for c in candidates if c.peer_id != me]

@@ -2,11 +2,13 @@
 
 Butterfly all-reduce (DESIGN.md; Ryabinin et al. 2021, sec. 3.1) gives member i
 part i of the flattened vector to reduce. Parts are sized in proportion to each
-member's declared bandwidth, so a fast link reduces more; client-mode members
-get a part of size 0. Every member must compute the same boundaries from the
-same ``Group``, so the arithmetic is exact: bandwidths become exact fractions
-(``fractions.Fraction`` of a float is exact) and the remainder of the integer
-division goes to the largest fractional remainders, ties to the lower index.
+member's measured upload rate, or, when some member that reduces has none, to
+each member's declared bandwidth (``part_weights``), so a fast link reduces
+more; client-mode members get a part of size 0. Every member must compute the
+same boundaries from the same ``Group``, so the arithmetic is exact: weights
+become exact fractions (``fractions.Fraction`` of a float is exact) and the
+remainder of the integer division goes to the largest fractional remainders,
+ties to the lower index.
 
 A part is streamed in chunks of ``chunk_elements`` elements (the last chunk of
 a part may be shorter), so that sending, reducing and receiving overlap.
@@ -20,8 +22,27 @@ from fractions import Fraction
 
 import torch
 
-from ._group import Group, MemberMode
+from ._group import Group, GroupMember, MemberMode
 from ._staging import require_host
+
+
+def part_weights(members: Sequence[GroupMember]) -> list[float]:
+    """The weights parts are cut in proportion to: one rule every member applies
+    to the same ``Group``.
+
+    Members that reduce (not client-mode, declared bandwidth > 0) weigh their
+    measured upload rate when every one of them published one, and their
+    declared bandwidth otherwise; the others weigh 0. Upload, not the smaller
+    of upload and download, because the download a member measures is bounded
+    by the uploads of those sending to it (``_link_meter``). A member
+    that declares its bandwidth publishes no measurement, so a declaration
+    anywhere in the group makes the whole group use declared shares (the
+    units of the two do not mix).
+    """
+    reducing = [m.mode is not MemberMode.CLIENT and m.bandwidth > 0 for m in members]
+    if any(reducing) and all(m.upload > 0 for m, r in zip(members, reducing, strict=True) if r):
+        return [m.upload if r else 0.0 for m, r in zip(members, reducing, strict=True)]
+    return [m.bandwidth for m in members]
 
 
 def part_sizes(total: int, bandwidths: Sequence[float], modes: Sequence[MemberMode]) -> list[int]:
@@ -66,9 +87,7 @@ class Partition:
     def for_group(cls, group: Group, total: int, chunk_elements: int) -> Partition:
         if chunk_elements < 1:
             raise ValueError("chunk_elements must be >= 1")
-        sizes = part_sizes(
-            total, [m.bandwidth for m in group.members], [m.mode for m in group.members]
-        )
+        sizes = part_sizes(total, part_weights(group.members), [m.mode for m in group.members])
         bounds: list[tuple[int, int]] = []
         start = 0
         for size in sizes:

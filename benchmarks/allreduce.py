@@ -29,8 +29,11 @@ one after the other on the same bed, and each is printed as a share of the
 time the links allow: for equal links the link limit 2(n-1)/n x wire bytes /
 rate (wire bytes: the codec's payload bytes of the vector, so TCP/IP and frame
 headers count against us, about 4%); with a slow peer the bound of that
-heterogeneous group, ``link_bound`` (below). ``tcp_congestion_control`` is
-printed with the figures.
+heterogeneous group, ``link_bound`` (below); with a slow peer, ours also
+runs with parts by the links' rates and with parts by the upload rates the
+peers measured (``averaging.LinkMeter``) in an untimed first round and every
+round since, exchanged through files as matchmaking would publish them.
+``tcp_congestion_control`` is printed with the figures.
 
     sudo python benchmarks/allreduce.py --link-rate 100mbit --size 5000000 --rounds 3
                                         [--loss 0.01] [--slow-peer 10mbit]
@@ -140,6 +143,7 @@ def run_gloo(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
 def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     import trio
 
+    from averaging import LinkMeter
     from averaging._allreduce import AllReduceConfig, all_reduce, serve_allreduce
     from averaging._group import Group, GroupMember
     from swarm import Identity
@@ -153,6 +157,8 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         reducer_timeout=120.0,
         round_timeout=600.0,
         chunk_elements=args.chunk_elements,
+        window_bytes=args.window_bytes,
+        min_chunks_per_part=args.min_chunks_per_part,
         lossy=args.lossy_worker,
     )
     x = torch.empty(args.size, dtype=torch.float32)
@@ -166,6 +172,11 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
 
     codec = codec_by_name(args.codec)
     hosts = args.hosts.split(",") if args.hosts else ["127.0.0.1"] * args.peers
+    # --measured: parts by the upload rates the peers measured in their
+    # earlier rounds, as the averager's members publish them in matchmaking
+    # (here through files); one untimed round first, which measures
+    meter = LinkMeter(trio.current_time) if args.measured else None
+    warmup = 1 if args.measured else 0
 
     async def main() -> None:
         nonlocal contributors_ok
@@ -181,28 +192,36 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
             await trio.to_thread.run_sync(
                 file_barrier, directory, "listening", args.rank, args.peers
             )
-            members = tuple(
-                GroupMember(
-                    identities[r].peer_id,
-                    hosts[r],
-                    int((directory / f"port.{r}").read_text()),
-                    bandwidths[r],
-                )
-                for r in range(args.peers)
-            )
-            for round_ in range(args.rounds):
+            ports = [int((directory / f"port.{r}").read_text()) for r in range(args.peers)]
+            for round_ in range(-warmup, args.rounds):
                 fill(x, args.rank)
                 if args.split > 1:
                     for t, (a, b) in zip(tensors, pieces, strict=True):
                         t.copy_(x[a:b])
-                group = Group(f"round-{round_}".encode(), members, args.rank)
                 await trio.to_thread.run_sync(
                     file_barrier, directory, f"ours-{round_}", args.rank, args.peers
                 )
+                uploads = [0.0] * args.peers
+                if meter is not None and round_ >= 0:  # all written before the barrier
+                    uploads = [
+                        float((directory / f"upload.{round_}.{r}").read_text())
+                        for r in range(args.peers)
+                    ]
+                members = tuple(
+                    GroupMember(
+                        identities[r].peer_id, hosts[r], ports[r], bandwidths[r], upload=uploads[r]
+                    )
+                    for r in range(args.peers)
+                )
+                group = Group(f"round-{round_}".encode(), members, args.rank)
                 start, cpu = time.perf_counter(), time.process_time()
                 result = await all_reduce(
-                    net, group, tensors, weight=1.0, codec=codec, config=config
+                    net, group, tensors, weight=1.0, codec=codec, config=config, meter=meter
                 )
+                if meter is not None:  # what the next round's members publish
+                    (directory / f"upload.{round_ + 1}.{args.rank}").write_text(str(meter.upload))
+                if round_ < 0:
+                    continue
                 times.append(time.perf_counter() - start)
                 cpu_times.append(time.process_time() - cpu)
                 if args.split > 1:
@@ -291,11 +310,12 @@ def launch(
     codec: str = "none",
     bed: Any = None,
     bandwidths: list[float] | None = None,
+    measured: bool = False,
     lossy: bool = False,
 ) -> dict[str, Any]:
     """Run one implementation's workers (in ``bed``'s namespaces, if given)."""
     with tempfile.TemporaryDirectory(prefix=f"allreduce-{impl}-") as tmp:
-        extra = ["--codec", codec]
+        extra = ["--codec", codec] + (["--measured"] if measured else [])
         if bed is not None:
             extra += ["--hosts", ",".join(bed.addresses)]
         if bandwidths is not None:
@@ -325,6 +345,10 @@ def launch(
                         str(args.rounds),
                         "--chunk-elements",
                         str(args.chunk_elements),
+                        "--window-bytes",
+                        str(args.window_bytes),
+                        "--min-chunks-per-part",
+                        str(args.min_chunks_per_part),
                         "--threads",
                         str(args.threads),
                         "--split",
@@ -381,6 +405,12 @@ def main() -> None:
         default=None,
         help="elements per all-reduce chunk (default: AllReduceConfig's)",
     )
+    parser.add_argument(
+        "--window-bytes", type=int, default=None, help="default: AllReduceConfig's"
+    )
+    parser.add_argument(
+        "--min-chunks-per-part", type=int, default=None, help="default: AllReduceConfig's"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per peer")
     parser.add_argument(
         "--split", type=int, default=1, help="our all-reduce gets the vector as N tensors"
@@ -410,11 +440,14 @@ def main() -> None:
     parser.add_argument("--codec", default="none", choices=CODECS, help=argparse.SUPPRESS)
     parser.add_argument("--hosts", help=argparse.SUPPRESS)
     parser.add_argument("--bandwidths", help=argparse.SUPPRESS)
+    parser.add_argument("--measured", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.chunk_elements is None:
-        from averaging import AllReduceConfig
+    from averaging import AllReduceConfig
 
-        args.chunk_elements = AllReduceConfig().chunk_elements
+    defaults = AllReduceConfig()
+    for name in ("chunk_elements", "window_bytes", "min_chunks_per_part"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(defaults, name))
     if args.worker:
         worker(args)
         return
@@ -495,18 +528,20 @@ def link_main(args: argparse.Namespace) -> None:
         if args.loss:
             for peer in range(args.peers):
                 bed.drop_arriving(peer, args.loss)
-        runs: list[tuple[str, str, bool, str, list[float] | None]] = [
-            ("gloo (float32)", "gloo", False, "none", None)
+        runs: list[tuple[str, str, bool, str, list[float] | None, bool]] = [
+            ("gloo (float32)", "gloo", False, "none", None, False)
         ]
         for codec in codecs:
-            runs.append((f"ours, plaintext, {codec}", "ours", False, codec, None))
-        if "none" in codecs:
-            runs.insert(2, ("ours, encrypted, none", "ours", True, "none", None))
+            runs.append((f"ours, plaintext, {codec}", "ours", False, codec, None, False))
+        if "none" in codecs and not args.plain_only:
+            runs.insert(2, ("ours, encrypted, none", "ours", True, "none", None, False))
         if args.slow_peer:
-            # what part sizes in proportion to the links would give
-            runs.append(("ours, parts by link rate", "ours", False, "none", up))
-        for name, impl, encrypt, codec, bandwidths in runs:
-            result = launch(args, impl, encrypt, codec, bed, bandwidths)
+            # what part sizes in proportion to the links would give, and what
+            # the rates the peers measured give (after one round to measure)
+            runs.append(("ours, parts by link rate", "ours", False, "none", up, False))
+            runs.append(("ours, parts by measured rate", "ours", False, "none", None, True))
+        for name, impl, encrypt, codec, bandwidths, measured in runs:
+            result = launch(args, impl, encrypt, codec, bed, bandwidths, measured)
             bound = link_bound(wire_bytes(args.size, codec), up, down)
             rows.append((name, result, bound))
         if args.lossy:

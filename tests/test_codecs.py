@@ -156,3 +156,26 @@ def test_split_none_payload_is_the_tensor_memory() -> None:
     _, payload = encode_split(x, NONE)
     x[3] = 42.0
     assert torch.frombuffer(bytearray(payload), dtype=torch.float32)[3] == 42.0
+
+
+@pytest.mark.parametrize("n", [1, 4095, 4096, 4097, 3 * 4096 + 5])
+def test_uint8_bytes_are_the_rounded_quotients(n: int) -> None:
+    """The fast encoder (one multiply-add, the low byte of a float) writes
+    exactly round(x / scale) + 127 with scale = absmax / 127 per block."""
+    x = sample(n, seed=n)
+    x[0] = -x.abs().max()  # the most negative value of its block: byte 0
+    blob = memoryview(encode(x, UINT8))[HEADER.size :]
+    blocks = -(-n // 4096)
+    scales = torch.frombuffer(bytearray(blob[: 4 * blocks]), dtype=torch.float32)
+    values = torch.frombuffer(bytearray(blob[4 * blocks :]), dtype=torch.uint8).long()
+    for b in range(blocks):
+        xs = x[b * 4096 : (b + 1) * 4096].double()
+        absmax = xs.abs().max()
+        assert scales[b] == torch.tensor(float(absmax) / 127, dtype=torch.float32)
+        want = torch.round(xs * 127 / absmax).long() + 127
+        got = values[b * 4096 : (b + 1) * 4096]
+        # the product is rounded to float32 before it is rounded to an integer:
+        # a quotient within float32 precision of a half may round either way
+        assert (got - want).abs().max() <= 1 and int(got.min()) >= 0 and int(got.max()) <= 254
+        assert float(((got - 127).double() - xs * 127 / absmax).abs().max()) <= 0.5 + 1e-4
+    assert values[0] == 0

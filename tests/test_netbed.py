@@ -178,3 +178,124 @@ async def test_four_peers_find_each_other_and_train_with_everyone_in_every_avera
     assert min(accuracies) >= 0.9, accuracies
     # one model: every average held every peer's data, so no peer drifted
     assert max(accuracies) - min(accuracies) <= 0.02, accuracies
+
+
+#: One peer of ``test_parts_follow_the_measured_upload_rates``: averages its
+#: vector with the others for ROUNDS rounds (a file barrier before each, so
+#: that every round has all four) and prints one JSON line per round.
+AVERAGE_ROUNDS = """
+import json, sys, time
+from pathlib import Path
+
+import torch, trio
+
+from averaging import AllReduceConfig, Averager, AveragerConfig, MatchmakingConfig, MoshpitGrid
+from swarm import Identity, PeerConfig, open_peer
+
+index, peers, rounds, size = (int(a) for a in sys.argv[1:5])
+host, first, directory = sys.argv[5], sys.argv[6], Path(sys.argv[7])
+PORT = 31337
+CONFIG = AveragerConfig(
+    matchmaking=MatchmakingConfig(
+        target_group_size=peers, min_group_size=peers, matchmaking_time=5.0,
+        request_timeout=2.0, poll_interval=0.2,
+    ),
+    allreduce=AllReduceConfig(sender_timeout=10.0, reducer_timeout=20.0, round_timeout=60.0),
+)
+
+
+def wait_for(names):
+    deadline = time.monotonic() + 120
+    while not all((directory / name).exists() for name in names):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"peer {index}: nobody else reached {names}")
+        time.sleep(0.05)
+
+
+def barrier(name):
+    (directory / f"{name}.{index}").touch()
+    wait_for([f"{name}.{i}" for i in range(peers)])
+
+
+async def main():
+    if index:
+        await trio.to_thread.run_sync(wait_for, ["listening.0"])
+    config = PeerConfig(
+        host=host, port=PORT, initial_peers=() if index == 0 else (f"{first}:{PORT}",)
+    )
+    identity = Identity.from_seed(bytes([index + 1]) * 32)
+    async with open_peer(identity, config) as peer:
+        (directory / f"listening.{index}").touch()
+        x = torch.randn(size, generator=torch.Generator().manual_seed(index))
+        averager = Averager(peer, [x], prefix="links", config=CONFIG, grid=MoshpitGrid(1, peers))
+        for r in range(rounds):
+            await trio.to_thread.run_sync(barrier, f"round{r}")
+            start = time.monotonic()
+            res = await averager.step(round=r, expected_peers=peers)
+            members = res.group.members if res.group is not None else ()
+            print(json.dumps({
+                "round": r,
+                "me": bytes(peer.peer_id).hex(),
+                "members": [bytes(m.peer_id).hex() for m in members],
+                "uploads": [m.upload for m in members],
+                "modes": [m.mode.value for m in members],
+                "parts": [b - a for a, b in res.allreduce.part_bounds] if res.allreduce else [],
+                "contributors": len(res.contributors),
+                "seconds": time.monotonic() - start,
+            }), flush=True)
+        await trio.to_thread.run_sync(barrier, "done")
+
+
+trio.run(main)
+"""
+
+
+@pytest.mark.slow
+def test_parts_follow_the_measured_upload_rates(tmp_path: Path) -> None:
+    """One peer uploads at a tenth of the others' rate. The first round cuts
+    equal parts (nobody has measured yet); from then on every member publishes
+    the upload rate it measured, the slow peer's is the smallest by far, and
+    the parts are cut in proportion to the published rates."""
+    import json
+
+    from averaging import MemberMode
+    from averaging._partition import part_sizes
+
+    peers, rounds, size, slow = 4, 4, 250_000, 2
+    fast = Link("40mbit", "40mbit")
+    links = [fast, fast, Link("4mbit", "40mbit"), fast]
+    with NetBed(links) as bed:
+        procs = []
+        for i in range(peers):
+            argv = [sys.executable, "-c", AVERAGE_ROUNDS, str(i), str(peers), str(rounds)]
+            argv += [str(size), bed.addresses[i], bed.addresses[0], str(tmp_path)]
+            with (tmp_path / f"out{i}").open("wb") as out, (tmp_path / f"err{i}").open("wb") as err:
+                procs.append(bed.popen(i, argv, stdout=out, stderr=err))
+        for i, proc in enumerate(procs):
+            code = proc.wait(timeout=240)
+            assert code == 0, (i, (tmp_path / f"err{i}").read_text()[-3000:])
+    reports = [
+        [json.loads(line) for line in (tmp_path / f"out{i}").read_text().splitlines()]
+        for i in range(peers)
+    ]
+    slow_id = reports[slow][0]["me"]
+    for i in range(peers):
+        assert [r["round"] for r in reports[i]] == list(range(rounds)), reports[i]
+        for r in reports[i]:
+            # everyone's data in every round: the parts did not cost anyone out
+            assert len(r["members"]) == peers and r["contributors"] == peers, r
+        assert reports[i][0]["uploads"] == [0.0] * peers  # nothing measured yet
+        assert len(set(reports[i][0]["parts"])) <= 2, reports[i][0]  # equal, +-1
+        for r in reports[i][2:]:
+            uploads, parts = r["uploads"], r["parts"]
+            modes = [MemberMode(m) for m in r["modes"]]
+            assert all(u > 0 for u in uploads), r
+            assert parts == part_sizes(size, uploads, modes), r
+            s = r["members"].index(slow_id)
+            others = [j for j in range(peers) if j != s]
+            # the links differ tenfold; a third leaves room for measurement noise
+            assert uploads[s] < min(uploads[j] for j in others) / 3, r
+            assert parts[s] < min(parts[j] for j in others) / 3, r
+    # every member of a round saw the same group (the same published rates)
+    for r in range(2, rounds):
+        assert len({json.dumps(reports[i][r]["uploads"]) for i in range(peers)}) == 1

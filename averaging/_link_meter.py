@@ -1,0 +1,194 @@
+"""How fast this peer's link moves all-reduce traffic, measured from its own rounds.
+
+Parts of a butterfly all-reduce should follow each member's link (DESIGN.md,
+"Networks like volunteers have"): a member that uploads at a tenth of the
+others' rate should reduce a tenth as much, or every round waits for it. A
+declared rate is a guess the user must make; this module measures instead,
+from the traffic the rounds carry anyway (no probe traffic).
+
+What is measured. A round reports every payload it sends to, and receives
+from, another peer (``RoundTraffic.sending`` / ``receiving``), each with the
+time the call took. The *busy time* of a direction is the union of those
+calls' intervals: while a send is blocked, its connection has more bytes
+than the kernel will queue, so the link is sending as fast as it can. Waiting
+that is not the link's doing is left out: a sender that waits for results
+(the all-reduce's window) or for the next chunk to be reduced has no send in
+progress, and a peer with little to send is not measured as slow.
+
+The bytes that count are those that crossed the link during a send, not
+those it handed over: a send that fits the kernel's buffer returns at once,
+and its bytes leave later, while nothing is being timed. Counting them
+measured a 40 Mbit/s uplink at up to 150 Mbit/s. So each send reads its
+connections' unacknowledged bytes (Linux's SIOCOUTQ) when a busy interval
+begins and ends: handed over + before - after were acknowledged by the
+remotes meanwhile, on whichever connection. A send that returned at once
+counts (nearly) nothing, in (nearly) no time.
+
+Caveats, which decide how the figures are used:
+
+- Bytes acknowledged during a busy interval may have crossed just before it,
+  and bytes a connection still holds when the interval ends may cross in
+  the idle time after it: each interval errs by at most what the
+  connections hold unsent plus what is in flight.
+- A receive lasts as long as the *sender* takes to send, so the download
+  rate is bounded by the uploads of the peers it receives from: it is a
+  lower bound of the link. The part sizes therefore follow the upload rate
+  only (``_partition.part_weights``); the download rate is published for
+  observers.
+
+Only rounds in which nothing failed and at least ``MIN_SAMPLE_BYTES`` went
+each way count (tiny rounds measure system calls, not links); a measurement
+is the median of the last ``window`` such rounds, so one disturbed round
+does not move the parts.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Protocol
+
+#: Bytes a direction must carry in one round for the round to count.
+MIN_SAMPLE_BYTES = 256 * 1024
+
+
+class Connection(Protocol):
+    """What the meter reads from a connection a round sends on."""
+
+    def unacknowledged_bytes(self) -> int:
+        """Bytes handed to the kernel that the remote has not acknowledged yet."""
+        ...
+
+
+class _Direction:
+    """Bytes and busy time of one direction of one round.
+
+    With ``connections`` (whose unacknowledged bytes it reads) the bytes of
+    a busy interval are those acknowledged during it: handed over, plus what
+    all connections held unacknowledged when it began, minus what they hold
+    when it ends (module docstring). Without, those handed over.
+    """
+
+    __slots__ = ("active", "busy", "bytes", "connections", "handed", "queued", "since")
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.since = 0.0
+        self.busy = 0.0
+        self.bytes = 0
+        self.handed = 0  # in the current busy interval
+        self.queued = 0  # unacknowledged when the current busy interval began
+        # by identity; holding them keeps their ids unique for the round
+        self.connections: dict[int, Connection] = {}
+
+    def start(self, now: float, connection: Connection | None = None) -> None:
+        if connection is not None and id(connection) not in self.connections:
+            self.connections[id(connection)] = connection
+            if self.active:  # new to this interval: what it holds already is not ours
+                self.queued += connection.unacknowledged_bytes()
+        if self.active == 0:
+            self.since = now
+            self.handed = 0
+            self.queued = self._unacknowledged()
+        self.active += 1
+
+    def stop(self, now: float, nbytes: int) -> None:
+        self.active -= 1
+        self.handed += nbytes
+        if self.active == 0:
+            self.busy += now - self.since
+            if self.connections:
+                left = self.handed + self.queued - self._unacknowledged()
+                self.bytes += min(self.handed + self.queued, max(0, left))
+            else:
+                self.bytes += self.handed
+
+    def _unacknowledged(self) -> int:
+        return sum(c.unacknowledged_bytes() for c in self.connections.values())
+
+    def rate(self) -> float | None:
+        """Bytes per second of busy time, if enough was moved to tell."""
+        if self.bytes < MIN_SAMPLE_BYTES or self.busy <= 0:
+            return None
+        return self.bytes / self.busy
+
+
+class RoundTraffic:
+    """The payload traffic of one round with other peers, and when it moved.
+
+    ``clock`` returns seconds (``trio.current_time`` in the all-reduce).
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self.up = _Direction()
+        self.down = _Direction()
+
+    @contextmanager
+    def sending(self, nbytes: int, connection: Connection | None = None) -> Iterator[None]:
+        """Around one send of ``nbytes`` to another peer over ``connection``:
+        if given, the round counts the bytes its connections had acknowledged
+        while sends ran (module docstring), otherwise those handed over. A
+        send that fails or is cancelled counts its time but none of its bytes."""
+        with self._timed(self.up, nbytes, connection):
+            yield
+
+    @contextmanager
+    def receiving(self, nbytes: int) -> Iterator[None]:
+        """Around one receive of ``nbytes`` from another peer (as ``sending``,
+        counting what arrived)."""
+        with self._timed(self.down, nbytes, None):
+            yield
+
+    @contextmanager
+    def _timed(
+        self, direction: _Direction, nbytes: int, connection: Connection | None
+    ) -> Iterator[None]:
+        direction.start(self._clock(), connection)
+        moved = 0
+        try:
+            yield
+            moved = nbytes
+        finally:
+            direction.stop(self._clock(), moved)
+
+
+class LinkMeter:
+    """This peer's measured upload and download rates (bytes per second).
+
+    ``round_traffic()`` makes the recorder for one all-reduce round;
+    ``record`` adds a finished round's figures. ``upload``/``download`` are 0
+    until a round that counts (module docstring) has been recorded. Pure
+    bookkeeping: the clock is passed in.
+    """
+
+    def __init__(self, clock: Callable[[], float], window: int = 5) -> None:
+        if window < 1:
+            raise ValueError("window must be at least 1")
+        self._clock = clock
+        self._up: deque[float] = deque(maxlen=window)
+        self._down: deque[float] = deque(maxlen=window)
+
+    def round_traffic(self) -> RoundTraffic:
+        return RoundTraffic(self._clock)
+
+    def record(self, traffic: RoundTraffic) -> None:
+        """Add the rates of a round in which nothing failed (the caller's
+        judgement: a stalled peer makes the others' sends look slow)."""
+        up, down = traffic.up.rate(), traffic.down.rate()
+        if up is not None:
+            self._up.append(up)
+        if down is not None:
+            self._down.append(down)
+
+    @property
+    def upload(self) -> float:
+        """Median upload rate over the recent rounds that counted; 0 if none."""
+        return statistics.median(self._up) if self._up else 0.0
+
+    @property
+    def download(self) -> float:
+        """Median download rate over the recent rounds that counted; 0 if none."""
+        return statistics.median(self._down) if self._down else 0.0

@@ -1,0 +1,253 @@
+"""Measured link rates: the meter's arithmetic, the part rule, the records
+that carry the rates, and an averager that measures its own rounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+from peer_harness import open_peers
+
+from averaging import (
+    AllReduceConfig,
+    Averager,
+    AveragerConfig,
+    Group,
+    GroupMember,
+    LinkMeter,
+    MemberMode,
+    MoshpitGrid,
+    StepResult,
+)
+from averaging._link_meter import MIN_SAMPLE_BYTES
+from averaging._matchmaking import (
+    Candidate,
+    MatchmakingConfig,
+    announcement,
+    member_from_wire,
+    member_to_wire,
+    parse_candidates,
+)
+from averaging._partition import Partition, part_sizes, part_weights
+from dht import DHTValue, owner_marker
+from swarm import ConfigError, Identity, PeerID, ProtocolError
+
+MIB = 2**20
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_busy_time_is_the_union_of_the_transfers() -> None:
+    clock = FakeClock()
+    meter = LinkMeter(clock)
+    traffic = meter.round_traffic()
+    with traffic.sending(MIB):  # 0 .. 2
+        clock.now = 1.0
+        with traffic.sending(MIB):  # 1 .. 3: overlaps, counted once
+            clock.now = 2.0
+        clock.now = 3.0
+    clock.now = 10.0  # idle: waiting for results is not the link's doing
+    with traffic.sending(MIB):  # 10 .. 11
+        clock.now = 11.0
+    meter.record(traffic)
+    assert meter.upload == 3 * MIB / 4.0
+    assert meter.download == 0.0  # nothing received
+
+
+def test_a_failed_transfer_counts_its_time_but_not_its_bytes() -> None:
+    clock = FakeClock()
+    meter = LinkMeter(clock)
+    traffic = meter.round_traffic()
+    with traffic.receiving(MIB):
+        clock.now = 1.0
+    with pytest.raises(RuntimeError), traffic.receiving(MIB):
+        clock.now = 2.0
+        raise RuntimeError("connection lost")
+    meter.record(traffic)
+    assert meter.download == MIB / 2.0
+
+
+class FakeConnection:
+    def __init__(self) -> None:
+        self.queued = 0
+
+    def unacknowledged_bytes(self) -> int:
+        return self.queued
+
+
+def test_only_bytes_that_crossed_while_sends_ran_count() -> None:
+    """A send the kernel buffers returns at once; its bytes cross later,
+    untimed, and must not make the link look fast."""
+    clock = FakeClock()
+    meter = LinkMeter(clock)
+    traffic = meter.round_traffic()
+    a, b = FakeConnection(), FakeConnection()
+    with traffic.sending(MIB, a):  # buffered whole: returns at once
+        a.queued = MIB
+    clock.now = 5.0  # a drains while nothing is timed
+    a.queued = 0
+    with traffic.sending(MIB, b):  # buffered too: b now holds 1 MiB
+        b.queued = MIB
+    with traffic.sending(MIB, a):  # blocks for 1 s while a and b both drain
+        clock.now = 6.0
+        a.queued = MIB // 2
+        b.queued = 0
+    meter.record(traffic)
+    # the timed second: a's new MiB less the half it still holds, and b's MiB
+    assert meter.upload == MIB * 1.5 / 1.0
+
+
+def test_small_rounds_do_not_count_and_the_median_of_recent_rounds_does() -> None:
+    clock = FakeClock()
+    meter = LinkMeter(clock, window=3)
+    small = meter.round_traffic()
+    with small.sending(MIN_SAMPLE_BYTES - 1):
+        clock.now += 1.0
+    meter.record(small)
+    assert meter.upload == 0.0
+    for seconds in (1.0, 4.0, 2.0, 1.0, 8.0):  # the window keeps the last three
+        traffic = meter.round_traffic()
+        with traffic.sending(MIB):
+            clock.now += seconds
+        meter.record(traffic)
+    assert meter.upload == MIB / 2.0  # median of MiB/2, MiB/1, MiB/8
+    with pytest.raises(ValueError):
+        LinkMeter(clock, window=0)
+
+
+def _member(i: int, **kwargs: object) -> GroupMember:
+    return GroupMember(PeerID(bytes([i]) * 20), "10.0.0.1", 1000 + i, **kwargs)  # type: ignore[arg-type]
+
+
+def test_parts_follow_measured_uploads_when_every_reducer_has_one() -> None:
+    members = (
+        _member(1, upload=1e6, download=5e6),
+        _member(2, upload=1e7, download=1e7),
+        _member(3, upload=1e7),
+        _member(4, bandwidth=0.0, mode=MemberMode.CLIENT),  # reduces nothing
+    )
+    assert part_weights(members) == [1e6, 1e7, 1e7, 0.0]
+    assert part_sizes(2100, part_weights(members), [m.mode for m in members]) == [
+        100,
+        1000,
+        1000,
+        0,
+    ]
+
+
+def test_one_reducer_without_a_measurement_means_declared_shares_for_all() -> None:
+    # a member that declares its share publishes no rate: the units do not mix
+    members = (_member(1, upload=1e6), _member(2, bandwidth=3.0), _member(3, upload=1e7))
+    assert part_weights(members) == [1.0, 3.0, 1.0]
+    bounds = Partition.for_group(Group(b"g", members, 0), 500, 10).part_bounds
+    assert bounds == ((0, 100), (100, 400), (400, 500))
+
+
+def test_rates_must_be_finite_and_not_negative() -> None:
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError):
+            _member(1, upload=bad)
+        with pytest.raises(ConfigError):
+            _member(1, download=bad)
+
+
+def test_members_and_candidates_carry_the_rates_and_old_records_still_parse() -> None:
+    measured = _member(7, upload=1.5e6, download=2.5e6)
+    plain = _member(8, bandwidth=2.0)
+    for member in (measured, plain):
+        assert member_from_wire(member_to_wire(member)) == member
+        candidate = Candidate(member, 123.5)
+        assert Candidate.from_wire(candidate.to_wire()) == candidate
+    # a member that measured nothing is on the wire as before the rates existed
+    assert member_to_wire(plain) == [bytes(plain.peer_id), "10.0.0.1", 1008, 2.0, "node"]
+    assert len(member_to_wire(measured)) == 7
+    old_candidate = [bytes(plain.peer_id), "10.0.0.1", 1008, 2.0, "node", 99.0]
+    assert Candidate.from_wire(old_candidate) == Candidate(plain, 99.0)
+    for bad in (
+        [*member_to_wire(measured)[:6]],  # one rate alone
+        [*member_to_wire(measured)[:5], -1.0, 0.0],
+        [*member_to_wire(measured)[:5], "fast", 0.0],
+        [*member_to_wire(measured), 0.0],
+    ):
+        with pytest.raises(ProtocolError):
+            member_from_wire(bad)
+
+
+def test_announcements_old_and_new_are_candidates() -> None:
+    me = Identity.from_seed(b"\x01" * 32).peer_id
+    old_peer = Identity.from_seed(b"\x02" * 32).peer_id
+    new_peer = Identity.from_seed(b"\x03" * 32).peer_id
+    broken_peer = Identity.from_seed(b"\x04" * 32).peer_id
+    new = GroupMember(new_peer, "10.0.0.3", 31337, 1.0, MemberMode.NODE, 1e6, 2e6)
+    entries = {
+        owner_marker(old_peer): DHTValue(["10.0.0.2", 31337, 1.0, "node", 50.0], 60.0),
+        owner_marker(new_peer): DHTValue(announcement(new, 51.0), 60.0),
+        owner_marker(broken_peer): DHTValue(["10.0.0.4", 31337, 1.0, "node", 50.0, 1e6], 60.0),
+    }
+    found = DHTValue(entries, 60.0)
+    candidates = {c.peer_id: c for c in parse_candidates(found, me)}
+    assert set(candidates) == {old_peer, new_peer}
+    assert candidates[old_peer].member.upload == 0.0
+    assert candidates[new_peer] == Candidate(new, 51.0)
+
+
+def test_averager_bandwidth_is_a_positive_number_or_measured() -> None:
+    assert AveragerConfig().bandwidth is None
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ConfigError):
+            AveragerConfig(bandwidth=bad)
+
+
+CONFIG = AveragerConfig(
+    matchmaking=MatchmakingConfig(
+        target_group_size=3, min_group_size=3, matchmaking_time=3.0, request_timeout=1.0
+    ),
+    allreduce=AllReduceConfig(sender_timeout=10.0, reducer_timeout=20.0, round_timeout=60.0),
+)
+
+
+async def test_averagers_publish_what_they_measured_and_cut_parts_by_it() -> None:
+    """Three peers on loopback: after a round each has measured its link, its
+    next group carries every member's rate, and the parts follow them."""
+    async with open_peers(3, seed=3) as peers:
+        gen = torch.Generator().manual_seed(3)
+        values = [torch.randn(MIB, generator=gen) for _ in range(3)]
+        averagers = [
+            Averager(p, [values[i]], prefix="meter", config=CONFIG, grid=MoshpitGrid(1, 3))
+            for i, p in enumerate(peers.alive)
+        ]
+        results: list[list[StepResult]] = [[], []]
+        for r in range(2):
+
+            async def one(i: int, r: int = r) -> None:
+                with trio.fail_after(CONFIG.step_bound + 5):
+                    results[r].append(await averagers[i].step(round=r, expected_peers=3))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(one, i)
+        first, second = results
+        for res in first:
+            assert res.group is not None and len(res.members) == 3
+            assert all(m.upload == 0 for m in res.group.members)
+        for averager in averagers:
+            assert averager.link_meter.upload > 0 and averager.link_meter.download > 0
+        groups = []
+        for res in second:
+            assert res.group is not None and res.allreduce is not None
+            members = res.group.members
+            assert len(members) == 3 and all(m.upload > 0 and m.download > 0 for m in members)
+            weights = part_weights(members)
+            assert weights == [m.upload for m in members]
+            sizes = part_sizes(MIB, weights, [m.mode for m in members])
+            assert [b - a for a, b in res.allreduce.part_bounds] == sizes
+            assert res.contributors == frozenset(res.members)
+            groups.append(members)
+        # every member saw the same rates for every member
+        assert groups[0] == groups[1] == groups[2]
