@@ -356,9 +356,15 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._donor = peer.run(self._start_donor)
         if self._checkpoints is not None:
             self._resume_from_checkpoint()
-        peer.run(self._refresh)
+        # Read the swarm without publishing: a peer is in the run (others count
+        # it in ``wait_for_peers`` and expect it in their rounds) only once it
+        # can train, not while it downloads the state. Counted earlier, it made
+        # the peers waiting for it start, fill the first target without it and
+        # close the round before it could join.
+        peer.run(partial(self._refresh, publish=False))
         if load_state and self._reading is not None and self._reading.swarm.num_peers > 1:
             self._catch_up(initial=True)
+        peer.run(self._refresh)  # ready: in the run from now on
         self._tracker = peer.run(self._start_tracker)
 
     # -- the user's API ---------------------------------------------------------
@@ -686,20 +692,38 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self, count: int, timeout: float, *, stop: threading.Event | None = None
     ) -> bool:
         """Block until ``count`` peers (this one included) are in the run, or
-        ``timeout`` seconds pass, or ``stop`` is set (within one
-        ``progress_interval``); True if they are. For starting a run together."""
+        ``timeout`` seconds pass, or ``stop`` is set (within one poll); True if
+        they are. For starting a run together.
+
+        Every peer that waits returns within one poll of the moment the last of
+        them is ready to train (see ``_wait_poll``), while that last one starts
+        at once: the first round, which it opens alone after one target batch,
+        stays open for a matchmaking window, and each waiter must be in it."""
         deadline = time.monotonic() + timeout
         stop = stop if stop is not None else threading.Event()
         while True:
+            # Read, then decide, then sleep: deciding on the reading from before
+            # the sleep made a waiter start a whole poll after it could have.
             reading = self._reading
+            if reading is None or reading.swarm.num_peers < count:
+                self._refresh_now(time.monotonic(), force=True)
+                reading = self._reading
             if reading is not None and reading.swarm.num_peers >= count:
                 self._begin_compute()  # waiting is not compute
                 return True
             if time.monotonic() >= deadline or stop.is_set():
                 self._begin_compute()
                 return False
-            self._refresh_now(time.monotonic(), force=True)
-            stop.wait(self.config.progress_interval)
+            stop.wait(self._wait_poll)
+
+    @property
+    def _wait_poll(self) -> float:
+        """How often ``wait_for_peers`` reads the swarm: every progress
+        interval, but at least four times per matchmaking window, so that a
+        waiter is in the first round before its window closes."""
+        return min(
+            self.config.progress_interval, self.config.averaging.matchmaking.matchmaking_time / 4
+        )
 
     def swarm_progress(self) -> SwarmProgress:
         """The swarm's progress as last read from the DHT."""
@@ -909,17 +933,19 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self.peer.async_peer.client_mode,
         )
 
-    async def _refresh(self) -> None:
-        """Publish this peer's record and read everyone's (on the trio thread)."""
+    async def _refresh(self, *, publish: bool = True) -> None:
+        """Publish this peer's record (unless not ``publish``) and read
+        everyone's (on the trio thread)."""
         dht = self.peer.async_peer.dht
         mine = self._record()
         try:
-            await dht.store(
-                progress_key(self.run_id),
-                mine.to_value(),
-                dht.now() + self.config.progress_ttl,
-                subkey=owner_marker(self.peer.peer_id),
-            )
+            if publish:
+                await dht.store(
+                    progress_key(self.run_id),
+                    mine.to_value(),
+                    dht.now() + self.config.progress_ttl,
+                    subkey=owner_marker(self.peer.peer_id),
+                )
             records = parse_progress(await dht.get(progress_key(self.run_id)))
         except SwarmError as e:
             log.warning("progress tracking failed: %s", e)
