@@ -14,6 +14,8 @@ Modules:
 - ``_dropcompute``: DropCompute: a compute threshold per step, chosen from measured times
 - ``_amp``: mixed precision: batched finiteness checks, ``GradScaler`` unscaling
 - ``_buffers``: a model's buffers by name, plain and ``torch.compile``d alike
+- ``_strategy``: the modes of the global step (dense, ARC-Top-K/EF21M, DiLoCo)
+  behind one interface: what is accumulated, averaged and applied
 - ``_optimizer``: ``CollaborativeOptimizer``, one global step per target batch
 """
 
@@ -34,6 +36,7 @@ from ._progress import (
     progress_key,
 )
 from ._round_timing import RoundTiming, RoundTimingConfig
+from ._strategy import CompressedGradients, DenseGradients, LocalSGD, Strategy, Trainee
 from ._task import (
     PRECISIONS,
     Task,
@@ -55,19 +58,24 @@ __all__ = [
     "CheckpointDir",
     "CollaborativeConfig",
     "CollaborativeOptimizer",
+    "CompressedGradients",
+    "DenseGradients",
     "DiLoCo",
     "DigitsCNN",
     "DropCompute",
     "ExportedModel",
     "GlobalStep",
     "GradHook",
+    "LocalSGD",
     "PeerProgress",
     "ProgressSummary",
     "ProgressTree",
     "RoundTiming",
     "RoundTimingConfig",
+    "Strategy",
     "SwarmProgress",
     "Task",
+    "Trainee",
     "builtin_task_names",
     "choose_threshold",
     "default_optimizer",
