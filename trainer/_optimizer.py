@@ -89,7 +89,6 @@ from averaging import (
     load_state_from_peers,
     serve_state,
 )
-from dht import owner_marker
 from swarm import (
     ClosedError,
     ConfigError,
@@ -111,9 +110,8 @@ from ._progress import (
     RateMeter,
     SwarmProgress,
     estimate,
-    parse_progress,
-    progress_key,
 )
+from ._progress_tracker import ProgressTracker, Reading, TrackerConfig, expected_peers
 from ._round_timing import RoundTiming, RoundTimingConfig
 from ._strategy import (
     CompressedGradients,
@@ -129,7 +127,13 @@ T = TypeVar("T")
 
 LRScheduler = torch.optim.lr_scheduler.LRScheduler
 ReduceLROnPlateau = torch.optim.lr_scheduler.ReduceLROnPlateau
-__all__ = ["CollaborativeConfig", "CollaborativeOptimizer", "GlobalStep", "GradHook"]
+__all__ = [
+    "CollaborativeConfig",
+    "CollaborativeOptimizer",
+    "GlobalStep",
+    "GradHook",
+    "expected_peers",
+]
 
 
 @dataclass(frozen=True)
@@ -195,22 +199,6 @@ class CollaborativeConfig:
                 "gradient_compression and diloco cannot be combined: DiLoCo averages "
                 "pseudo-gradients, not gradients; choose one (DiLoCo has its own codec)"
             )
-
-
-@dataclass(frozen=True)
-class _Reading:
-    """One reading of the swarm's progress by the tracker."""
-
-    swarm: SwarmProgress
-    #: this peer's epoch and samples in the record published with this reading
-    epoch: int
-    samples: int
-    #: monotonic time of the reading
-    time: float
-    #: the peers to expect in this epoch's round (this one included): live
-    #: peers at the swarm's epoch, and those one behind that are still
-    #: publishing (finishing the last step), not a peer that went silent
-    expected: int = 1
 
 
 @dataclass(eq=False)
@@ -349,9 +337,24 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._pending_losses: list[torch.Tensor] = []
         self._samples = 0
         self._rate = RateMeter()
-        #: the tracker's latest reading (see ``_Reading``), replaced whole
-        self._reading: _Reading | None = None
-        self._wake: trio.Event | None = None
+        #: publishes this peer's record and reads the swarm's (see ``_progress_tracker``)
+        self._progress = ProgressTracker(
+            peer.async_peer.dht,
+            peer.peer_id,
+            run_id,
+            record=self._record,
+            target_batch_size=target_batch_size,
+            config=TrackerConfig(
+                progress_interval=self.config.progress_interval,
+                progress_ttl=self.config.progress_ttl,
+                # silent for a whole matchmaking window (or a few publications):
+                # it would have missed this round's group anyway
+                fresh_within=max(
+                    2.5 * self.config.progress_interval,
+                    self.config.averaging.matchmaking.matchmaking_time,
+                ),
+            ),
+        )
         self._last_poke = -math.inf
         self._refresh_seconds = 0.0
         self._next_catch_up = -math.inf
@@ -399,10 +402,10 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         # can train, not while it downloads the state. Counted earlier, it made
         # the peers waiting for it start, fill the first target without it and
         # close the round before it could join.
-        peer.run(partial(self._refresh, publish=False))
+        peer.run(partial(self._progress.refresh, publish=False))
         if load_state and self._reading is not None and self._reading.swarm.num_peers > 1:
             self._catch_up(initial=True)
-        peer.run(self._refresh)  # ready: in the run from now on
+        peer.run(self._progress.refresh)  # ready: in the run from now on
         self._tracker = peer.run(self._start_tracker)
 
     # -- the user's API ---------------------------------------------------------
@@ -789,7 +792,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self.peer.run_sync(self._donor.cancel)
             self.peer.run_sync(self._tracker.cancel)
             self.peer.run_sync(self._cancel_matchmaking)
-            self.peer.run(self._withdraw)
+            self.peer.run(self._progress.withdraw)
         except SwarmError as e:
             log.debug("could not withdraw from the swarm cleanly: %s", e)
 
@@ -801,7 +804,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     # -- progress ---------------------------------------------------------------
 
-    def _ready(self, reading: _Reading) -> bool:
+    def _ready(self, reading: Reading) -> bool:
         """Has the swarm reached the target batch? What the others reported at the
         last reading, plus everything this peer has now. Other peers' rates are
         not extrapolated: a peer busy averaging or loading state computes nothing,
@@ -809,13 +812,13 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         others = reading.swarm.reported - reading.samples
         return others + self._samples >= self.target_batch_size
 
-    def _near_target(self, reading: _Reading, now: float) -> bool:
+    def _near_target(self, reading: Reading, now: float) -> bool:
         """Would the swarm have reached the target if everyone kept computing?"""
         swarm = reading.swarm
         extrapolated = swarm.samples + swarm.samples_per_second * (now - reading.time)
         return extrapolated - reading.samples + self._samples >= self.target_batch_size
 
-    def _maybe_begin_matchmaking(self, reading: _Reading, now: float) -> None:
+    def _maybe_begin_matchmaking(self, reading: Reading, now: float) -> None:
         """Begin this epoch's matchmaking in the background once the swarm is
         estimated within ``matchmaking_lead`` seconds of the target."""
         swarm = reading.swarm
@@ -907,7 +910,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             return False
         self._last_poke = now
         try:
-            self.peer.run(self._refresh)
+            self.peer.run(self._progress.refresh)
         except ClosedError:
             raise  # our own peer is gone: training cannot go on
         except SwarmError as e:
@@ -917,15 +920,15 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self._refresh_seconds = time.monotonic() - now
         return True
 
+    @property
+    def _reading(self) -> Reading | None:
+        """The tracker's latest reading of the swarm (replaced whole)."""
+        return self._progress.reading
+
     def _poke(self) -> None:
         """Ask the tracker to publish and read now rather than at its next interval."""
-
-        def wake() -> None:
-            if self._wake is not None:
-                self._wake.set()
-
         with contextlib.suppress(SwarmError):
-            self.peer.run_sync(wake)
+            self.peer.run_sync(self._progress.wake)
 
     def _record(self) -> PeerProgress:
         return PeerProgress(
@@ -939,56 +942,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self.peer.async_peer.client_mode,
         )
 
-    async def _refresh(self, *, publish: bool = True) -> None:
-        """Publish this peer's record (unless not ``publish``) and read
-        everyone's (on the trio thread)."""
-        dht = self.peer.async_peer.dht
-        mine = self._record()
-        try:
-            if publish:
-                await dht.store(
-                    progress_key(self.run_id),
-                    mine.to_value(),
-                    dht.now() + self.config.progress_ttl,
-                    subkey=owner_marker(self.peer.peer_id),
-                )
-            records = parse_progress(await dht.get(progress_key(self.run_id)))
-        except SwarmError as e:
-            log.warning("progress tracking failed: %s", e)
-            records = []
-        records = [r for r in records if r.peer_id != mine.peer_id] + [mine]
-        swarm = estimate(
-            records,
-            now=dht.now(),
-            target_batch_size=self.target_batch_size,
-            stale_after=self.config.progress_ttl,
-        )
-        expected = expected_peers(
-            records,
-            now=dht.now(),
-            epoch=swarm.epoch,
-            stale_after=self.config.progress_ttl,
-            # silent for a whole matchmaking window (or a few publications):
-            # it would have missed this round's group anyway
-            fresh_within=max(
-                2.5 * self.config.progress_interval,
-                self.config.averaging.matchmaking.matchmaking_time,
-            ),
-        )
-        self._reading = _Reading(swarm, mine.epoch, mine.samples, time.monotonic(), expected)
-
     async def _start_tracker(self) -> trio.CancelScope:
-        return await self.peer.async_peer.start_service(self._track)
-
-    async def _track(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Publish and read progress every ``progress_interval``, or when poked."""
-        self._wake = trio.Event()
-        task_status.started()
-        while True:
-            with trio.move_on_after(self.config.progress_interval):
-                await self._wake.wait()
-            self._wake = trio.Event()
-            await self._refresh()
+        return await self.peer.async_peer.start_service(self._progress.serve)
 
     async def _agreed_grid(self, epoch: int, expected: int) -> MoshpitGrid:
         """On the trio thread: the grid every peer of ``epoch``'s round uses
@@ -1050,20 +1005,6 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         rounded = 1 << max(0, math.ceil(math.log2(max(1, peers))))
         target = self.config.averaging.matchmaking.target_group_size
         return MoshpitGrid.for_swarm(rounded, max(2, target))
-
-    async def _withdraw(self) -> None:
-        dht = self.peer.async_peer.dht
-        record = self._record()
-        value = record.to_value() | {"time": dht.now() - 2 * self.config.progress_ttl}
-        # A record whose time is already stale: readers treat this peer as gone.
-        # It must expire after the last live record, or the merge (latest
-        # expiration wins) would keep that one.
-        await dht.store(
-            progress_key(self.run_id),
-            value,
-            dht.now() + 2 * self.config.progress_ttl,
-            subkey=owner_marker(self.peer.peer_id),
-        )
 
     # -- the global step ----------------------------------------------------------
 
@@ -1420,30 +1361,3 @@ def _log_average(epoch: int, what: str, result: StepResult) -> None:
             contributors,
             members,
         )
-
-
-def expected_peers(
-    records: list[PeerProgress],
-    *,
-    now: float,
-    epoch: int,
-    stale_after: float,
-    fresh_within: float,
-) -> int:
-    """How many peers (at least 1) an ``epoch`` round should wait for.
-
-    Live peers at ``epoch`` or beyond, and peers one epoch behind whose record
-    is younger than ``fresh_within`` seconds: they are still publishing, so
-    still finishing the last step, and about to join. A peer one behind that
-    went silent (it died, or missed the last round and is stuck) is not
-    waited for, although its record lives until ``stale_after``.
-    """
-    return max(
-        1,
-        sum(
-            1
-            for r in records
-            if now - r.time <= stale_after
-            and (r.epoch >= epoch or (r.epoch == epoch - 1 and now - r.time <= fresh_within))
-        ),
-    )
