@@ -1,5 +1,4 @@
-"""Peers that wait for each other start together: the first round holds them all,
-and the later rounds use the grid the peers agreed on in the DHT.
+"""Peers that wait for each other start together: the first round holds them all.
 
 The peer that starts a run waits in ``wait_for_peers``; the last to join finds
 everyone there and starts at once. It fills the first target batch alone and
@@ -10,15 +9,12 @@ behind and downloads the state instead of training from the first step.
 
 from __future__ import annotations
 
-import logging
 import threading
 from dataclasses import replace
 
-import pytest
 import torch
 from trainer_harness import FAST, TrainingPeer, training_config, training_peers
 
-from averaging import GridAgreement, MoshpitGrid
 from swarm import PeerID
 from trainer import CollaborativeOptimizer
 
@@ -27,11 +23,8 @@ from trainer import CollaborativeOptimizer
 SLOW_PROGRESS = replace(FAST, progress_interval=5.0, progress_ttl=30.0)
 
 
-def test_the_first_peer_is_in_the_first_round_with_the_peer_it_waited_for(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_the_first_peer_is_in_the_first_round_with_the_peer_it_waited_for() -> None:
     torch.set_num_threads(1)
-    caplog.set_level(logging.DEBUG, logger="trainer._optimizer")
     contributors: dict[int, list[frozenset[PeerID]]] = {0: [], 1: []}
     optimizers: dict[int, CollaborativeOptimizer] = {}
     first_waits = threading.Event()
@@ -65,14 +58,6 @@ def test_the_first_peer_is_in_the_first_round_with_the_peer_it_waited_for(
         second = TrainingPeer(peers[1], configs[1])
         second.start(on_epoch=on_epoch(1), on_start=on_start(1))
         reports = [first.join(), second.join()]
-        # each round proposed the next epoch's grid (the last one's is still
-        # there), so the rounds after the first used a grid agreed in the DHT,
-        # not each peer's own estimate: only epoch 0 fell back to the estimate
-        grids = GridAgreement(prefix="digits-test", target_group_size=8)
-        agreed = peers[0].run(grids.agree, peers[0].async_peer.dht, 3)
-        assert agreed == MoshpitGrid.for_swarm(2, 8)
-    fallbacks = [r.getMessage() for r in caplog.records if "no agreed grid" in r.getMessage()]
-    assert fallbacks == ["epoch 0: no agreed grid; sizing it from 2 peers"] * 2, fallbacks
 
     both = frozenset(p.peer_id for p in peers)
     for i, report in enumerate(reports):

@@ -26,19 +26,6 @@ use. It asks the strategy what a batch adds, whether local steps or the swarm's
 target end the step, what the group averages, how the average is applied, and
 what of its state checkpoints, donors and newcomers carry.
 
-Rounds: each gradient round's Moshpit grid is the one agreed for its epoch in
-the DHT (``averaging.GridAgreement``): a peer proposes the next epoch's grid
-as its round ends, and reads the agreed one when the next round's
-matchmaking begins, so peers whose estimates of the swarm differ still meet
-(the run's first round, with no proposals yet, sizes it from this peer's
-estimate). A state-averaging round uses the grid of the gradient round just
-done. The matchmaking window and the all-reduce timeout follow measured
-rounds (``RoundTiming``; ``adaptive_timing``): margin * (mean + 4 deviations)
-of the measured times, matchmaking scaled by log2 of the swarm's size, never
-above the configured ``matchmaking_time`` and ``averaging_timeout`` (the
-upper bounds, and the values used before the first measured round or with
-``adaptive_timing=False``), never below half a second or one poll interval.
-
 Devices and precision: accumulators are float32 on the parameters' device;
 the all-reduce averages their host copy (``averaging.HostStaging``, one
 device-to-host and one host-to-device copy per global step, none for a CPU
@@ -78,7 +65,6 @@ from averaging import (
     UNCHECKED,
     Averager,
     AveragerConfig,
-    GridAgreement,
     Group,
     HostStaging,
     LoadedState,
@@ -112,7 +98,6 @@ from ._progress import (
     estimate,
 )
 from ._progress_tracker import ProgressTracker, Reading, TrackerConfig, expected_peers
-from ._round_timing import RoundTiming, RoundTimingConfig
 from ._strategy import (
     CompressedGradients,
     DenseGradients,
@@ -163,10 +148,6 @@ class CollaborativeConfig:
     diloco: DiLoCo | None = None
     #: a compute budget per global step (see ``DropCompute``); None: off
     drop_compute: DropCompute | None = None
-    #: adapt the matchmaking window and the averaging timeout to measured
-    #: rounds (``RoundTiming``); ``averaging.matchmaking.matchmaking_time`` and
-    #: ``averaging_timeout`` stay the upper bounds. False: always use those.
-    adaptive_timing: bool = True
 
     def __post_init__(self) -> None:
         bound = self.averaging.matchmaking.bound
@@ -209,9 +190,6 @@ class _Prematch:
     done: trio.Event = field(default_factory=trio.Event)
     group: Group | None = None
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
-    #: trio time matchmaking began, and how long the group took to form
-    started: float = 0.0
-    formed_after: float | None = None
 
 
 @dataclass(frozen=True)
@@ -367,24 +345,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._checkpoint_failures: set[str] = set()
         #: the epoch of the last checkpoint written (None: none yet)
         self._checkpointed_epoch: int | None = None
-        #: the Moshpit grid of each epoch, agreed through the DHT (see ``_agreed_grid``)
-        self._grids = GridAgreement(
-            prefix=run_id,
-            target_group_size=max(2, self.config.averaging.matchmaking.target_group_size),
-        )
         self._grad_averager = self._make_grad_averager()
-        mm = self.config.averaging.matchmaking
-        #: the matchmaking window and averaging timeout from measured rounds
-        self._timing = RoundTiming(
-            RoundTimingConfig(
-                matchmaking_time=mm.matchmaking_time,
-                averaging_timeout=self.config.averaging_timeout,
-                request_timeout=mm.request_timeout,
-                adaptive=self.config.adaptive_timing,
-                # a window shorter than a poll would let followers miss it
-                floor=min(mm.matchmaking_time, max(0.5, mm.poll_interval)),
-            )
-        )
         drop = self.config.drop_compute
         self._budget = None if drop is None else ComputeBudget(drop, compute_clock)
         #: this step's compute budget is spent (DropCompute): average now
@@ -840,9 +801,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             if previous.epoch == epoch:
                 return
             previous.scope.cancel()
-        self._grad_averager.set_grid(await self._agreed_grid(epoch, expected))
-        self._grad_averager.set_matchmaking_time(self._timing.matchmaking_time(self._swarm_size()))
-        prematch = _Prematch(epoch, started=trio.current_time())
+        self._grad_averager.set_grid(self._grid(expected))
+        prematch = _Prematch(epoch)
         self._prematch = prematch
 
         async def find(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -851,7 +811,6 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 prematch.group = await self._grad_averager.find_group(
                     round=epoch, expected_peers=expected
                 )
-                prematch.formed_after = trio.current_time() - prematch.started
             except SwarmError as e:
                 log.info("epoch %d: matchmaking failed: %s", epoch, e)
             finally:
@@ -864,33 +823,16 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         await self._begin_matchmaking(self.epoch, expected)
         prematch = self._prematch
         assert prematch is not None
-        size = self._swarm_size()
-        with trio.move_on_after(self._grad_averager.config.matchmaking.bound + 1.0):
+        with trio.move_on_after(self.config.averaging.matchmaking.bound + 1.0):
             await prematch.done.wait()
         self._prematch = None
         if prematch.group is None:
             prematch.scope.cancel()
             await prematch.done.wait()
             return self._grad_averager.skip("no group formed in time")
-        result: StepResult | None = None
-        started = trio.current_time()
-        with trio.move_on_after(self._timing.averaging_timeout(size)):
-            result = await self._average_in_group(prematch.group, weight)
-        if result is None:
-            return self._grad_averager.skip("timed out during the all-reduce")
-        if prematch.formed_after is not None and result.contributors:
-            self._timing.observe(
-                matchmaking=prematch.formed_after,
-                allreduce=trio.current_time() - started,
-                swarm_size=size,
-            )
-        await self._propose_grid(self.epoch + 1)
-        return result
-
-    def _swarm_size(self) -> int:
-        """The live peers of the swarm at the last reading (at least 1)."""
-        reading = self._reading
-        return 1 if reading is None else max(1, reading.swarm.num_peers)
+        with trio.move_on_after(self.config.averaging_timeout):
+            return await self._average_in_group(prematch.group, weight)
+        return self._grad_averager.skip("timed out during the all-reduce")
 
     async def _average_in_group(self, group: Group, weight: float) -> StepResult:
         """The all-reduce itself, as the mode does it (see ``Strategy.average``)."""
@@ -944,60 +886,6 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     async def _start_tracker(self) -> trio.CancelScope:
         return await self.peer.async_peer.start_service(self._progress.serve)
-
-    async def _agreed_grid(self, epoch: int, expected: int) -> MoshpitGrid:
-        """On the trio thread: the grid every peer of ``epoch``'s round uses
-        (``averaging.GridAgreement``), so peers whose estimates of the swarm
-        differ still compute the same group keys.
-
-        Without an agreed grid (the run's first round, an epoch nobody
-        proposed for, or a DHT that did not answer within a request timeout)
-        it falls back to this peer's own estimate (``_grid``). Never raises
-        ``SwarmError``; cancellation propagates.
-        """
-        agreed: MoshpitGrid | None = None
-        with (
-            trio.move_on_after(self.config.averaging.matchmaking.request_timeout),
-            contextlib.suppress(SwarmError),
-        ):
-            agreed = await self._grids.agree(self.peer.async_peer.dht, epoch)
-        if agreed is None:
-            log.debug("epoch %d: no agreed grid; sizing it from %d peers", epoch, expected)
-            return self._grid(expected)
-        return agreed
-
-    async def _propose_grid(self, epoch: int) -> None:
-        """On the trio thread: propose ``epoch``'s grid from this peer's estimate
-        of the swarm, if it is one of the epoch's proposers.
-
-        Called as this peer's round of the epoch before ends, so the proposal is
-        in the DHT a whole compute phase before ``epoch``'s round reads it; never
-        later (e.g. after catching up mid-epoch): a late proposal could change
-        the choice of the peers that read after it. Each peer holds one proposal
-        (its sub-key), so this replaces its proposal for the epoch before, which
-        the peers of that round read when it began. Returns within a request
-        timeout; failures are logged, not raised.
-        """
-        reading = self._reading
-        estimate = 1 if reading is None else reading.swarm.num_peers
-        dht = self.peer.async_peer.dht
-        with trio.move_on_after(self.config.averaging.matchmaking.request_timeout):
-            try:
-                await self._grids.propose(dht, self.peer.peer_id, epoch, estimate)
-            except SwarmError as e:
-                log.debug("epoch %d: could not propose a grid: %s", epoch, e)
-
-    async def _state_round(self, averager: Averager, expected: int) -> StepResult:
-        """On the trio thread: one state-averaging round, on the grid of the
-        gradient round just done (the one its peers agreed on)."""
-        averager.set_grid(self._grad_averager.grid)
-        averager.set_matchmaking_time(self._grad_averager.config.matchmaking.matchmaking_time)
-        return await averager.step(
-            1.0,
-            timeout=self._timing.averaging_timeout(self._swarm_size()),
-            round=self.epoch,
-            expected_peers=expected,
-        )
 
     def _grid(self, peers: int) -> MoshpitGrid:
         # Peers must agree on the grid to meet, but count the swarm a little
@@ -1150,7 +1038,15 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self._state_averager.tensors = staging.host
         staging.to_host()
         try:
-            result = self.peer.run(self._state_round, self._state_averager, expected)
+            result = self.peer.run(
+                partial(
+                    self._state_averager.step,
+                    1.0,
+                    timeout=self.config.averaging_timeout,
+                    round=self.epoch,
+                    expected_peers=expected,
+                )
+            )
         except LocalTensorError:
             raise  # this peer's own state cannot be sent: not the group's fault
         except SwarmError as e:
