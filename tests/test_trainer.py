@@ -251,10 +251,11 @@ def test_a_batch_with_nan_gradients_is_refused_and_changes_nothing() -> None:
             grad.view(-1)[0] = float("nan")
             with pytest.raises(NonFiniteError, match="not accumulated"):
                 opt.step(32)
-            assert all(not acc.any() for acc in opt._grads)  # nothing accumulated
+            assert all(not acc.any() for acc in opt._strategy.averaged)  # nothing accumulated
             grad.view(-1)[0] = 1.0
             assert opt.step(32) is False  # alone, 32 of 192 samples: no global step yet
-            assert all(torch.equal(acc, torch.full_like(acc, 32.0)) for acc in opt._grads)
+            accumulated = opt._strategy.averaged
+            assert all(torch.equal(acc, torch.full_like(acc, 32.0)) for acc in accumulated)
             assert all(torch.equal(p, q) for p, q in zip(opt.params, params, strict=True))
         finally:
             opt.close()

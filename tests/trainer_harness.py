@@ -52,6 +52,7 @@ class TrainingPeer:
         *,
         task: Task[Any] | None = None,
         compute_clock: Callable[[], float] = time.monotonic,
+        on_start: Callable[[CollaborativeOptimizer], None] | None = None,
     ) -> None:
         task = task or load_task("digits")
 
@@ -64,6 +65,7 @@ class TrainingPeer:
                     stop=self.stop,
                     on_epoch=on_epoch,
                     compute_clock=compute_clock,
+                    on_start=on_start,
                 )
             except BaseException as e:  # re-raised by the test thread in join()
                 self.error = e

@@ -8,6 +8,8 @@ Modules:
 - ``_export``: the newest checkpoint's model weights as a safetensors file
 - ``_progress``: progress records in the DHT, the swarm's progress estimate, and
   ``ProgressTree``, the aggregation tree that scales it to thousands of peers
+- ``_progress_tracker``: ``ProgressTracker``, the service that publishes this
+  peer's progress and reads the swarm's; ``expected_peers``
 - ``_round_timing``: ``RoundTiming``, matchmaking time and averaging timeout from measured rounds
 - ``_ef21m``: ``ArcTopK`` gradient compression with EF21M error feedback
 - ``_diloco``: DiLoCo mode: local inner steps, then an outer Nesterov step
@@ -15,6 +17,8 @@ Modules:
 - ``_drift``: when the lossy data plane re-synchronises parameters (bounded drift)
 - ``_amp``: mixed precision: batched finiteness checks, ``GradScaler`` unscaling
 - ``_buffers``: a model's buffers by name, plain and ``torch.compile``d alike
+- ``_strategy``: the modes of the global step (dense, ARC-Top-K/EF21M, DiLoCo)
+  behind one interface: what is accumulated, averaged and applied
 - ``_optimizer``: ``CollaborativeOptimizer``, one global step per target batch
 """
 
@@ -38,7 +42,9 @@ from ._progress import (
     parse_progress,
     progress_key,
 )
+from ._progress_tracker import ProgressTracker, Reading, TrackerConfig, expected_peers
 from ._round_timing import RoundTiming, RoundTimingConfig
+from ._strategy import CompressedGradients, DenseGradients, LocalSGD, Strategy, Trainee
 from ._task import (
     PRECISIONS,
     Task,
@@ -62,25 +68,34 @@ __all__ = [
     "CheckpointDir",
     "CollaborativeConfig",
     "CollaborativeOptimizer",
+    "CompressedGradients",
+    "DenseGradients",
     "DiLoCo",
     "DigitsCNN",
     "DropCompute",
     "ExportedModel",
     "GlobalStep",
     "GradHook",
+    "LocalSGD",
     "PeerProgress",
     "ProgressSummary",
+    "ProgressTracker",
     "ProgressTree",
+    "Reading",
     "ResyncSchedule",
     "RoundTiming",
     "RoundTimingConfig",
+    "Strategy",
     "SwarmProgress",
     "Task",
+    "TrackerConfig",
+    "Trainee",
     "builtin_task_names",
     "choose_threshold",
     "default_optimizer",
     "device_label",
     "estimate",
+    "expected_peers",
     "export_model",
     "load_checkpoint",
     "load_plain_state_dict",

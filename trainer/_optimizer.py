@@ -20,6 +20,12 @@ Two options change what a global step is (``CollaborativeConfig``): ``diloco``
 and ``drop_compute`` (``_dropcompute``: the step also ends once this peer has
 computed for its threshold).
 
+The modes (dense gradients, ARC-Top-K/EF21M, DiLoCo) are strategies
+(``_strategy``) behind one interface: the step here never asks which one is in
+use. It asks the strategy what a batch adds, whether local steps or the swarm's
+target end the step, what the group averages, how the average is applied, and
+what of its state checkpoints, donors and newcomers carry.
+
 Devices and precision: accumulators are float32 on the parameters' device;
 the all-reduce averages their host copy (``averaging.HostStaging``, one
 device-to-host and one host-to-device copy per global step, none for a CPU
@@ -66,11 +72,9 @@ from averaging import (
     MoshpitGrid,
     StateTransferConfig,
     StepResult,
-    float32_accumulators,
     load_state_from_peers,
     serve_state,
 )
-from dht import owner_marker
 from swarm import (
     ClosedError,
     ConfigError,
@@ -93,8 +97,15 @@ from ._progress import (
     RateMeter,
     SwarmProgress,
     estimate,
-    parse_progress,
-    progress_key,
+)
+from ._progress_tracker import ProgressTracker, Reading, TrackerConfig, expected_peers
+from ._strategy import (
+    CompressedGradients,
+    DenseGradients,
+    GradHook,
+    LocalSGD,
+    Strategy,
+    Trainee,
 )
 
 log = logging.getLogger(__name__)
@@ -102,10 +113,13 @@ T = TypeVar("T")
 
 LRScheduler = torch.optim.lr_scheduler.LRScheduler
 ReduceLROnPlateau = torch.optim.lr_scheduler.ReduceLROnPlateau
-#: what is called with the parameters, their ``.grad`` the averaged gradient,
-#: right before the inner step (e.g. to clip by global norm); its return value
-#: is kept in ``GlobalStep.hook_result`` (e.g. the norm, for logs)
-GradHook = Callable[[list[torch.nn.Parameter]], object]
+__all__ = [
+    "CollaborativeConfig",
+    "CollaborativeOptimizer",
+    "GlobalStep",
+    "GradHook",
+    "expected_peers",
+]
 
 
 @dataclass(frozen=True)
@@ -183,22 +197,6 @@ class CollaborativeConfig:
                 "gradient_compression and diloco cannot be combined: DiLoCo averages "
                 "pseudo-gradients, not gradients; choose one (DiLoCo has its own codec)"
             )
-
-
-@dataclass(frozen=True)
-class _Reading:
-    """One reading of the swarm's progress by the tracker."""
-
-    swarm: SwarmProgress
-    #: this peer's epoch and samples in the record published with this reading
-    epoch: int
-    samples: int
-    #: monotonic time of the reading
-    time: float
-    #: the peers to expect in this epoch's round (this one included): live
-    #: peers at the swarm's epoch, and those one behind that are still
-    #: publishing (finishing the last step), not a peer that went silent
-    expected: int = 1
 
 
 @dataclass(eq=False)
@@ -307,9 +305,6 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self.buffers: dict[str, torch.Tensor] = {} if model is None else model_buffers(model)
         #: the value ``ReduceLROnPlateau`` steps with (None: the smoothed loss)
         self._metric: float | None = None
-        #: which parameters received a gradient in this global step
-        self._got_grad = [False] * len(self.params)
-        self._hook_result: object = None
         self._scheduler_error: Exception | None = None
         # torch.optim.Optimizer's own attributes (its __init__ would build
         # param groups of its own: ours are the inner optimizer's)
@@ -328,26 +323,33 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self.state_source: PeerID | None = None
         self.loss: float | None = None
         self.accuracy: float | None = None
-        #: DiLoCo mode: its state, and the pseudo-gradients take the gradients' place
-        self._diloco = (
-            None if self.config.diloco is None else OuterLoop(self.params, self.config.diloco)
-        )
-        #: the accumulated gradients: float32 on the parameters' device, whatever
-        #: their dtype, back to back in one buffer per device
-        self._grads = [] if self._diloco is not None else float32_accumulators(self.params)
-        #: the host copy the gradient all-reduce averages (the accumulators
+        #: the mode: what a step accumulates and averages, and how it applies it
+        self._strategy = self._make_strategy()
+        #: the host copy the all-reduce averages (the strategy's tensors
         #: themselves for a CPU model: nothing is copied)
-        self._staging = HostStaging(self._grads if self._diloco is None else self._diloco.deltas)
+        self._staging = HostStaging(self._strategy.averaged)
         #: losses passed as tensors, read at the next global step (not per batch)
         self._pending_losses: list[torch.Tensor] = []
         self._samples = 0
-        compression = self.config.gradient_compression
-        #: error feedback state when gradients are compressed (None: dense)
-        self._ef21m = None if compression is None else EF21M(self.params, compression)
         self._rate = RateMeter()
-        #: the tracker's latest reading (see ``_Reading``), replaced whole
-        self._reading: _Reading | None = None
-        self._wake: trio.Event | None = None
+        #: publishes this peer's record and reads the swarm's (see ``_progress_tracker``)
+        self._progress = ProgressTracker(
+            peer.async_peer.dht,
+            peer.peer_id,
+            run_id,
+            record=self._record,
+            target_batch_size=target_batch_size,
+            config=TrackerConfig(
+                progress_interval=self.config.progress_interval,
+                progress_ttl=self.config.progress_ttl,
+                # silent for a whole matchmaking window (or a few publications):
+                # it would have missed this round's group anyway
+                fresh_within=max(
+                    2.5 * self.config.progress_interval,
+                    self.config.averaging.matchmaking.matchmaking_time,
+                ),
+            ),
+        )
         self._last_poke = -math.inf
         self._refresh_seconds = 0.0
         self._next_catch_up = -math.inf
@@ -376,9 +378,15 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._donor = peer.run(self._start_donor)
         if self._checkpoints is not None:
             self._resume_from_checkpoint()
-        peer.run(self._refresh)
+        # Read the swarm without publishing: a peer is in the run (others count
+        # it in ``wait_for_peers`` and expect it in their rounds) only once it
+        # can train, not while it downloads the state. Counted earlier, it made
+        # the peers waiting for it start, fill the first target without it and
+        # close the round before it could join.
+        peer.run(partial(self._progress.refresh, publish=False))
         if load_state and self._reading is not None and self._reading.swarm.num_peers > 1:
             self._catch_up(initial=True)
+        peer.run(self._progress.refresh)  # ready: in the run from now on
         self._tracker = peer.run(self._start_tracker)
 
     # -- the user's API ---------------------------------------------------------
@@ -520,23 +528,35 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 " (a diverging loss: lower the learning rate or clip gradients)"
             )
         size = self.batch_size_per_step if batch_size is None else batch_size
-        if self._diloco is not None:
-            return self._local_step(self._diloco, size, loss)
-        with torch.no_grad():
-            for i, (acc, p) in enumerate(zip(self._grads, self.params, strict=True)):
-                if p.grad is not None:
-                    acc.add_(p.grad, alpha=size)
-                    self._got_grad[i] = True
+        strategy = self._strategy
+        if strategy.local_steps_left() is None:
+            strategy.accumulate(size)  # into accumulators of our own: no lock
+        else:
+            self._locked(strategy.accumulate, size)  # a local step changes the parameters
         now = self._account(size, loss)
+        left = strategy.local_steps_left()
+        ready = (
+            self._target_reached(now) if left is None else self._local_steps_done(left, size, now)
+        )
+        if ready is None:
+            return False
+        alone, expected = ready
+        self._global_step(alone=alone, expected=expected)
+        return True
+
+    def _target_reached(self, now: float) -> tuple[bool, int] | None:
+        """Has the swarm reached the target batch (or this peer its compute
+        budget)? (alone, peers to expect) if the global step is due now, None
+        if not (or after catching up with a swarm that is ahead)."""
         reading = self._reading
         if reading is None or reading.epoch != self.epoch:
             # the tracker has not read the swarm since this epoch began: read now,
             # rather than compute blind past the target
             if not self._refresh_now(now, force=self._out_of_time):
-                return False
+                return None
             reading = self._reading
             if reading is None or reading.epoch != self.epoch:
-                return False
+                return None
         swarm = reading.swarm
         if swarm.epoch > self.epoch and now >= self._next_catch_up:
             log.info(
@@ -545,16 +565,16 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             if not self._catch_up(initial=False, min_epoch=swarm.epoch):
                 # nobody could send that epoch: train on, try again later
                 self._next_catch_up = now + self.config.progress_ttl / 2
-            return False
+            return None
         if self._ready(reading):
             self._out_of_time = False  # the swarm's target ended this step, not the threshold
         elif not self._out_of_time:
             self._maybe_begin_matchmaking(reading, now)
             if not self._near_target(reading, now) or not self._refresh_now(now):
-                return False
+                return None
             reading = self._reading
             if reading is None or reading.epoch != self.epoch or not self._ready(reading):
-                return False
+                return None
             swarm = reading.swarm
         if swarm.num_peers <= 1 and self._refresh_now(now, force=True):
             # about to train alone: make sure nobody joined since the last reading
@@ -565,8 +585,47 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         # last epoch is about to join (a group closed too early would leave it
         # alone), but one that went silent is not waited for.
         expected = reading.expected if reading is not None else swarm.num_peers
-        self._global_step(alone=swarm.num_peers <= 1, expected=expected)
-        return True
+        return swarm.num_peers <= 1, expected
+
+    def _local_steps_done(self, left: int, size: int, now: float) -> tuple[bool, int] | None:
+        """With local steps (DiLoCo): are they done (or this peer's compute
+        budget spent)? (alone, peers to expect) if the global step is due now,
+        None if not (or after catching up with a swarm that is ahead)."""
+        if left <= 0:
+            self._out_of_time = False  # the local steps ended this round, not the threshold
+        reading = self._reading
+        if left > 0 and not self._out_of_time:
+            rate = self._rate.rate
+            lead = self.config.matchmaking_lead
+            if (
+                reading is not None
+                and reading.swarm.num_peers > 1
+                and self._prematch_epoch != self.epoch
+                and rate > 0
+                and left * size / rate <= lead
+            ):
+                # the group is ready when the last local step is
+                self._prematch_epoch = self.epoch
+                with contextlib.suppress(SwarmError):
+                    self.peer.run(self._begin_matchmaking, self.epoch, reading.expected)
+            return None
+        self._refresh_now(now, force=True)  # who is live now, and how far they are
+        reading = self._reading
+        if reading is not None and reading.swarm.epoch > self.epoch and now >= self._next_catch_up:
+            # the others synchronised without us: our local steps are stale
+            log.info(
+                "epoch %d is behind the swarm's %d: downloading its state",
+                self.epoch,
+                reading.swarm.epoch,
+            )
+            if self._catch_up(initial=False, min_epoch=reading.swarm.epoch):
+                return None
+            # nobody could send that epoch yet (donors announce it a little
+            # later): synchronise with the peers at ours, try again later
+            self._next_catch_up = now + self.config.progress_ttl / 2
+        peers = 1 if reading is None else reading.swarm.num_peers
+        expected = 1 if reading is None else reading.expected
+        return peers <= 1, expected
 
     def _account(self, size: int, loss: float | torch.Tensor | None) -> float:
         """Count a local batch of ``size`` samples; returns the monotonic time."""
@@ -615,83 +674,6 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         if self._budget is not None:
             self._budget.begin()
 
-    def _local_step(self, diloco: OuterLoop, size: int, loss: float | torch.Tensor | None) -> bool:
-        """DiLoCo mode's ``step()``: an inner step now, the outer step after
-        ``local_steps`` of them (see ``_outer_step``)."""
-
-        def inner() -> None:
-            self.optimizer.step()
-            diloco.local_steps += 1
-
-        self._locked(inner)
-        now = self._account(size, loss)
-        remaining = diloco.config.local_steps - diloco.local_steps
-        if remaining <= 0:
-            self._out_of_time = False  # the local steps ended this round, not the threshold
-        reading = self._reading
-        if remaining > 0 and not self._out_of_time:
-            rate = self._rate.rate
-            lead = self.config.matchmaking_lead
-            if (
-                reading is not None
-                and reading.swarm.num_peers > 1
-                and self._prematch_epoch != self.epoch
-                and rate > 0
-                and remaining * size / rate <= lead
-            ):
-                # the group is ready when the last local step is
-                self._prematch_epoch = self.epoch
-                with contextlib.suppress(SwarmError):
-                    self.peer.run(self._begin_matchmaking, self.epoch, reading.expected)
-            return False
-        self._refresh_now(now, force=True)  # who is live now, and how far they are
-        reading = self._reading
-        if reading is not None and reading.swarm.epoch > self.epoch and now >= self._next_catch_up:
-            # the others synchronised without us: our local steps are stale
-            log.info(
-                "epoch %d is behind the swarm's %d: downloading its state",
-                self.epoch,
-                reading.swarm.epoch,
-            )
-            if self._catch_up(initial=False, min_epoch=reading.swarm.epoch):
-                return False
-            # nobody could send that epoch yet (donors announce it a little
-            # later): synchronise with the peers at ours, try again later
-            self._next_catch_up = now + self.config.progress_ttl / 2
-        peers = 1 if reading is None else reading.swarm.num_peers
-        expected = 1 if reading is None else reading.expected
-        self._outer_step(diloco, alone=peers <= 1, expected=expected)
-        return True
-
-    def _outer_step(self, diloco: OuterLoop, *, alone: bool, expected: int) -> None:
-        """Average the pseudo-gradients with a group and take the outer step."""
-        samples = self._samples
-        compute, early = self._end_compute()
-        started = time.monotonic()
-        self._read_losses()
-        self._locked(diloco.compute_pseudo_gradients)
-        result: StepResult | None = None
-        if alone:
-            log.info("epoch %d: no other peer is training; outer step alone", self.epoch)
-        else:
-            self._staging.to_host()
-            result = self._average_gradients(samples, expected)
-        seconds = time.monotonic() - started
-        self._rate.pause()
-
-        def apply() -> None:
-            if not alone:
-                self._staging.from_host()
-            diloco.outer_step()
-            self._samples = 0
-            self.epoch += 1
-            self._step_scheduler()
-
-        self._locked(apply)
-        self.last_step = GlobalStep(self.epoch, samples, result, seconds, compute, early)
-        self._raise_scheduler_error()
-        self._after_global_step(alone)
-
     @property
     def compute_threshold(self) -> float | None:
         """DropCompute's tau in seconds (None: DropCompute off, or still calibrating)."""
@@ -706,20 +688,38 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self, count: int, timeout: float, *, stop: threading.Event | None = None
     ) -> bool:
         """Block until ``count`` peers (this one included) are in the run, or
-        ``timeout`` seconds pass, or ``stop`` is set (within one
-        ``progress_interval``); True if they are. For starting a run together."""
+        ``timeout`` seconds pass, or ``stop`` is set (within one poll); True if
+        they are. For starting a run together.
+
+        Every peer that waits returns within one poll of the moment the last of
+        them is ready to train (see ``_wait_poll``), while that last one starts
+        at once: the first round, which it opens alone after one target batch,
+        stays open for a matchmaking window, and each waiter must be in it."""
         deadline = time.monotonic() + timeout
         stop = stop if stop is not None else threading.Event()
         while True:
+            # Read, then decide, then sleep: deciding on the reading from before
+            # the sleep made a waiter start a whole poll after it could have.
             reading = self._reading
+            if reading is None or reading.swarm.num_peers < count:
+                self._refresh_now(time.monotonic(), force=True)
+                reading = self._reading
             if reading is not None and reading.swarm.num_peers >= count:
                 self._begin_compute()  # waiting is not compute
                 return True
             if time.monotonic() >= deadline or stop.is_set():
                 self._begin_compute()
                 return False
-            self._refresh_now(time.monotonic(), force=True)
-            stop.wait(self.config.progress_interval)
+            stop.wait(self._wait_poll)
+
+    @property
+    def _wait_poll(self) -> float:
+        """How often ``wait_for_peers`` reads the swarm: every progress
+        interval, but at least four times per matchmaking window, so that a
+        waiter is in the first round before its window closes."""
+        return min(
+            self.config.progress_interval, self.config.averaging.matchmaking.matchmaking_time / 4
+        )
 
     def swarm_progress(self) -> SwarmProgress:
         """The swarm's progress as last read from the DHT."""
@@ -736,14 +736,14 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         }
         if self._masters is not None:  # the model holds them rounded
             state["masters"] = [m.detach() for m in self._masters]
-        return state | self._mode_state()
+        return state | self._strategy.mode_state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         def load() -> None:
             self.optimizer.load_state_dict(state["optimizer"])
             if self.scheduler is not None and state.get("scheduler") is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
-            self._load_mode_state(state)
+            self._strategy.load_mode_state(state)
             if self._masters is not None:
                 with torch.no_grad():
                     if "masters" in state:
@@ -757,43 +757,23 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
         self._locked(load)
 
-    def _mode_state(self) -> dict[str, Any]:
-        """The state of the optional modes in use, by name ("ef21m", "diloco"):
-        the tensors themselves, for ``state_dict`` and checkpoints."""
-        state: dict[str, Any] = {}
-        if self._ef21m is not None:
-            state["ef21m"] = self._ef21m.state_dict()
-        if self._diloco is not None:
-            state["diloco"] = self._diloco.state_dict()
-        return state
-
-    def _load_mode_state(self, state: dict[str, Any]) -> None:
-        """Load ``_mode_state()`` output (under the state lock). A mode missing from
-        ``state`` (saved by a run without it): DiLoCo resyncs from the parameters,
-        EF21M keeps its own state. Raises what the modes raise for a misfit."""
-        if self._diloco is not None:
-            if "diloco" in state:
-                self._diloco.load_state_dict(state["diloco"])
-            else:
-                self._diloco.resync()
-        if self._ef21m is not None and "ef21m" in state:
-            self._ef21m.load_state_dict(state["ef21m"])
-
     def close(self) -> None:
         """Save a final checkpoint, stop serving state and leave the progress table."""
         if self._closed:
             return
         self._closed = True
-        # Outside DiLoCo the state changes only at global steps, so a checkpoint
-        # already written at this epoch is the final one.
-        unchanged = self._checkpointed_epoch == self.epoch and self._diloco is None
+        # Without local steps the state changes only at global steps, so a
+        # checkpoint already written at this epoch is the final one.
+        unchanged = (
+            self._checkpointed_epoch == self.epoch and self._strategy.local_steps_left() is None
+        )
         if self._checkpoints is not None and not unchanged:
             self._save_checkpoint()
         try:
             self.peer.run_sync(self._donor.cancel)
             self.peer.run_sync(self._tracker.cancel)
             self.peer.run_sync(self._cancel_matchmaking)
-            self.peer.run(self._withdraw)
+            self.peer.run(self._progress.withdraw)
         except SwarmError as e:
             log.debug("could not withdraw from the swarm cleanly: %s", e)
 
@@ -805,7 +785,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     # -- progress ---------------------------------------------------------------
 
-    def _ready(self, reading: _Reading) -> bool:
+    def _ready(self, reading: Reading) -> bool:
         """Has the swarm reached the target batch? What the others reported at the
         last reading, plus everything this peer has now. Other peers' rates are
         not extrapolated: a peer busy averaging or loading state computes nothing,
@@ -813,13 +793,13 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         others = reading.swarm.reported - reading.samples
         return others + self._samples >= self.target_batch_size
 
-    def _near_target(self, reading: _Reading, now: float) -> bool:
+    def _near_target(self, reading: Reading, now: float) -> bool:
         """Would the swarm have reached the target if everyone kept computing?"""
         swarm = reading.swarm
         extrapolated = swarm.samples + swarm.samples_per_second * (now - reading.time)
         return extrapolated - reading.samples + self._samples >= self.target_batch_size
 
-    def _maybe_begin_matchmaking(self, reading: _Reading, now: float) -> None:
+    def _maybe_begin_matchmaking(self, reading: Reading, now: float) -> None:
         """Begin this epoch's matchmaking in the background once the swarm is
         estimated within ``matchmaking_lead`` seconds of the target."""
         swarm = reading.swarm
@@ -875,14 +855,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         return self._grad_averager.skip("timed out during the all-reduce")
 
     async def _average_in_group(self, group: Group, weight: float) -> StepResult:
-        """The gradient all-reduce itself: dense, or ARC-Top-K past the warm-up."""
-        ef = self._ef21m
-        if ef is not None and ef.config.compresses(self.epoch):
-            host = self._staging.host
-            return await ef.average(self._grad_averager, group, host, weight, self.epoch)
-        if ef is not None:  # the warm-up: dense, in ArcTopK's codec
-            return await ef.average_dense(self._grad_averager, group, self._staging.host, weight)
-        return await self._grad_averager.average(group, weight)
+        """The all-reduce itself, as the mode does it (see ``Strategy.average``)."""
+        host = self._staging.host
+        return await self._strategy.average(self._grad_averager, group, host, weight, self.epoch)
 
     def _refresh_now(self, now: float, *, force: bool = False) -> bool:
         """Near the target, publish and read right away instead of waiting for
@@ -897,7 +872,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             return False
         self._last_poke = now
         try:
-            self.peer.run(self._refresh)
+            self.peer.run(self._progress.refresh)
         except ClosedError:
             raise  # our own peer is gone: training cannot go on
         except SwarmError as e:
@@ -907,15 +882,15 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self._refresh_seconds = time.monotonic() - now
         return True
 
+    @property
+    def _reading(self) -> Reading | None:
+        """The tracker's latest reading of the swarm (replaced whole)."""
+        return self._progress.reading
+
     def _poke(self) -> None:
         """Ask the tracker to publish and read now rather than at its next interval."""
-
-        def wake() -> None:
-            if self._wake is not None:
-                self._wake.set()
-
         with contextlib.suppress(SwarmError):
-            self.peer.run_sync(wake)
+            self.peer.run_sync(self._progress.wake)
 
     def _record(self) -> PeerProgress:
         return PeerProgress(
@@ -931,54 +906,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             device=PeerProgress.device_of(self.params),
         )
 
-    async def _refresh(self) -> None:
-        """Publish this peer's record and read everyone's (on the trio thread)."""
-        dht = self.peer.async_peer.dht
-        mine = self._record()
-        try:
-            await dht.store(
-                progress_key(self.run_id),
-                mine.to_value(),
-                dht.now() + self.config.progress_ttl,
-                subkey=owner_marker(self.peer.peer_id),
-            )
-            records = parse_progress(await dht.get(progress_key(self.run_id)))
-        except SwarmError as e:
-            log.warning("progress tracking failed: %s", e)
-            records = []
-        records = [r for r in records if r.peer_id != mine.peer_id] + [mine]
-        swarm = estimate(
-            records,
-            now=dht.now(),
-            target_batch_size=self.target_batch_size,
-            stale_after=self.config.progress_ttl,
-        )
-        expected = expected_peers(
-            records,
-            now=dht.now(),
-            epoch=swarm.epoch,
-            stale_after=self.config.progress_ttl,
-            # silent for a whole matchmaking window (or a few publications):
-            # it would have missed this round's group anyway
-            fresh_within=max(
-                2.5 * self.config.progress_interval,
-                self.config.averaging.matchmaking.matchmaking_time,
-            ),
-        )
-        self._reading = _Reading(swarm, mine.epoch, mine.samples, time.monotonic(), expected)
-
     async def _start_tracker(self) -> trio.CancelScope:
-        return await self.peer.async_peer.start_service(self._track)
-
-    async def _track(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Publish and read progress every ``progress_interval``, or when poked."""
-        self._wake = trio.Event()
-        task_status.started()
-        while True:
-            with trio.move_on_after(self.config.progress_interval):
-                await self._wake.wait()
-            self._wake = trio.Event()
-            await self._refresh()
+        return await self.peer.async_peer.start_service(self._progress.serve)
 
     def _grid(self, peers: int) -> MoshpitGrid:
         # Peers must agree on the grid to meet, but count the swarm a little
@@ -987,44 +916,38 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         target = self.config.averaging.matchmaking.target_group_size
         return MoshpitGrid.for_swarm(rounded, max(2, target))
 
-    async def _withdraw(self) -> None:
-        dht = self.peer.async_peer.dht
-        record = self._record()
-        value = record.to_value() | {"time": dht.now() - 2 * self.config.progress_ttl}
-        # A record whose time is already stale: readers treat this peer as gone.
-        # It must expire after the last live record, or the merge (latest
-        # expiration wins) would keep that one.
-        await dht.store(
-            progress_key(self.run_id),
-            value,
-            dht.now() + 2 * self.config.progress_ttl,
-            subkey=owner_marker(self.peer.peer_id),
-        )
-
     # -- the global step ----------------------------------------------------------
 
     def _global_step(self, *, alone: bool, expected: int) -> None:
+        """Average what this step accumulated with a group (unless ``alone``)
+        and apply the result, as the mode does (see ``Strategy``)."""
+        strategy = self._strategy
         samples = self._samples
         compute, early = self._end_compute()
         started = time.monotonic()
         self._read_losses()
-        with torch.no_grad():
-            torch._foreach_div_(self._grads, float(max(1, samples)))
+        self._locked(strategy.prepare, samples, self._staging.host)
         # the one device-to-host copy of this step (none for a CPU model)
         host = self._staging.to_host()
-        if self._ef21m is not None:
-            # averaging now carries EF21M's difference v - g (see _ef21m)
-            self._locked(self._ef21m.begin, host)
+        self._locked(strategy.staged, host)
         result: StepResult | None = None
         if alone:
-            log.info("epoch %d: no other peer is training; applying local gradients", self.epoch)
+            log.info("epoch %d: no other peer is training; stepping alone", self.epoch)
         else:
             result = self._average_gradients(samples, expected)
         seconds = time.monotonic() - started
         self._rate.pause()
-        self._locked(self._apply_gradients)
+
+        def apply() -> object:
+            hook_result = strategy.apply(host, self._staging.from_host)
+            self._samples = 0
+            self.epoch += 1
+            self._step_scheduler()
+            return hook_result
+
+        hook_result = self._locked(apply)
         self.last_step = GlobalStep(
-            self.epoch, samples, result, seconds, compute, early, self._hook_result
+            self.epoch, samples, result, seconds, compute, early, hook_result
         )
         self._raise_scheduler_error()
         self._after_global_step(alone)
@@ -1059,18 +982,32 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._poke()
         self._begin_compute()
 
+    def _make_strategy(self) -> Strategy:
+        """The strategy of ``config``'s mode: DiLoCo, compressed, or dense gradients."""
+        trainee = Trainee(
+            params=self.params,
+            trained=self._trained,
+            optimizer=self.optimizer,
+            sync_model=self._sync_model,
+            grad_hook=self.grad_hook,
+        )
+        if self.config.diloco is not None:
+            return LocalSGD(trainee, OuterLoop(self.params, self.config.diloco))
+        if self.config.gradient_compression is not None:
+            return CompressedGradients(
+                trainee, EF21M(self.params, self.config.gradient_compression)
+            )
+        return DenseGradients(trainee, lossy=self.config.lossy)
+
     def _make_grad_averager(self) -> Averager:
-        """The averager of each global step: of the accumulated gradients, or in
-        DiLoCo mode of the pseudo-gradients, with the DiLoCo codec."""
-        tensors = self._staging.host
-        if self._diloco is None:
-            prefix, config = f"{self.run_id}.grads", self.config.averaging
-            if self.config.lossy:
-                config = replace(config, allreduce=replace(config.allreduce, lossy=True))
-        else:
-            prefix = f"{self.run_id}.diloco"
-            config = replace(self.config.averaging, codec=self._diloco.config.codec)
-        return Averager(self.peer, tensors, prefix=prefix, config=config, grid=self._grid(1))
+        """The averager of each global step, of what the strategy averages."""
+        return Averager(
+            self.peer,
+            self._staging.host,
+            prefix=f"{self.run_id}.{self._strategy.prefix_suffix}",
+            config=self._strategy.averager_config(self.config.averaging),
+            grid=self._grid(1),
+        )
 
     def _average_gradients(self, samples: int, expected: int | None) -> StepResult | None:
         result: StepResult | None = None
@@ -1085,36 +1022,6 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         elif result is not None:
             _log_average(self.epoch, "gradients", result)
         return result
-
-    def _apply_gradients(self) -> None:
-        """Under the state lock: the inner step, then a fresh accumulator."""
-        if self._ef21m is not None:
-            self._ef21m.finish(self._staging.host)  # the accumulator now holds g_bar
-        self._staging.from_host()
-        unused = self._unused_params()
-        with torch.no_grad():
-            for i, (acc, p) in enumerate(zip(self._grads, self._trained, strict=True)):
-                # None, not zeros: AdamW must not decay what nobody trained
-                p.grad = None if i in unused else acc.to(p.dtype, copy=True)
-                acc.zero_()
-        self._got_grad = [False] * len(self.params)
-        self._hook_result = None if self.grad_hook is None else self.grad_hook(self._trained)
-        self.optimizer.step()
-        self._sync_model()
-        self.optimizer.zero_grad(set_to_none=True)
-        self._samples = 0
-        self.epoch += 1
-        self._step_scheduler()
-
-    def _unused_params(self) -> set[int]:
-        """Indices of the parameters that got no gradient in this global step:
-        none here, and none from the group (their average is exactly zero)."""
-        idle = [i for i, got in enumerate(self._got_grad) if not got]
-        if not idle:
-            return set()
-        norms = torch._foreach_norm([self._grads[i] for i in idle], float("inf"))
-        values = torch.stack([n.cpu() for n in norms]).tolist()
-        return {i for i, norm in zip(idle, values, strict=True) if norm == 0}
 
     def _step_scheduler(self) -> None:
         """Step the scheduler once for this global step (after the step is whole:
@@ -1144,10 +1051,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             for value in self.optimizer.state.get(p, {}).values():
                 if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim():
                     tensors.append(value)
-        if self._ef21m is not None:
-            tensors.extend(self._ef21m.g_bar)  # the shared estimate drifts like the parameters
-        if self._diloco is not None:
-            tensors += self._diloco.momentum()
+        tensors += self._strategy.state_tensors()
         # running statistics drift apart like parameters (integer counters stay)
         tensors += [b for b in self.buffers.values() if b.is_floating_point()]
         return tensors
@@ -1195,8 +1099,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             else:
                 _log_average(self.epoch, "parameters", result)
                 self._locked(self._write_back_state, staging)
-        if self._diloco is not None:
-            self._locked(self._diloco.resync)  # right after the outer step: nothing lost
+        self._locked(self._strategy.after_state_averaging)
 
     def _write_back_state(self, staging: HostStaging) -> None:
         staging.from_host()
@@ -1211,10 +1114,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
         }
-        if self._ef21m is not None:
-            state["ef21m_estimate"] = list(self._ef21m.g_bar)
-        if self._diloco is not None:
-            state["diloco"] = self._diloco.state_dict()
+        state |= self._strategy.donated()
         if self.buffers:
             state["buffers"] = {name: b.detach() for name, b in self.buffers.items()}
         return {"epoch": self.epoch}, state
@@ -1222,7 +1122,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     def _shared_params(self) -> list[torch.Tensor]:
         """The parameters of the swarm's last global step: in DiLoCo mode the
         synced ones (this peer's own are part-way through local steps)."""
-        return list(self._trained) if self._diloco is None else self._diloco.synced
+        return self._strategy.shared_params()
 
     async def _start_donor(self) -> trio.CancelScope:
         peer = self.peer.async_peer
@@ -1252,10 +1152,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             "optimizer": UNCHECKED,
             "scheduler": UNCHECKED,
         }
-        if self._ef21m is not None:
-            template["ef21m_estimate"] = list(self._ef21m.g_bar)
-        if self._diloco is not None:
-            template["diloco"] = self._diloco.template()
+        template |= self._strategy.template()
         if self.buffers:
             template["buffers"] = {name: b.detach() for name, b in self.buffers.items()}
         timeout = self.config.load_state_timeout
@@ -1293,13 +1190,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self.optimizer.load_state_dict(loaded.state["optimizer"])
             if self.scheduler is not None and loaded.state["scheduler"] is not None:
                 self.scheduler.load_state_dict(loaded.state["scheduler"])
-            for acc in self._grads:
-                acc.zero_()
-            self._got_grad = [False] * len(self.params)
-            if self._ef21m is not None:
-                self._ef21m.adopt(loaded.state["ef21m_estimate"])
-            if self._diloco is not None:
-                self._diloco.load_state_dict(loaded.state["diloco"])
+            self._strategy.reset()
+            self._strategy.adopt(loaded.state)
             with torch.no_grad():
                 for name, buffer in self.buffers.items():
                     buffer.copy_(loaded.state["buffers"][name])
@@ -1328,7 +1220,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 extra={"run_id": self.run_id}
                 | {
                     mode: {name: [t.clone() for t in tensors] for name, tensors in state.items()}
-                    for mode, state in self._mode_state().items()
+                    for mode, state in self._strategy.mode_state().items()
                 },
             )
 
@@ -1374,7 +1266,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self.optimizer.load_state_dict(checkpoint.optimizer)
             if self.scheduler is not None and checkpoint.scheduler is not None:
                 self.scheduler.load_state_dict(checkpoint.scheduler)
-            self._load_mode_state(checkpoint.extra)
+            self._strategy.load_mode_state(checkpoint.extra)
             with torch.no_grad():
                 for name, value in buffers.items():
                     self.buffers[name].copy_(value)
@@ -1422,30 +1314,3 @@ def _log_average(epoch: int, what: str, result: StepResult) -> None:
             contributors,
             members,
         )
-
-
-def expected_peers(
-    records: list[PeerProgress],
-    *,
-    now: float,
-    epoch: int,
-    stale_after: float,
-    fresh_within: float,
-) -> int:
-    """How many peers (at least 1) an ``epoch`` round should wait for.
-
-    Live peers at ``epoch`` or beyond, and peers one epoch behind whose record
-    is younger than ``fresh_within`` seconds: they are still publishing, so
-    still finishing the last step, and about to join. A peer one behind that
-    went silent (it died, or missed the last round and is stuck) is not
-    waited for, although its record lives until ``stale_after``.
-    """
-    return max(
-        1,
-        sum(
-            1
-            for r in records
-            if now - r.time <= stale_after
-            and (r.epoch >= epoch or (r.epoch == epoch - 1 and now - r.time <= fresh_within))
-        ),
-    )

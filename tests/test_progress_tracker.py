@@ -1,0 +1,59 @@
+"""The progress tracker over real DHT nodes: who is counted, and when."""
+
+from __future__ import annotations
+
+import pytest
+from dht_harness import open_swarm
+
+from swarm import ConfigError, ManualClock, PeerID
+from trainer import PeerProgress, ProgressTracker, TrackerConfig
+
+NOW = 1_700_000_000.0
+
+
+def _tracker(node: object, clock: ManualClock, epoch: list[int]) -> ProgressTracker:
+    peer_id: PeerID = node.peer_id  # type: ignore[attr-defined]
+
+    def record() -> PeerProgress:
+        return PeerProgress(peer_id, epoch[0], 32, 100.0, clock())
+
+    return ProgressTracker(
+        node,  # type: ignore[arg-type]
+        peer_id,
+        "run",
+        record=record,
+        target_batch_size=256,
+        config=TrackerConfig(progress_interval=1.0, progress_ttl=30.0, fresh_within=5.0),
+        clock=clock,
+    )
+
+
+async def test_a_peer_counts_in_the_run_from_its_first_publication_until_it_withdraws() -> None:
+    clock = ManualClock(NOW)
+    async with open_swarm(3, clock, seed=3) as swarm:
+        a, b = swarm.nodes[0], swarm.nodes[2]
+        epochs = {a.peer_id: [4], b.peer_id: [4]}
+        first, second = _tracker(a, clock, epochs[a.peer_id]), _tracker(b, clock, epochs[b.peer_id])
+        await first.refresh()
+        # a read-only refresh counts the others and itself, but publishes nothing
+        reading = await second.refresh(publish=False)
+        assert (reading.swarm.num_peers, reading.expected, reading.swarm.reported) == (2, 2, 64)
+        assert (await first.refresh()).swarm.num_peers == 1
+        await second.refresh()
+        assert (await first.refresh()).swarm.num_peers == 2
+        # one epoch behind and silent for longer than fresh_within: not expected
+        epochs[b.peer_id][0] = 3
+        clock.advance(0.5)  # a later version of its record (the merge keeps the latest)
+        await second.refresh()
+        clock.advance(6.0)
+        reading = await first.refresh()
+        assert (reading.swarm.num_peers, reading.expected) == (2, 1)
+        await second.withdraw()
+        assert (await first.refresh()).swarm.num_peers == 1
+
+
+def test_a_tracker_config_that_would_make_live_peers_look_gone_is_refused() -> None:
+    with pytest.raises(ConfigError, match="progress_ttl"):
+        TrackerConfig(progress_interval=30.0, progress_ttl=30.0)
+    with pytest.raises(ConfigError, match="fresh_within"):
+        TrackerConfig(fresh_within=0.0)
