@@ -92,6 +92,7 @@ from ._framing import (
 )
 from ._handshake import Handshake, HandshakeResult
 from ._identity import Identity, PeerID
+from ._relay import open_circuit
 from ._wire import expect_list, expect_str, pack, unpack
 
 logger = logging.getLogger(__name__)
@@ -770,6 +771,7 @@ class Connections:
         self._cancel_on_close: set[trio.CancelScope] = set()
         self._closed = False
         self._traffic = _Traffic()
+        self._relay_routes: dict[PeerID, Address] = {}
         self.port = 0
 
     @property
@@ -953,6 +955,29 @@ class Connections:
             connection = await self._dial(peer_id, address)
         connection.close()
 
+    def set_relay_route(self, peer_id: PeerID, relay: Address | None) -> None:
+        """Dial ``peer_id`` through the relay port at ``relay`` (``_relay``)
+        instead of the address callers pass; ``None`` dials directly again.
+
+        The handshake over the circuit must prove ``peer_id`` as on any dial,
+        so the relay carries only ciphertext it cannot forge.
+        """
+        if relay is None:
+            self._relay_routes.pop(peer_id, None)
+        else:
+            self._relay_routes[peer_id] = relay
+
+    def adopt_inbound(self, socket_stream: trio.SocketStream) -> None:
+        """Serve ``socket_stream`` as an inbound connection (its handshake, then
+        its streams) in the background, as if it had arrived at the listener:
+        a relay circuit this peer took (``_relay.keep_relay``). Limits apply
+        as to any inbound connection; closed at once if the manager is closed.
+        """
+        if self._closed or self._nursery is None:
+            socket_stream.socket.close()
+            return
+        self._nursery.start_soon(self._handle_inbound, socket_stream)
+
     async def aclose(self) -> None:
         """Close everything: pending operations raise ``ClosedError``, handlers
         are cancelled, the listener stops. Idempotent."""
@@ -1054,11 +1079,19 @@ class Connections:
             await trio.lowlevel.wait_readable(entry.connection.socket)
 
     async def _dial(self, peer_id: PeerID, address: Address) -> _Connection:
-        host, port = address
         config = self._config
+        relay = self._relay_routes.get(peer_id)
+        if relay is not None:
+            address = relay
+        host, port = address
         try:
             with trio.fail_after(config.connect_timeout):
-                socket_stream = await trio.open_tcp_stream(host, port)
+                if relay is not None:
+                    socket_stream = await open_circuit(
+                        relay, peer_id, timeout=config.connect_timeout
+                    )
+                else:
+                    socket_stream = await trio.open_tcp_stream(host, port)
         except trio.TooSlowError as e:
             raise PeerUnreachableError(
                 f"{peer_id.short()} at {host}:{port} did not answer "
