@@ -55,6 +55,7 @@ from ._errors import (
     PeerUnreachableError,
     ProtocolError,
     SwarmError,
+    collapse_exception_groups,
 )
 from ._identity import PEER_ID_SIZE, PeerID
 from ._wire import expect_bytes, expect_int, expect_list, expect_str, pack, unpack
@@ -372,16 +373,23 @@ async def keep_relay(
         relay_port = expect_int(reply[1], "relay port", lo=1, hi=65535)
         circuit_address = (relay_address[0], relay_port)
         task_status.started(circuit_address)
-        async with trio.open_nursery() as nursery:
-            while True:
-                try:
-                    message = expect_list(await stream.receive(), 2, "relay circuit")
-                except EndOfStreamError:
-                    return
-                if expect_str(message[0], "relay message kind", max_size=16) != "circuit":
-                    raise ProtocolError(f"unexpected relay message {message[0]!r}")
-                token = expect_bytes(message[1], "circuit token", size=TOKEN_SIZE)
-                nursery.start_soon(_take_circuit, connections, circuit_address, token)
+        with collapse_exception_groups():
+            async with trio.open_nursery() as nursery:
+                await _take_circuits(connections, stream, circuit_address, nursery)
+
+
+async def _take_circuits(
+    connections: Connections, stream: Stream, circuit_address: Address, nursery: trio.Nursery
+) -> None:
+    while True:
+        try:
+            message = expect_list(await stream.receive(), 2, "relay circuit")
+        except EndOfStreamError:
+            return
+        if expect_str(message[0], "relay message kind", max_size=16) != "circuit":
+            raise ProtocolError(f"unexpected relay message {message[0]!r}")
+        token = expect_bytes(message[1], "circuit token", size=TOKEN_SIZE)
+        nursery.start_soon(_take_circuit, connections, circuit_address, token)
 
 
 async def _take_circuit(connections: Connections, address: Address, token: bytes) -> None:

@@ -8,6 +8,7 @@ changes bytes: what it forwards is exactly what R forwards.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -94,6 +95,56 @@ async def test_the_relay_refuses_a_circuit_to_a_peer_it_does_not_relay() -> None
 
 def _connect_preamble_size() -> int:
     return len(encode_preamble(["connect", bytes(X.peer_id)]))
+
+
+async def test_two_dialers_reach_the_relayed_peer_at_once() -> None:
+    async with relayed_swarm() as s, open_connections(Y) as y:
+        y.set_relay_route(X.peer_id, s.circuit)
+        async with trio.open_nursery() as nursery:
+            for who in (s.d, y):
+                call = functools.partial(who.call, timeout=10)
+                nursery.start_soon(call, X.peer_id, NOWHERE, "echo", bytes(who.peer_id))
+        assert sorted(s.received) == sorted(
+            [(D.peer_id, bytes(D.peer_id)), (Y.peer_id, bytes(Y.peer_id))]
+        )
+        assert s.relay.circuits_made == 2
+
+
+async def test_circuits_beyond_max_circuits_are_refused() -> None:
+    async with relayed_swarm(RelayConfig(max_circuits=1)) as s:
+        async with s.d.open_stream(X.peer_id, NOWHERE, "echo") as held:
+            # The held stream keeps the one circuit busy, so this call dials anew.
+            with pytest.raises(PeerUnreachableError, match="already 1 circuits"):
+                await s.d.call(X.peer_id, NOWHERE, "echo", "second", timeout=10)
+            await held.send("first")
+            assert await held.receive() == "first"
+        assert s.received == [(D.peer_id, "first")]
+
+
+async def test_a_relay_that_leaves_ends_the_registration() -> None:
+    """``keep_relay`` raises when its relay goes, so its caller can pick another."""
+    async with (
+        open_connections(X) as x,
+        open_connections(R) as r,
+        serve_relay(r, HOST) as relay,
+        trio.open_nursery() as nursery,
+    ):
+        ended = trio.Event()
+
+        async def keep() -> None:
+            with pytest.raises((PeerUnreachableError, StreamResetError)):
+                await keep_relay(x, R.peer_id, (HOST, r.port))
+            ended.set()
+
+        nursery.start_soon(keep)
+        for _ in range(100):  # bounded: until X is registered
+            if relay.relayed_peers:
+                break
+            await trio.sleep(0.01)
+        assert relay.relayed_peers == {X.peer_id}
+        await r.aclose()
+        with trio.fail_after(10):
+            await ended.wait()
 
 
 async def test_a_relay_that_changes_a_handshake_byte_is_detected() -> None:
