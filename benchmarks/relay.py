@@ -61,7 +61,7 @@ async def _measure(megabytes: int, limit: float) -> dict[str, Any]:
     results: dict[str, Any] = {"megabytes": megabytes}
     async with (
         open_connections(r_id, HOST) as r,
-        serve_relay(r, HOST, config=RelayConfig(max_bytes_per_second=limit)) as relay,
+        serve_relay(r, RelayConfig(max_bytes_per_second=limit)) as relay,
         open_connections(x_id, HOST) as x,
         open_connections(d_id, HOST) as d,
         open_connections(e_id, HOST) as e,

@@ -9,11 +9,11 @@ lends it a way in:
    keeps it open (``keep_relay``). R replies ``["registered", relay_port]``,
    or ``["refused", reason]`` beyond ``RelayConfig.max_relayed_peers`` or
    when it does not serve relaying.
-2. A peer D that wants X dials R's relay port (plain TCP) and sends the
-   preamble ``["connect", X]`` (``open_circuit``). R picks a fresh random
+2. A peer D that wants X dials R's relay port and sends ``RAW_MAGIC`` and
+   the preamble ``["connect", X]`` (``open_circuit``). R picks a fresh random
    token, sends ``["circuit", token]`` on X's register stream, and X opens a
-   new TCP connection to the relay port with the preamble ``["accept",
-   token]``. R answers D ``["ok"]`` (or ``["refused", reason]``) and from then
+   new TCP connection to the relay port with ``RAW_MAGIC`` and the preamble
+   ``["accept", token]``. R answers D ``["ok"]`` (or ``["refused", reason]``) and from then
    on copies bytes between the two sockets, unchanged, both ways.
 3. Over that spliced byte stream D and X run the normal handshake of
    ``_handshake`` (D dials, X listens) and then the normal frames of
@@ -24,6 +24,13 @@ lends it a way in:
    at the receiver, and D's handshake must prove X's peer id, so a relay
    cannot answer in X's place.
 
+The relay port is the relay's own peer port: a connection that begins with
+``RAW_MAGIC`` (two zero bytes, which no handshake begins with) goes to the
+relay instead of a handshake (``Connections.set_raw_handler``), so a relay
+needs no second port forwarded, and relay connections count against the
+peer's inbound limits (``ConnectionConfig.max_connections_per_address`` also
+caps the circuits one relayed peer can take at once).
+
 The token travels only on X's authenticated stream, so nobody else can take
 X's side of a circuit. Preambles are a 2-byte big-endian length and a msgpack
 document of at most ``MAX_PREAMBLE`` bytes; anything else closes the socket.
@@ -32,12 +39,11 @@ Bounds (``RelayConfig``): at most ``max_relayed_peers`` registered peers and
 ``max_circuits`` circuits (pending or spliced) at once; all circuits together
 forward at most ``max_bytes_per_second`` (a shared token bucket, so relaying
 cannot take a relay's whole uplink). ``serve=False`` refuses every
-registration and opens no relay port.
+registration and every circuit.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -69,6 +75,8 @@ logger = logging.getLogger(__name__)
 REGISTER = "relay/register"
 MAX_PREAMBLE = 256
 TOKEN_SIZE = 16
+#: What a connection to the relay port begins with, before its preamble.
+RAW_MAGIC = b"\x00\x00"
 _LENGTH = struct.Struct(">H")
 _CHUNK = 64 * 1024
 _MAX_REASON = 200
@@ -154,8 +162,8 @@ class _Circuit:
 class Relay:
     """The relaying a reachable peer does; made by ``serve_relay``.
 
-    ``port`` is the relay port (plain TCP) that dialers and relayed peers
-    connect to; 0 when not serving.
+    ``port`` is the relay port that dialers and relayed peers connect to (the
+    peer's own port); 0 when not serving.
     """
 
     def __init__(self, config: RelayConfig) -> None:
@@ -222,8 +230,9 @@ class Relay:
                 del self._registered[peer]
 
     async def handle_tcp(self, socket_stream: trio.SocketStream) -> None:
-        """Serve one connection to the relay port: a dialer's ``connect`` or a
-        relayed peer's ``accept``. Failures end this connection only."""
+        """Serve one connection to the relay port (after its ``RAW_MAGIC``): a
+        dialer's ``connect`` or a relayed peer's ``accept``. Failures end this
+        connection only."""
         try:
             with trio.fail_after(self.config.circuit_timeout):
                 message = await receive_preamble(socket_stream)
@@ -238,7 +247,13 @@ class Relay:
                 await self._accept(socket_stream, token)
             else:
                 raise ProtocolError(f"unknown relay preamble {kind!r}")
-        except (SwarmError, trio.TooSlowError, trio.BrokenResourceError) as e:
+        except (
+            SwarmError,
+            trio.TooSlowError,
+            trio.BrokenResourceError,
+            trio.ClosedResourceError,
+            OSError,
+        ) as e:
             logger.debug("relay connection ended: %s: %s", type(e).__name__, e)
 
     async def _refuse(self, socket_stream: trio.SocketStream, reason: str) -> None:
@@ -310,31 +325,38 @@ class Relay:
 
 @asynccontextmanager
 async def serve_relay(
-    connections: Connections,
-    host: str,
-    port: int = 0,
-    config: RelayConfig | None = None,
+    connections: Connections, config: RelayConfig | None = None
 ) -> AsyncIterator[Relay]:
     """Relay for unreachable peers until the block ends.
 
-    Serves ``REGISTER`` on ``connections`` and, when ``config.serve``, listens
-    on ``host:port`` (0: ephemeral, see ``Relay.port``) for circuits. Leaving
-    the block cancels every circuit and registration. Raises ``OSError`` if
-    the port cannot be bound.
+    Serves ``REGISTER`` streams and, when ``config.serve``, circuits on the
+    port of ``connections`` (``Relay.port``). Leaving the block cancels every
+    circuit and registration and stops serving circuits.
     """
     relay = Relay(config if config is not None else RelayConfig())
     connections.set_handler(REGISTER, relay.handle_register)
     async with trio.open_nursery() as nursery:
         if relay.config.serve:
-            listeners = await nursery.start(
-                functools.partial(
-                    trio.serve_tcp, relay.handle_tcp, port, host=host, handler_nursery=nursery
-                )
-            )
-            relay.port = listeners[0].socket.getsockname()[1]
+            relay.port = connections.port
+
+            async def handle(socket_stream: trio.SocketStream) -> None:
+                # in this nursery, so that leaving the block ends every circuit
+                done = trio.Event()
+
+                async def serve() -> None:
+                    try:
+                        await relay.handle_tcp(socket_stream)
+                    finally:
+                        done.set()
+
+                nursery.start_soon(serve)
+                await done.wait()
+
+            connections.set_raw_handler(handle)
         try:
             yield relay
         finally:
+            connections.set_raw_handler(None)
             nursery.cancel_scope.cancel()
 
 
@@ -400,7 +422,7 @@ async def _take_circuit(connections: Connections, address: Address, token: bytes
         logger.debug("cannot take a relay circuit at %s:%d: %s", *address, e)
         return
     try:
-        await socket_stream.send_all(encode_preamble(["accept", token]))
+        await socket_stream.send_all(RAW_MAGIC + encode_preamble(["accept", token]))
     except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
         socket_stream.socket.close()
         logger.debug("relay circuit lost before it began: %s", e)
@@ -427,7 +449,7 @@ async def open_circuit(address: Address, peer_id: PeerID, *, timeout: float) -> 
         raise PeerUnreachableError(f"cannot reach the relay at {host}:{port}: {e}") from e
     try:
         with trio.fail_after(timeout):
-            await socket_stream.send_all(encode_preamble(["connect", bytes(peer_id)]))
+            await socket_stream.send_all(RAW_MAGIC + encode_preamble(["connect", bytes(peer_id)]))
             reply = await receive_preamble(socket_stream)
         kind = expect_str(reply[0], "relay reply kind", max_size=16)
         if kind == "refused":

@@ -22,7 +22,7 @@ from mitm_harness import serve_proxy
 from swarm import ConfigError, Identity, PeerUnreachableError, ProtocolError
 from swarm._connections import Address, Connections, Stream, open_connections
 from swarm._errors import StreamResetError
-from swarm._relay import Relay, RelayConfig, encode_preamble, keep_relay, serve_relay
+from swarm._relay import RAW_MAGIC, Relay, RelayConfig, encode_preamble, keep_relay, serve_relay
 
 R = Identity.from_seed(b"R" * 32)
 X = Identity.from_seed(b"X" * 32)
@@ -48,7 +48,7 @@ class Swarm:
 async def relayed_swarm(config: RelayConfig | None = None) -> AsyncIterator[Swarm]:
     async with (
         open_connections(R) as r,
-        serve_relay(r, HOST, config=config) as relay,
+        serve_relay(r, config) as relay,
         open_connections(X) as x,
         open_connections(D) as d,
         trio.open_nursery() as nursery,
@@ -94,7 +94,7 @@ async def test_the_relay_refuses_a_circuit_to_a_peer_it_does_not_relay() -> None
 
 
 def _connect_preamble_size() -> int:
-    return len(encode_preamble(["connect", bytes(X.peer_id)]))
+    return len(RAW_MAGIC + encode_preamble(["connect", bytes(X.peer_id)]))
 
 
 async def test_two_dialers_reach_the_relayed_peer_at_once() -> None:
@@ -126,7 +126,7 @@ async def test_a_relay_that_leaves_ends_the_registration() -> None:
     async with (
         open_connections(X) as x,
         open_connections(R) as r,
-        serve_relay(r, HOST) as relay,
+        serve_relay(r) as relay,
         trio.open_nursery() as nursery,
     ):
         ended = trio.Event()
@@ -182,22 +182,26 @@ async def test_registrations_beyond_max_relayed_peers_are_refused() -> None:
         assert s.relay.relayed_peers == {X.peer_id}
 
 
-async def test_a_peer_that_does_not_relay_refuses_and_opens_no_port() -> None:
+async def test_a_peer_that_does_not_relay_refuses_registrations_and_circuits() -> None:
     async with (
         open_connections(R) as r,
-        serve_relay(r, HOST, config=RelayConfig(serve=False)) as relay,
+        serve_relay(r, RelayConfig(serve=False)) as relay,
         open_connections(X) as x,
     ):
         assert relay.port == 0
         with pytest.raises(PeerUnreachableError, match="does not relay"):
             await keep_relay(x, R.peer_id, (HOST, r.port))
         assert relay.relayed_peers == frozenset()
+        # Its port takes no circuits: the bytes that ask for one fail as a handshake.
+        x.set_relay_route(D.peer_id, (HOST, r.port))
+        with pytest.raises(PeerUnreachableError, match="closed"):
+            await x.call(D.peer_id, NOWHERE, "echo", "hi", timeout=10)
 
 
 async def test_a_relayed_peer_that_leaves_is_unregistered() -> None:
     async with (
         open_connections(R) as r,
-        serve_relay(r, HOST) as relay,
+        serve_relay(r) as relay,
         open_connections(X) as x,
     ):
         async with trio.open_nursery() as nursery:
