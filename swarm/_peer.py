@@ -39,6 +39,7 @@ from ._reachability import (
     check_reachability,
     serve_dial_back,
 )
+from ._relay import Relay, RelayConfig, serve_relay
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -70,6 +71,9 @@ class PeerConfig:
     ``reachability`` says when the peer asks others to dial it back and
     becomes a client if they cannot (``swarm._reachability``): by default when
     it listens on a wildcard host with no ``announce`` and joins a swarm.
+
+    ``relay`` says whether and how much this peer relays for peers that
+    nobody can dial (``swarm._relay``; its circuits use this peer's port).
     """
 
     host: str = "127.0.0.1"
@@ -82,6 +86,7 @@ class PeerConfig:
     swarm_key: bytes | None = field(default=None, repr=False)
     bans: BanConfig = field(default_factory=BanConfig)
     reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
+    relay: RelayConfig = field(default_factory=RelayConfig)
 
     def __post_init__(self) -> None:
         if self.swarm_key is not None:
@@ -127,8 +132,11 @@ class AsyncPeer:
         dht: DHTNode,
         connections: Connections,
         services: trio.Nursery,
+        relay: Relay | None = None,
     ) -> None:
         self.identity = identity
+        #: what this peer relays for others (``swarm._relay``)
+        self.relay = relay
         self.config = config
         self.dht = dht
         self.connections = connections
@@ -364,8 +372,12 @@ async def open_peer(
                     where = format_address(config.host, config.port)
                     raise ConfigError(f"cannot listen on {where}: {e.strerror or e}") from e
                 raise e from e.__cause__
-            async with stack, trio.open_nursery() as services:
-                peer = AsyncPeer(identity, config, dht, connections, services)
+            async with (
+                stack,
+                serve_relay(connections, config.relay) as relay,
+                trio.open_nursery() as services,
+            ):
+                peer = AsyncPeer(identity, config, dht, connections, services, relay)
                 serve_dial_back(connections, dht, config.reachability)
                 if config.checks_reachability:
                     if config.initial_peers:

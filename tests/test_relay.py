@@ -19,7 +19,15 @@ import trio
 import trio.testing
 from mitm_harness import serve_proxy
 
-from swarm import ConfigError, Identity, PeerUnreachableError, ProtocolError
+from swarm import (
+    ConfigError,
+    Identity,
+    PeerConfig,
+    PeerID,
+    PeerUnreachableError,
+    ProtocolError,
+    open_peer,
+)
 from swarm._connections import Address, Connections, Stream, open_connections
 from swarm._errors import StreamResetError
 from swarm._relay import RAW_MAGIC, Relay, RelayConfig, encode_preamble, keep_relay, serve_relay
@@ -237,3 +245,29 @@ async def test_the_rate_limit_spaces_out_forwarded_bytes(autojump_clock: Any) ->
 def test_config_is_validated(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
         RelayConfig(**kwargs)
+
+
+async def test_peers_relay_by_default_and_a_client_is_reached_through_one() -> None:
+    """``open_peer`` serves relaying (``PeerConfig.relay``): a peer registers
+    with another as a service and a third reaches it through the relay."""
+    async with (
+        open_peer(R, PeerConfig()) as r,
+        open_peer(X, PeerConfig(initial_peers=(r.address,), client_mode=True)) as x,
+        open_peer(D, PeerConfig(initial_peers=(r.address,), client_mode=True)) as d,
+    ):
+        assert r.relay is not None and r.relay.port == r.port
+        received: list[PeerID] = []
+
+        async def who(stream: Stream) -> None:
+            await stream.receive()
+            received.append(stream.remote)
+            await stream.send(bytes(X.peer_id))
+
+        x.connections.set_handler("who", who)
+        await x.start_service(keep_relay, x.connections, R.peer_id, r.endpoint)
+        d.connections.set_relay_route(X.peer_id, r.endpoint)
+        assert await d.connections.call(X.peer_id, NOWHERE, "who", "?", timeout=10) == bytes(
+            X.peer_id
+        )
+        assert received == [D.peer_id]
+        assert r.relay.relayed_peers == {X.peer_id}
