@@ -2,11 +2,12 @@
 home router, reach each other through a public peer (``swarm._relay``).
 
 Every peer runs in a namespace of its own with a user's defaults (``--host
-0.0.0.0``, nothing announced) and learns by dial-back that it is unreachable
-(``swarm._reachability``); then it registers with the public peer as its
-relay. NAT behaviours covered: port-preserving MASQUERADE with
-address-and-port-dependent filtering, and symmetric (``--random-fully``):
-both only dial out, which is all a relay needs of them.
+0.0.0.0``, nothing announced), learns by dial-back that it is unreachable
+(``swarm._reachability``), and then registers with a reachable peer as its
+relay by itself (``AsyncPeer.keep_relay``). NAT behaviours covered:
+port-preserving MASQUERADE with address-and-port-dependent filtering, and
+symmetric (``--random-fully``): both only dial out, which is all a relay
+needs of them.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ from cli_harness import CLIProcess, run_command
 from netbed import Link, Nat, NetBed
 
 #: argv: index, founder address (empty: this is the founder), port, and peer
-#: 2's address (peer 1 dials it). Identities
-#: come from the index, so peers know each other's ids without a lookup.
-#: A NATed peer registers with the founder as its relay, says so, serves
-#: "who" (replies its own id), and (index 1) then calls peer 2: once directly,
-#: which must fail, and once through the relay.
+#: 2's address. Identities come from the index, so peers know each other's ids
+#: without a lookup. A NATed peer waits until it registered with a relay, says
+#: whether that is the founder (the only reachable peer), and serves "who"
+#: (replies the caller's id as the handshake proved it); peer 1 then calls peer
+#: 2 once directly, which must fail, and three times through the relay.
 PEER = """
 import sys, trio
-from swarm import Identity, PeerConfig, Reachability, SwarmError, keep_relay, open_peer
+from swarm import Identity, PeerConfig, SwarmError, open_peer
 
 def identity(i):
     return Identity.from_seed(bytes([i + 1]) * 32)
@@ -44,10 +45,9 @@ async def main():
             await trio.sleep_forever()
         await peer.reachability_found.wait()
         print("verdict", peer.reachability.value, flush=True)
-        host, fport = founder.rsplit(":", 1)
-        relay = (host, int(fport))
-        circuit = await peer.start_service(keep_relay, peer.connections, identity(0).peer_id, relay)
-        print("relayed", flush=True)
+        await peer.relay_found.wait()  # registers with a relay by itself
+        relay_peer, relay = peer.relayed_by
+        print("relayed", relay_peer == identity(0).peer_id, flush=True)
         if index == 1:
             target = identity(2).peer_id
             h, p = sys.argv[4].rsplit(":", 1)
@@ -82,7 +82,8 @@ async def test_two_natted_peers_reach_each_other_through_a_public_relay() -> Non
                 if i:
                     line = await peers[i].read_line_containing("verdict", timeout=60)
                     assert line.split()[1] == "unreachable", line
-                    await peers[i].read_line_containing("relayed", timeout=60)
+                    line = await peers[i].read_line_containing("relayed", timeout=60)
+                    assert line == "relayed True", line
             line = await peers[1].read_line_containing("direct", timeout=60)
             assert line.startswith("direct failed"), line
             for _ in range(3):
