@@ -349,7 +349,8 @@ class AsyncPeer:
         """The metric objects this peer's layers keep their figures in (bytes,
         connections, DHT contacts and keys; ``_counters``), for a registry to
         expose: the figures themselves, not copies."""
-        return (*self.connections.metrics, *self.dht.metrics)
+        relay = () if self.relay is None else self.relay.metrics
+        return (*self.connections.metrics, *self.dht.metrics, *relay)
 
     def __repr__(self) -> str:
         return f"<AsyncPeer {self.peer_id.short()} at {self.address}>"

@@ -54,7 +54,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
+from prometheus_client import Counter
 
+from ._counters import count_of, new_counter
 from ._errors import (
     ConfigError,
     EndOfStreamError,
@@ -173,8 +175,24 @@ class Relay:
         self._circuits: dict[bytes, _Circuit] = {}
         self._active = 0
         self._free_at = 0.0
-        self.bytes_relayed = 0
-        self.circuits_made = 0
+        self._bytes = new_counter("swarm_relay_bytes", "Bytes this peer relayed, both directions")
+        self._made = new_counter("swarm_relay_circuits", "Circuits this peer relayed")
+
+    @property
+    def bytes_relayed(self) -> int:
+        """Bytes forwarded by all circuits so far, both directions (never decreases)."""
+        return count_of(self._bytes)
+
+    @property
+    def circuits_made(self) -> int:
+        """Circuits spliced so far (both sides connected)."""
+        return count_of(self._made)
+
+    @property
+    def metrics(self) -> tuple[Counter, ...]:
+        """The counters behind ``bytes_relayed`` and ``circuits_made``, for a
+        peer's registry to expose (``_counters``)."""
+        return (self._bytes, self._made)
 
     @property
     def relayed_peers(self) -> frozenset[PeerID]:
@@ -285,7 +303,7 @@ class Relay:
                 await self._refuse(dialer_side, f"{target.short()} did not take the circuit")
                 return
             await dialer_side.send_all(encode_preamble(["ok"]))
-            self.circuits_made += 1
+            self._made.inc()
             await self._splice(dialer_side, relayed_side)
         finally:
             self._circuits.pop(token, None)
@@ -313,7 +331,7 @@ class Relay:
                     return
                 await self._throttle(len(data))
                 await sink.send_all(data)
-                self.bytes_relayed += len(data)
+                self._bytes.inc(len(data))
 
         try:
             async with trio.open_nursery() as nursery:

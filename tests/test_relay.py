@@ -29,6 +29,7 @@ from swarm import (
     open_peer,
 )
 from swarm._connections import Address, Connections, Stream, open_connections
+from swarm._counters import count_of
 from swarm._errors import StreamResetError
 from swarm._relay import RAW_MAGIC, Relay, RelayConfig, encode_preamble, keep_relay, serve_relay
 
@@ -271,3 +272,6 @@ async def test_peers_relay_by_default_and_a_client_is_reached_through_one() -> N
         )
         assert received == [D.peer_id]
         assert r.relay.relayed_peers == {X.peer_id}
+        # what it relayed is among the figures the peer exposes
+        (relay_bytes,) = [m for m in r.metrics if m.describe()[0].name == "swarm_relay_bytes"]
+        assert count_of(relay_bytes) == r.relay.bytes_relayed > 0
