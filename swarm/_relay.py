@@ -172,6 +172,7 @@ class Relay:
         self.config = config
         self.port = 0
         self._registered: dict[PeerID, trio.MemorySendChannel[bytes]] = {}
+        self._registrations: dict[PeerID, trio.CancelScope] = {}
         self._circuits: dict[bytes, _Circuit] = {}
         self._active = 0
         self._free_at = 0.0
@@ -211,17 +212,19 @@ class Relay:
     async def handle_register(self, stream: Stream) -> None:
         """Serve one relayed peer's register stream until it ends.
 
-        Refuses (a reply, then the end of the stream) when not serving, when
-        ``max_relayed_peers`` are registered, or when the peer is registered
-        already. Cancellation unregisters it.
+        Refuses (a reply, then the end of the stream) when not serving, or
+        when ``max_relayed_peers`` other peers are registered. A peer that
+        registers again replaces its earlier registration (whose connection
+        may be dead without the relay knowing yet). Cancellation unregisters it.
         """
         peer = stream.remote
         if not self.config.serve:
             await stream.send(["refused", "this peer does not relay"])
             return
-        if peer in self._registered:
-            await stream.send(["refused", "already registered"])
-            return
+        earlier = self._registrations.pop(peer, None)
+        if earlier is not None:
+            earlier.cancel()
+            self._registered.pop(peer, None)
         if len(self._registered) >= self.config.max_relayed_peers:
             await stream.send(
                 ["refused", f"already relaying for {self.config.max_relayed_peers} peers"]
@@ -229,23 +232,32 @@ class Relay:
             return
         send, receive = trio.open_memory_channel[bytes](self.config.max_circuits)
         self._registered[peer] = send
+        scope = self._registrations[peer] = trio.CancelScope()
         try:
             await stream.send(["registered", self.port])
-            async with trio.open_nursery() as nursery:
-
-                async def watch_end() -> None:
-                    # The relayed peer sends nothing; its EOF or a lost
-                    # connection ends the registration.
-                    with suppress(SwarmError):
-                        await stream.receive()
-                    nursery.cancel_scope.cancel()
-
-                nursery.start_soon(watch_end)
-                async for token in receive:
-                    await stream.send(["circuit", token])
+            with scope:
+                await self._serve_registration(stream, receive)
         finally:
             if self._registered.get(peer) is send:
                 del self._registered[peer]
+            if self._registrations.get(peer) is scope:
+                del self._registrations[peer]
+
+    async def _serve_registration(
+        self, stream: Stream, receive: trio.MemoryReceiveChannel[bytes]
+    ) -> None:
+        async with trio.open_nursery() as nursery:
+
+            async def watch_end() -> None:
+                # The relayed peer sends nothing; its EOF or a lost
+                # connection ends the registration.
+                with suppress(SwarmError):
+                    await stream.receive()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch_end)
+            async for token in receive:
+                await stream.send(["circuit", token])
 
     async def handle_tcp(self, socket_stream: trio.SocketStream) -> None:
         """Serve one connection to the relay port (after its ``RAW_MAGIC``): a

@@ -207,6 +207,16 @@ async def test_a_peer_that_does_not_relay_refuses_registrations_and_circuits() -
             await x.call(D.peer_id, NOWHERE, "echo", "hi", timeout=10)
 
 
+async def test_a_peer_that_registers_again_replaces_its_registration() -> None:
+    """Its earlier connection may be dead without the relay knowing: the new
+    registration takes its place (and its slot), circuits go to the new one."""
+    async with relayed_swarm(RelayConfig(max_relayed_peers=1)) as s, trio.open_nursery() as n:
+        await n.start(keep_relay, s.x, R.peer_id, (HOST, s.r.port))
+        assert s.relay.relayed_peers == {X.peer_id}
+        assert await s.d.call(X.peer_id, NOWHERE, "echo", "again", timeout=10) == "again"
+        n.cancel_scope.cancel()
+
+
 async def test_a_relayed_peer_that_leaves_is_unregistered() -> None:
     async with (
         open_connections(R) as r,
