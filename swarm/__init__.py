@@ -17,6 +17,9 @@ application on top of them:
   contacts), as ``prometheus_client`` objects a peer's registry exposes as they are
 - reachability (``Reachability``, ``ReachabilityConfig``): whether others can
   dial a peer, found out by asking them to dial it back (behind NAT: no)
+- relays (``serve_relay``, ``keep_relay``, ``RelayConfig``, ``Relay``): a
+  reachable peer splices end-to-end authenticated connections to peers
+  nobody can dial (``Connections.set_relay_route`` dials through one)
 - the peer facade (``open_peer``, ``Peer``, ``PeerConfig``): identity, DHT node
   and connections on one port; ``Peer`` runs trio in a background thread for
   synchronous training loops
@@ -53,6 +56,7 @@ from ._errors import (
 )
 from ._identity import Identity, PeerID, verify_signature
 from ._reachability import Reachability, ReachabilityConfig
+from ._relay import Relay, RelayConfig, keep_relay, open_circuit, serve_relay
 from ._swarm_key import create_swarm_key, load_swarm_key
 from ._wire import pack, unpack
 
@@ -94,6 +98,8 @@ __all__ = [  # noqa: RUF022 - grouped: core names, then the peer facade
     "Reachability",
     "ReachabilityConfig",
     "RecordRejectedError",
+    "Relay",
+    "RelayConfig",
     "RejectReason",
     "SelfDialError",
     "Stream",
@@ -101,9 +107,12 @@ __all__ = [  # noqa: RUF022 - grouped: core names, then the peer facade
     "SwarmError",
     "WallClock",
     "create_swarm_key",
+    "keep_relay",
     "load_swarm_key",
+    "open_circuit",
     "open_connections",
     "pack",
+    "serve_relay",
     "system_clock",
     "unpack",
     "verify_signature",

@@ -95,6 +95,7 @@ from ._framing import (
 )
 from ._handshake import Handshake, HandshakeResult, exported_key
 from ._identity import Identity, PeerID
+from ._relay import RAW_MAGIC, open_circuit
 from ._wire import expect_list, expect_str, pack, unpack
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,9 @@ Address = tuple[str, int]
 #: Serves one stream opened by a remote peer. It runs in the manager's nursery;
 #: an exception it raises resets and closes that stream only.
 Handler = Callable[["Stream"], Awaitable[None]]
+#: Serves an inbound connection that began with ``RAW_MAGIC`` (a relay's
+#: circuits, ``_relay``): the socket after those bytes, closed when it returns.
+RawHandler = Callable[[trio.SocketStream], Awaitable[None]]
 
 MAX_NAME_LENGTH = 256
 _MIN_FRAME_SIZE = 1024
@@ -821,6 +825,8 @@ class Connections:
         self._cancel_on_close: set[trio.CancelScope] = set()
         self._closed = False
         self._traffic = _Traffic()
+        self._relay_routes: dict[PeerID, Address] = {}
+        self._raw_handler: RawHandler | None = None
         self.port = 0
 
     @property
@@ -1004,6 +1010,35 @@ class Connections:
             connection = await self._dial(peer_id, address)
         connection.close()
 
+    def set_relay_route(self, peer_id: PeerID, relay: Address | None) -> None:
+        """Dial ``peer_id`` through the relay port at ``relay`` (``_relay``)
+        instead of the address callers pass; ``None`` dials directly again.
+
+        The handshake over the circuit must prove ``peer_id`` as on any dial,
+        so the relay carries only ciphertext it cannot forge.
+        """
+        if relay is None:
+            self._relay_routes.pop(peer_id, None)
+        else:
+            self._relay_routes[peer_id] = relay
+
+    def set_raw_handler(self, handler: RawHandler | None) -> None:
+        """Serve inbound connections that begin with ``RAW_MAGIC`` with
+        ``handler`` instead of a handshake (``None``: refuse them, the default).
+        They count against the inbound limits like any connection."""
+        self._raw_handler = handler
+
+    def adopt_inbound(self, socket_stream: trio.SocketStream) -> None:
+        """Serve ``socket_stream`` as an inbound connection (its handshake, then
+        its streams) in the background, as if it had arrived at the listener:
+        a relay circuit this peer took (``_relay.keep_relay``). Limits apply
+        as to any inbound connection; closed at once if the manager is closed.
+        """
+        if self._closed or self._nursery is None:
+            socket_stream.socket.close()
+            return
+        self._nursery.start_soon(self._handle_inbound, socket_stream)
+
     async def aclose(self) -> None:
         """Close everything: pending operations raise ``ClosedError``, handlers
         are cancelled, the listener stops. Idempotent."""
@@ -1105,11 +1140,19 @@ class Connections:
             await trio.lowlevel.wait_readable(entry.connection.socket)
 
     async def _dial(self, peer_id: PeerID, address: Address) -> _Connection:
-        host, port = address
         config = self._config
+        relay = self._relay_routes.get(peer_id)
+        if relay is not None:
+            address = relay
+        host, port = address
         try:
             with trio.fail_after(config.connect_timeout):
-                socket_stream = await trio.open_tcp_stream(host, port)
+                if relay is not None:
+                    socket_stream = await open_circuit(
+                        relay, peer_id, timeout=config.connect_timeout
+                    )
+                else:
+                    socket_stream = await trio.open_tcp_stream(host, port)
         except trio.TooSlowError as e:
             raise PeerUnreachableError(
                 f"{peer_id.short()} at {host}:{port} did not answer "
@@ -1135,10 +1178,15 @@ class Connections:
         return connection
 
     async def _handshake(
-        self, socket_stream: trio.SocketStream, *, expected_peer: PeerID | None
+        self,
+        socket_stream: trio.SocketStream,
+        *,
+        expected_peer: PeerID | None,
+        prefix: bytes = b"",
     ) -> _Connection:
-        """Run the handshake on a fresh TCP connection; the caller closes the
-        socket on failure. Raises ``ProtocolError``, ``PeerUnreachableError``."""
+        """Run the handshake on a fresh TCP connection (``prefix``: its first
+        bytes, already received); the caller closes the socket on failure.
+        Raises ``ProtocolError``, ``PeerUnreachableError``."""
         handshake = Handshake(
             self._identity,
             initiator=expected_peer is not None,
@@ -1148,6 +1196,9 @@ class Connections:
         )
         try:
             out = handshake.start()
+            if prefix:
+                self._traffic.received.inc(len(prefix))
+                out += handshake.receive_data(prefix)
             while True:
                 if out:
                     await socket_stream.send_all(out)
@@ -1220,9 +1271,19 @@ class Connections:
         self._inbound_by_host[host] = from_host + 1
         connection: _Connection | None = None
         try:
+            raw = False
             with trio.move_on_after(self._config.handshake_timeout):
-                connection = await self._handshake(socket_stream, expected_peer=None)
-            if connection is not None:
+                prefix = b""
+                if self._raw_handler is not None:
+                    prefix = await _receive_prefix(socket_stream, len(RAW_MAGIC))
+                    raw = prefix == RAW_MAGIC
+                if not raw:
+                    connection = await self._handshake(
+                        socket_stream, expected_peer=None, prefix=prefix
+                    )
+            if raw and self._raw_handler is not None:
+                await self._raw_handler(socket_stream)
+            elif connection is not None:
                 await self._serve_streams(connection)
         except Exception as e:  # per-connection boundary: a bad peer must not stop the others
             logger.debug("inbound connection failed: %s: %s", type(e).__name__, e)
@@ -1338,6 +1399,17 @@ def _discard_until_eof(stream: Stream, frame: Frame) -> bool:
     if frame.kind is FrameKind.EOF:
         stream._received_eof = True
     return frame.kind in (FrameKind.EOF, FrameKind.MESSAGE, FrameKind.BYTES)
+
+
+async def _receive_prefix(socket_stream: trio.SocketStream, size: int) -> bytes:
+    """The first ``size`` bytes of a connection, or fewer if it ends first."""
+    data = b""
+    while len(data) < size:
+        chunk = await socket_stream.receive_some(size - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 def _remote_address(socket_stream: trio.SocketStream) -> Address:

@@ -39,6 +39,7 @@ from ._reachability import (
     check_reachability,
     serve_dial_back,
 )
+from ._relay import Relay, RelayConfig, keep_relay, serve_relay
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -70,6 +71,9 @@ class PeerConfig:
     ``reachability`` says when the peer asks others to dial it back and
     becomes a client if they cannot (``swarm._reachability``): by default when
     it listens on a wildcard host with no ``announce`` and joins a swarm.
+
+    ``relay`` says whether and how much this peer relays for peers that
+    nobody can dial (``swarm._relay``; its circuits use this peer's port).
     """
 
     host: str = "127.0.0.1"
@@ -82,6 +86,7 @@ class PeerConfig:
     swarm_key: bytes | None = field(default=None, repr=False)
     bans: BanConfig = field(default_factory=BanConfig)
     reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
+    relay: RelayConfig = field(default_factory=RelayConfig)
 
     def __post_init__(self) -> None:
         if self.swarm_key is not None:
@@ -127,8 +132,11 @@ class AsyncPeer:
         dht: DHTNode,
         connections: Connections,
         services: trio.Nursery,
+        relay: Relay | None = None,
     ) -> None:
         self.identity = identity
+        #: what this peer relays for others (``swarm._relay``)
+        self.relay = relay
         self.config = config
         self.dht = dht
         self.connections = connections
@@ -141,6 +149,11 @@ class AsyncPeer:
         self.reachability = Reachability.CLIENT if config.client_mode else Reachability.UNCHECKED
         #: set once a check found a verdict (REACHABLE or UNREACHABLE)
         self.reachability_found = trio.Event()
+        #: the relay this unreachable peer is registered with (its peer id and
+        #: the address of its circuits), while registered (``keep_relay``)
+        self.relayed_by: tuple[PeerID, Address] | None = None
+        #: set once this peer first registered with a relay
+        self.relay_found = trio.Event()
 
     def _guess_host(self) -> str:
         initial = self.config.initial_peers
@@ -246,6 +259,46 @@ class AsyncPeer:
                 verdict = await self.check_reachability()
                 pending = verdict.reachability is Reachability.UNCHECKED
 
+    async def keep_relay(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """While this peer is UNREACHABLE, stay registered with one relay
+        (``swarm._relay``): the DHT's contacts (full nodes, so reachable ones)
+        in turn until one accepts, and another when it goes; runs until
+        cancelled. ``relayed_by`` names the relay while registered. The
+        verdict is looked at every ``_CONTACT_POLL`` seconds; after every
+        contact refused or none was known, it waits ``_FIRST_RECHECK``
+        seconds, doubling up to ``recheck_interval``, before trying again.
+        A registration is kept if the verdict later turns REACHABLE.
+        """
+        task_status.started()
+        cap = max(self.config.reachability.recheck_interval, _FIRST_RECHECK)
+        backoff = _FIRST_RECHECK
+        while True:
+            if self.reachability is not Reachability.UNREACHABLE:
+                await trio.sleep(_CONTACT_POLL)
+                continue
+            for relay_peer, host, port in self.dht.contacts():
+                if relay_peer == self.peer_id:
+                    continue
+                try:
+                    await self._keep_one_relay(relay_peer, (host, port))
+                except SwarmError as e:
+                    log.info("relay %s: %s", relay_peer.short(), e)
+                else:
+                    backoff = _FIRST_RECHECK  # it was registered and then ended
+                finally:
+                    self.relayed_by = None
+            await trio.sleep(backoff)
+            backoff = min(2 * backoff, cap)
+
+    async def _keep_one_relay(self, relay_peer: PeerID, address: Address) -> None:
+        async with trio.open_nursery() as nursery:
+            circuits = await nursery.start(keep_relay, self.connections, relay_peer, address)
+            self.relayed_by = (relay_peer, circuits)
+            self.relay_found.set()
+            log.info("unreachable: others reach this peer through %s", relay_peer.short())
+
     async def start_service(
         self, fn: Callable[..., Awaitable[Any]], *args: Any
     ) -> trio.CancelScope:
@@ -296,7 +349,8 @@ class AsyncPeer:
         """The metric objects this peer's layers keep their figures in (bytes,
         connections, DHT contacts and keys; ``_counters``), for a registry to
         expose: the figures themselves, not copies."""
-        return (*self.connections.metrics, *self.dht.metrics)
+        relay = () if self.relay is None else self.relay.metrics
+        return (*self.connections.metrics, *self.dht.metrics, *relay)
 
     def __repr__(self) -> str:
         return f"<AsyncPeer {self.peer_id.short()} at {self.address}>"
@@ -364,14 +418,19 @@ async def open_peer(
                     where = format_address(config.host, config.port)
                     raise ConfigError(f"cannot listen on {where}: {e.strerror or e}") from e
                 raise e from e.__cause__
-            async with stack, trio.open_nursery() as services:
-                peer = AsyncPeer(identity, config, dht, connections, services)
+            async with (
+                stack,
+                serve_relay(connections, config.relay) as relay,
+                trio.open_nursery() as services,
+            ):
+                peer = AsyncPeer(identity, config, dht, connections, services, relay)
                 serve_dial_back(connections, dht, config.reachability)
                 if config.checks_reachability:
                     if config.initial_peers:
                         await peer.check_reachability()
                     if config.reachability.recheck_interval > 0:
                         await peer.start_service(peer.recheck_reachability)
+                    await peer.start_service(peer.keep_relay)
                 yield peer
                 services.cancel_scope.cancel()
             return
