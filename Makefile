@@ -25,7 +25,7 @@ run: $(STAMP)
 	$(BIN)/swarm demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=25
 
 # The inner loop: everything but the tests marked slow.
 test-fast: $(STAMP)
