@@ -70,6 +70,8 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> FinishedRun:
     result = _swarm(
         "train", "--config", str(config), "--host", "127.0.0.1", "--target-batch-size", "64",
         "--log-file", str(directory / "run.log"), "--log-format", "json",
+        # one peer alone: no minute of waiting for others to join
+        "--wait-for-peers", "0",
         timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -264,7 +266,7 @@ def test_through_a_pipe_one_plain_line_per_epoch(finished_run: FinishedRun) -> N
 @pytest.mark.slow
 def test_on_a_terminal_a_live_display(tmp_path: Path) -> None:
     train = ["train", "--host", "127.0.0.1", "--threads", "1", "--target-batch-size", "64",
-             "--max-epochs", "2", "--eval-every", "0"]  # fmt: skip
+             "--max-epochs", "2", "--eval-every", "0", "--wait-for-peers", "0"]  # fmt: skip
     code, text = _run_in_terminal(train, timeout=120)
     assert code == 0, text[-2000:]
     assert "\x1b[" in text  # the display redraws itself in place
