@@ -218,3 +218,67 @@ async def _status_until_all_four(bed: NetBed, initial: str) -> dict[str, Any]:
                 return status
         await trio.sleep(1)
     raise AssertionError(f"swarm status never showed four checked peers: {status}")
+
+
+@pytest.mark.slow
+async def test_one_public_peer_and_two_natted_ones_average_everyone_s_data(
+    tmp_path: Path,
+) -> None:
+    """Only one peer anyone can dial: the two peers behind NATs (one of them
+    symmetric) find out they are unreachable and train as its clients, and
+    from the first round in which all three are present every round holds all
+    three peers' data, up to the end of the run."""
+    train = [
+        "train",
+        "--task", throttled_task_file(tmp_path, 0.02),
+        "--run-id", "one-public",
+        "--target-batch-size", "192",
+        "--threads", "1",
+        "--matchmaking-time", "2",
+    ]  # fmt: skip
+    local = ["--max-epochs", str(EPOCHS), "--min-peers", "3", "--eval-every", str(EPOCHS)]
+    finals: dict[int, str] = {}
+    with NetBed([HOME] * 3, nats=[None, Nat(), Nat(symmetric=True)]) as bed:
+        async with AsyncExitStack() as stack:
+            first = await stack.enter_async_context(
+                run_in_bed(bed, 0, [*train, *local], tmp_path / "peer0.log")
+            )
+            line = await first.read_line_containing("join with:", timeout=60)
+            match = _JOIN.search(line)
+            assert match is not None, line
+            join = shlex.split(match.group(1))[1:]
+            peers = [first]
+            for i in (1, 2):
+                peers.append(
+                    await stack.enter_async_context(
+                        run_in_bed(bed, i, [*join, *local], tmp_path / f"peer{i}.log")
+                    )
+                )
+            for i in (1, 2):
+                said = await peers[i].read_line_containing("reachability:", 60)
+                assert "other peers cannot dial this one" in said, said
+
+            async def finish(i: int) -> None:
+                finals[i] = await peers[i].read_line_containing("finished at epoch", timeout=240)
+                with trio.fail_after(30):
+                    assert await peers[i].process.wait() == 0
+
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(finish, i)
+    accuracies = []
+    for i in range(3):
+        assert finals[i].startswith(f"finished at epoch {EPOCHS}: accuracy "), finals[i]
+        accuracies.append(float(finals[i].split("accuracy ")[1].split(",")[0]))
+        rounds = [
+            (int(m.group(1)), int(m.group(2)))
+            for m in map(_ROUND.search, (tmp_path / f"peer{i}.log").read_text().splitlines())
+            if m is not None
+        ]
+        assert all(k == m for k, m in rounds), (i, rounds)
+        first_full = rounds.index((3, 3))
+        assert first_full <= JOINING_ROUNDS, (i, rounds)
+        assert all(r == (3, 3) for r in rounds[first_full:]), (i, rounds)
+        assert len(rounds) - first_full >= EPOCHS - JOINING_ROUNDS, (i, rounds)
+    assert min(accuracies) >= 0.9, accuracies
+    assert max(accuracies) - min(accuracies) <= 0.02, accuracies
