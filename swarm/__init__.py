@@ -40,6 +40,7 @@ from ._bans import BanConfig, BanList
 from ._clock import ManualClock, WallClock, system_clock
 from ._connections import ConnectionConfig, Connections, Handler, Stream, open_connections
 from ._errors import (
+    AuthenticationError,
     BootstrapError,
     ClosedError,
     ConfigError,
@@ -79,6 +80,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [  # noqa: RUF022 - grouped: core names, then the peer facade
+    "AuthenticationError",
     "BanConfig",
     "BanList",
     "BootstrapError",

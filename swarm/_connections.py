@@ -75,6 +75,7 @@ from prometheus_client import Counter
 from ._bans import BanList
 from ._counters import count_of, new_counter
 from ._errors import (
+    AuthenticationError,
     ClosedError,
     ConfigError,
     DeadlineError,
@@ -246,8 +247,12 @@ class _Connection:
         *,
         dialer: bool,
         traffic: _Traffic | None = None,
+        relayed: bool = False,
     ) -> None:
         self._stream = stream
+        #: carried by a relay's circuit (``_relay``): an authentication failure
+        #: may be the relay's doing, so it closes the connection without a ban
+        self.relayed = relayed
         self._traffic = traffic or _Traffic()
         self._dialer = dialer
         self.socket = stream.socket
@@ -1037,7 +1042,8 @@ class Connections:
         if self._closed or self._nursery is None:
             socket_stream.socket.close()
             return
-        self._nursery.start_soon(self._handle_inbound, socket_stream)
+        serve = functools.partial(self._handle_inbound, relayed=True)
+        self._nursery.start_soon(serve, socket_stream)
 
     async def aclose(self) -> None:
         """Close everything: pending operations raise ``ClosedError``, handlers
@@ -1079,9 +1085,18 @@ class Connections:
 
     def _blame(self, connection: _Connection, error: ProtocolError) -> None:
         """The remote of ``connection`` (proven by its handshake) broke the protocol."""
-        if not connection.blamed:
-            connection.blamed = True
-            self.report_offence(connection.remote, f"{type(error).__name__}: {error}")
+        if connection.blamed:
+            return
+        connection.blamed = True
+        if connection.relayed and isinstance(error, AuthenticationError):
+            logger.warning(
+                "a relayed connection with %s failed authentication (%s): closed, nobody "
+                "banned, since the relay may have altered it",
+                connection.remote.short(),
+                error,
+            )
+            return
+        self.report_offence(connection.remote, f"{type(error).__name__}: {error}")
 
     async def _pooled(self, peer_id: PeerID) -> _Connection | None:
         """Take the most recently used ready connection to ``peer_id``, if any."""
@@ -1164,7 +1179,9 @@ class Connections:
             ) from e
         try:
             with trio.fail_after(config.handshake_timeout):
-                connection = await self._handshake(socket_stream, expected_peer=peer_id)
+                connection = await self._handshake(
+                    socket_stream, expected_peer=peer_id, relayed=relay is not None
+                )
         except trio.TooSlowError as e:
             socket_stream.socket.close()
             raise DeadlineError(
@@ -1183,10 +1200,13 @@ class Connections:
         *,
         expected_peer: PeerID | None,
         prefix: bytes = b"",
+        relayed: bool = False,
     ) -> _Connection:
         """Run the handshake on a fresh TCP connection (``prefix``: its first
-        bytes, already received); the caller closes the socket on failure.
-        Raises ``ProtocolError``, ``PeerUnreachableError``."""
+        bytes, already received; ``relayed``: a relay's circuit, whose failed
+        handshake bans nobody, since the relay may have altered it); the caller
+        closes the socket on failure. Raises ``ProtocolError``,
+        ``PeerUnreachableError``."""
         handshake = Handshake(
             self._identity,
             initiator=expected_peer is not None,
@@ -1213,7 +1233,7 @@ class Connections:
                     )
                 out = handshake.receive_data(data)
         except ProtocolError as e:
-            if handshake.proven_peer is not None:
+            if handshake.proven_peer is not None and not relayed:
                 self.report_offence(handshake.proven_peer, f"failed handshake: {e}")
             raise
         except trio.BrokenResourceError as e:
@@ -1227,6 +1247,7 @@ class Connections:
             handshake.unused_data,
             dialer=expected_peer is not None,
             traffic=self._traffic,
+            relayed=relayed,
         )
         if self._closed:
             connection.close()
@@ -1255,8 +1276,11 @@ class Connections:
                 task_status.started(listeners[0].socket.getsockname()[1])
                 await trio.sleep_forever()
 
-    async def _handle_inbound(self, socket_stream: trio.SocketStream) -> None:
-        """Serve one inbound connection; the boundary where its failures stop."""
+    async def _handle_inbound(
+        self, socket_stream: trio.SocketStream, *, relayed: bool = False
+    ) -> None:
+        """Serve one inbound connection (``relayed``: a relay's circuit); the
+        boundary where its failures stop."""
         host = _remote_host(socket_stream)
         from_host = self._inbound_by_host.get(host, 0)
         if (
@@ -1279,7 +1303,7 @@ class Connections:
                     raw = prefix == RAW_MAGIC
                 if not raw:
                     connection = await self._handshake(
-                        socket_stream, expected_peer=None, prefix=prefix
+                        socket_stream, expected_peer=None, prefix=prefix, relayed=relayed
                     )
             if raw and self._raw_handler is not None:
                 await self._raw_handler(socket_stream)

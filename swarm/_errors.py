@@ -36,6 +36,13 @@ class ProtocolError(SwarmError):
     """
 
 
+class AuthenticationError(ProtocolError):
+    """Bytes failed their authentication tag: altered on the way (by the network
+    or by a relay in between) or not sealed with the session's key. Over a
+    direct connection the remote is blamed; over a relay's circuit nobody can
+    tell the remote from the relay, so the connection is only closed."""
+
+
 class PeerUnreachableError(SwarmError):
     """A peer did not answer (connection refused, no reply before the deadline)."""
 

@@ -55,7 +55,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import AEADEncryptionContext, Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from ._errors import ProtocolError
+from ._errors import AuthenticationError, ProtocolError
 
 CHUNK_SIZE = 1 << 20
 TAG_SIZE = 16
@@ -366,7 +366,7 @@ class FrameDecoder:
                 header = bytes(self._header[: _HEADER.size])
                 self._aead.decrypt(nonce, bytes(self._header[_HEADER.size :]), header)
         except InvalidTag as e:
-            raise ProtocolError("a frame header failed authentication") from e
+            raise AuthenticationError("a frame header failed authentication") from e
         kind, length = _HEADER.unpack(header)
         if kind not in _KINDS:
             raise ProtocolError(f"unknown frame kind {kind}")
@@ -401,12 +401,12 @@ class FrameDecoder:
             mac, self._mac = self._mac, None
             mac.finalize()
             if not hmac.compare_digest(mac.tag, self._tag):
-                raise ProtocolError("a frame payload failed authentication")
+                raise AuthenticationError("a frame payload failed authentication")
             return self._finish()
         try:
             self._aead.decrypt(self._next_nonce(), bytes(self._tag), self._target)
         except InvalidTag as e:
-            raise ProtocolError("a frame payload failed authentication") from e
+            raise AuthenticationError("a frame payload failed authentication") from e
         return self._finish()
 
     def _on_chunk(self) -> Frame | None:
@@ -421,7 +421,7 @@ class FrameDecoder:
                     self._target[done : done + chunk],
                 )
             except InvalidTag as e:
-                raise ProtocolError("a frame chunk failed authentication") from e
+                raise AuthenticationError("a frame chunk failed authentication") from e
         self._done = done + chunk
         if self._progress is not None:
             self._progress(self._target, self._done)

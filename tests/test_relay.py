@@ -28,6 +28,7 @@ from swarm import (
     ProtocolError,
     open_peer,
 )
+from swarm._bans import BanList
 from swarm._connections import Address, Connections, Stream, open_connections
 from swarm._counters import count_of
 from swarm._errors import StreamResetError
@@ -58,8 +59,9 @@ async def relayed_swarm(config: RelayConfig | None = None) -> AsyncIterator[Swar
     async with (
         open_connections(R) as r,
         serve_relay(r, config) as relay,
-        open_connections(X) as x,
-        open_connections(D) as d,
+        # bans on, as in a peer: a relay must not get honest peers banned
+        open_connections(X, bans=BanList(clock=trio.current_time)) as x,
+        open_connections(D, bans=BanList(clock=trio.current_time)) as d,
         trio.open_nursery() as nursery,
     ):
         received: list[Any] = []
@@ -166,6 +168,7 @@ async def test_a_relay_that_changes_a_handshake_byte_is_detected() -> None:
         with pytest.raises(ProtocolError):
             await s.d.call(X.peer_id, NOWHERE, "echo", "hi", timeout=10)
         assert s.received == []
+        await _nobody_banned_and_the_honest_circuit_works(s)
         nursery.cancel_scope.cancel()
 
 
@@ -178,10 +181,21 @@ async def test_a_relay_that_changes_a_payload_byte_is_detected() -> None:
         flip = _connect_preamble_size() + 2000
         proxy = await nursery.start(serve_proxy, s.circuit[1], flip, None)
         s.d.set_relay_route(X.peer_id, (HOST, proxy))
-        with pytest.raises(StreamResetError, match=r"ProtocolError: .*failed authentication"):
+        with pytest.raises(StreamResetError, match=r"AuthenticationError: .*failed authentication"):
             await s.d.call(X.peer_id, NOWHERE, "echo", b"\x07" * 4000, timeout=10)
         assert s.received == []
+        await _nobody_banned_and_the_honest_circuit_works(s)
         nursery.cancel_scope.cancel()
+
+
+async def _nobody_banned_and_the_honest_circuit_works(s: Swarm) -> None:
+    """After a relay altered a connection: neither end banned the other (the
+    relay, not the remote, may be at fault), and through an honest relay the
+    two talk again."""
+    assert not s.x.bans.is_banned(D.peer_id) and not s.d.bans.is_banned(X.peer_id)
+    s.d.set_relay_route(X.peer_id, s.circuit)
+    assert await s.d.call(X.peer_id, NOWHERE, "echo", "again", timeout=10) == "again"
+    assert s.received == [(D.peer_id, "again")]
 
 
 async def test_registrations_beyond_max_relayed_peers_are_refused() -> None:
