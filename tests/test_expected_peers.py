@@ -15,7 +15,8 @@ def test_a_round_waits_for_peers_at_its_epoch_and_for_live_ones_just_behind() ->
     now = 100.0
     records = [
         _record(1, 5, 99.9),  # at the epoch
-        _record(2, 5, 80.0),  # at the epoch, quiet but not yet stale
+        _record(2, 5, 80.0),  # at the epoch but silent for 20 s: dead, although not yet stale
+        _record(7, 6, 99.0),  # ahead (it averaged without us): live, in the round
         _record(3, 4, 99.5),  # one behind, still publishing: finishing the last step
         _record(4, 4, 95.0),  # one behind and silent for 5 s: dead, not waited for
         _record(5, 3, 99.9),  # two behind: catching up, not in this round

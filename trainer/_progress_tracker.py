@@ -191,18 +191,19 @@ def expected_peers(
 ) -> int:
     """How many peers (at least 1) an ``epoch`` round should wait for.
 
-    Live peers at ``epoch`` or beyond, and peers one epoch behind whose record
-    is younger than ``fresh_within`` seconds: they are still publishing, so
-    still finishing the last step, and about to join. A peer one behind that
-    went silent (it died, or missed the last round and is stuck) is not
-    waited for, although its record lives until ``stale_after``.
+    Peers at ``epoch`` or beyond, and peers one epoch behind (still finishing
+    the last step, about to join), whose record is younger than
+    ``fresh_within`` seconds: a live peer publishes every few seconds whatever
+    its training thread does. A peer that went silent (it died, or is stuck) is
+    not waited for, although its record lives until ``stale_after`` and still
+    counts toward the swarm's size: rounds stop waiting for a dead peer within
+    ``fresh_within`` seconds, not after the record's whole lifetime.
     """
     return max(
         1,
         sum(
             1
             for r in records
-            if now - r.time <= stale_after
-            and (r.epoch >= epoch or (r.epoch == epoch - 1 and now - r.time <= fresh_within))
+            if now - r.time <= min(stale_after, fresh_within) and r.epoch >= epoch - 1
         ),
     )
