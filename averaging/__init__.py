@@ -11,6 +11,7 @@ Modules, pure code first:
 - ``_faults``: fault plans, injected by composition into the real code
 - ``_moshpit``: the Moshpit grid, its key schedule and group placement
 - ``_grid``: ``GridAgreement``, one grid per epoch that every peer computes alike
+- ``_rounds``: the rounds a peer runs now, by group id, where a stream finds its round
 - ``_allreduce``: the fault-tolerant butterfly all-reduce over peer connections
 - ``_datagrams``: the lossy data plane's authenticated, frame-sized datagrams
 - ``_pieces``: which pieces arrived, and the per-piece renormalised mean over them

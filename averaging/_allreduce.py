@@ -88,6 +88,7 @@ from ._lossy import lossy_all_reduce, serve_lossy_allreduce
 from ._partition import Partition, flatten, unflatten_into
 from ._reducer import PartReducer, ReceivedParts
 from ._robust import CenteredClip
+from ._rounds import RoundsByGroup
 from ._staging import LocalTensorError
 
 logger = logging.getLogger(__name__)
@@ -1038,8 +1039,7 @@ class _Registry:
     """The rounds this peer runs now, by group id; routes incoming streams."""
 
     def __init__(self) -> None:
-        self._rounds: dict[bytes, _Round] = {}
-        self._changed = trio.Event()
+        self._rounds: RoundsByGroup[_Round] = RoundsByGroup()
         self._spares: list[torch.Tensor] = []
         self._spare_scratch: list[bytearray] = []
 
@@ -1072,18 +1072,9 @@ class _Registry:
             if len(self._spare_scratch) < _SPARE_SCRATCH:
                 self._spare_scratch.append(scratch.buffer)
 
-    @contextmanager
-    def register(self, rnd: _Round) -> Iterator[None]:
-        gid = rnd.group.group_id
-        if gid in self._rounds:
-            raise ConfigError(f"a round of group {gid.hex()} is already running on this peer")
-        self._rounds[gid] = rnd
-        self._changed.set()
-        self._changed = trio.Event()
-        try:
-            yield
-        finally:
-            del self._rounds[gid]
+    def register(self, rnd: _Round) -> AbstractContextManager[None]:
+        """``rnd`` receives its group's streams while the block runs."""
+        return self._rounds.register(rnd.group.group_id, rnd)
 
     async def handle(self, stream: StreamLike) -> None:
         """The connection handler of ``ALLREDUCE_STREAM``.
@@ -1099,10 +1090,7 @@ class _Registry:
             raise ProtocolError("no all-reduce header in time")
         fields = expect_list(header, 7, "all-reduce header")
         gid = expect_bytes(fields[1], "group id", max_size=64)
-        with trio.move_on_after(UNKNOWN_GROUP_WAIT):
-            while gid not in self._rounds:
-                await self._changed.wait()
-        rnd = self._rounds.get(gid)
+        rnd = await self._rounds.find(gid, wait=UNKNOWN_GROUP_WAIT)
         if rnd is None:
             raise ProtocolError(f"no all-reduce round for group {gid.hex()[:16]} here")
         sender, weight = rnd.check_header(stream, header)

@@ -54,8 +54,8 @@ import secrets
 import select
 import socket
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable
+from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from weakref import WeakKeyDictionary
@@ -64,7 +64,7 @@ import numpy as np
 import torch
 import trio
 
-from swarm import ConfigError, PeerID, ProtocolError
+from swarm import PeerID, ProtocolError
 from swarm._wire import expect_bytes, expect_float, expect_int, expect_list, expect_str
 
 from ._datagrams import (
@@ -82,6 +82,7 @@ from ._group import Group, MemberMode
 from ._pacing import Pacer, PacerRegistry
 from ._partition import Partition
 from ._pieces import PieceMask, PieceReducer
+from ._rounds import RoundsByGroup
 
 logger = logging.getLogger(__name__)
 
@@ -658,21 +659,11 @@ class _Registry:
     """The lossy rounds this peer runs now, by group id; routes control streams."""
 
     def __init__(self) -> None:
-        self._rounds: dict[bytes, _LossyRound] = {}
-        self._changed = trio.Event()
+        self._rounds: RoundsByGroup[_LossyRound] = RoundsByGroup()
 
-    @contextmanager
-    def register(self, rnd: _LossyRound) -> Iterator[None]:
-        gid = rnd.group.group_id
-        if gid in self._rounds:
-            raise ConfigError(f"a round of group {gid.hex()} is already running on this peer")
-        self._rounds[gid] = rnd
-        self._changed.set()
-        self._changed = trio.Event()
-        try:
-            yield
-        finally:
-            del self._rounds[gid]
+    def register(self, rnd: _LossyRound) -> AbstractContextManager[None]:
+        """``rnd`` receives its group's streams while the block runs."""
+        return self._rounds.register(rnd.group.group_id, rnd)
 
     async def handle(self, stream: _LossyStream) -> None:
         """The connection handler of ``LOSSY_STREAM``: ``ProtocolError`` refuses."""
@@ -682,10 +673,7 @@ class _Registry:
             raise ProtocolError("no lossy all-reduce header in time")
         fields = expect_list(header, 7, "lossy all-reduce header")
         gid = expect_bytes(fields[1], "group id", max_size=64)
-        with trio.move_on_after(UNKNOWN_GROUP_WAIT):
-            while gid not in self._rounds:
-                await self._changed.wait()
-        rnd = self._rounds.get(gid)
+        rnd = await self._rounds.find(gid, wait=UNKNOWN_GROUP_WAIT)
         if rnd is None:
             raise ProtocolError(f"no lossy all-reduce round for group {gid.hex()[:16]} here")
         sender, weight, port = rnd.accept_header(stream, header)
