@@ -184,22 +184,7 @@ async def test_two_public_and_two_natted_peers_with_default_flags_train_with_eve
                 statuses.append(await _status_until_all_four(bed, initial))
     reachability = sorted(p["reachability"] for p in statuses[0]["peers"])
     assert reachability == ["reachable"] * 2 + ["unreachable"] * 2, statuses
-    accuracies = []
-    for i in range(4):
-        assert finals[i].startswith(f"finished at epoch {EPOCHS}: accuracy "), finals[i]
-        accuracies.append(float(finals[i].split("accuracy ")[1].split(",")[0]))
-        rounds = [
-            (int(m.group(1)), int(m.group(2)))
-            for m in map(_ROUND.search, (tmp_path / f"peer{i}.log").read_text().splitlines())
-            if m is not None
-        ]
-        assert all(k == m for k, m in rounds), (i, rounds)
-        first_full = rounds.index((4, 4))
-        assert first_full <= JOINING_ROUNDS, (i, rounds)
-        assert all(r == (4, 4) for r in rounds[first_full:]), (i, rounds)
-        assert len(rounds) - first_full >= EPOCHS - JOINING_ROUNDS, (i, rounds)
-    assert min(accuracies) >= 0.9, accuracies
-    assert max(accuracies) - min(accuracies) <= 0.02, accuracies
+    _assert_everyone_in_every_round(tmp_path, finals)
 
 
 async def _status_until_all_four(bed: NetBed, initial: str) -> dict[str, Any]:
@@ -266,8 +251,16 @@ async def test_one_public_peer_and_two_natted_ones_average_everyone_s_data(
             async with trio.open_nursery() as nursery:
                 for i in range(3):
                     nursery.start_soon(finish, i)
+    _assert_everyone_in_every_round(tmp_path, finals)
+
+
+def _assert_everyone_in_every_round(tmp_path: Path, finals: dict[int, str]) -> None:
+    """Every peer finished all ``EPOCHS``; from the first round that held all
+    of them (within ``JOINING_ROUNDS``) every round to the end held every
+    peer's data; and the peers ended on one model (accuracies agree)."""
+    n = len(finals)
     accuracies = []
-    for i in range(3):
+    for i in range(n):
         assert finals[i].startswith(f"finished at epoch {EPOCHS}: accuracy "), finals[i]
         accuracies.append(float(finals[i].split("accuracy ")[1].split(",")[0]))
         rounds = [
@@ -276,9 +269,9 @@ async def test_one_public_peer_and_two_natted_ones_average_everyone_s_data(
             if m is not None
         ]
         assert all(k == m for k, m in rounds), (i, rounds)
-        first_full = rounds.index((3, 3))
+        first_full = rounds.index((n, n))
         assert first_full <= JOINING_ROUNDS, (i, rounds)
-        assert all(r == (3, 3) for r in rounds[first_full:]), (i, rounds)
+        assert all(r == (n, n) for r in rounds[first_full:]), (i, rounds)
         assert len(rounds) - first_full >= EPOCHS - JOINING_ROUNDS, (i, rounds)
     assert min(accuracies) >= 0.9, accuracies
     assert max(accuracies) - min(accuracies) <= 0.02, accuracies
