@@ -32,27 +32,15 @@ import hashlib
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from dht import DHTValue, owner_marker
+from dht import DHTValue, RecordDHT, owner_marker
 from swarm import ConfigError, PeerID, ProtocolError
 from swarm._wire import expect_int
 
 from ._moshpit import MoshpitGrid
 
 _RANK_PERSON = b"swarm.grid.rank"
-
-
-class GridDHT(Protocol):
-    """What grid agreement needs from a DHT node (``dht.DHTNode`` has it)."""
-
-    async def store(
-        self, key: str, value: Any, expiration_time: float, *, subkey: str | None = None
-    ) -> bool: ...
-
-    async def get(self, key: str, *, latest: bool = False) -> DHTValue | None: ...
-
-    def now(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -143,7 +131,7 @@ class GridAgreement:
         """Whether this peer is one of the epoch's few proposers."""
         return rank(epoch, peer_id) < self.proposers / max(1, estimate)
 
-    async def propose(self, dht: GridDHT, peer_id: PeerID, epoch: int, estimate: int) -> bool:
+    async def propose(self, dht: RecordDHT, peer_id: PeerID, epoch: int, estimate: int) -> bool:
         """Propose the grid for ``epoch`` from ``estimate`` if this peer is one of
         its proposers (call it while the epoch before runs). Returns whether a
         proposal was stored; raises what the DHT raises (``SwarmError``)."""
@@ -155,6 +143,6 @@ class GridAgreement:
             self.key, proposal.to_value(), dht.now() + self.ttl, subkey=owner_marker(peer_id)
         )
 
-    async def agree(self, dht: GridDHT, epoch: int) -> MoshpitGrid | None:
+    async def agree(self, dht: RecordDHT, epoch: int) -> MoshpitGrid | None:
         """The agreed grid of ``epoch`` (None if nobody proposed one)."""
         return choose(parse_proposals(await dht.get(self.key)), epoch)

@@ -14,10 +14,11 @@ Modules, from pure code up to the node:
 - ``_server``: kademlia's ``Server`` subclass storing and finding records
 - ``_aio``: the one seam between trio and asyncio (trio-asyncio), including
   the UDP socket that a trio task reads for the protocol
-- ``_node``: ``DHTNode`` and ``open_dht_node``, the trio API
+- ``_node``: ``DHTNode`` and ``open_dht_node``, the trio API, and ``RecordDHT``,
+  the part of it that code above the DHT depends on
 """
 
-from ._node import DHTConfig, DHTNode, DHTStats, DHTValue, open_dht_node
+from ._node import DHTConfig, DHTNode, DHTStats, DHTValue, RecordDHT, open_dht_node
 from ._ratelimit import RequestRateLimit
 from ._records import Record, RecordLimits, make_record, owner_marker
 from ._storage import StorageQuota
@@ -28,6 +29,7 @@ __all__ = [
     "DHTStats",
     "DHTValue",
     "Record",
+    "RecordDHT",
     "RecordLimits",
     "RequestRateLimit",
     "StorageQuota",

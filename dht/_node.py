@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import trio
 
@@ -143,6 +143,22 @@ class DHTValue(NamedTuple):
 
     value: Any
     expiration_time: float
+
+
+class RecordDHT(Protocol):
+    """What code above the DHT needs to keep records in it: ``DHTNode`` has it.
+
+    Progress tracking, the progress tree and grid agreement depend on this, not
+    on ``DHTNode``, so that they name only the three calls they make.
+    """
+
+    async def store(
+        self, key: str, value: Any, expiration_time: float, *, subkey: str | None = None
+    ) -> bool: ...
+
+    async def get(self, key: str, *, latest: bool = False) -> DHTValue | None: ...
+
+    def now(self) -> float: ...
 
 
 @dataclass(frozen=True)

@@ -64,12 +64,12 @@ import math
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import trio
 
-from dht import DHTValue, owner_marker
+from dht import DHTValue, RecordDHT, owner_marker
 from swarm import ConfigError, PeerID, ProtocolError, Reachability
 from swarm._wire import expect_float, expect_int
 
@@ -290,16 +290,6 @@ _LEAF_PERSON = b"swarm.progress.l"
 _LATER = 1e-3
 
 
-class ProgressDHT(Protocol):
-    """What the progress tree needs from a DHT node (``dht.DHTNode`` has it)."""
-
-    async def store(
-        self, key: str, value: Any, expiration_time: float, *, subkey: str | None = None
-    ) -> bool: ...
-
-    async def get(self, key: str, *, latest: bool = False) -> DHTValue | None: ...
-
-
 @dataclass(frozen=True)
 class ProgressSummary:
     """The progress of the live peers of one sub-tree, as of ``time``."""
@@ -443,7 +433,7 @@ class ProgressTree:
 
     async def refresh(
         self,
-        dht: ProgressDHT,
+        dht: RecordDHT,
         mine: PeerProgress,
         *,
         now: float,
@@ -462,7 +452,7 @@ class ProgressTree:
         return summary
 
     async def withdraw(
-        self, dht: ProgressDHT, mine: PeerProgress, *, now: float, ttl: float, stale_after: float
+        self, dht: RecordDHT, mine: PeerProgress, *, now: float, ttl: float, stale_after: float
     ) -> None:
         """Leave the tree: replace this peer's record, and the summaries on its
         path, with versions without it, so readers stop counting it at once.
@@ -481,7 +471,7 @@ class ProgressTree:
 
     async def _update(
         self,
-        dht: ProgressDHT,
+        dht: RecordDHT,
         mine: PeerProgress,
         *,
         now: float,
@@ -530,7 +520,7 @@ class ProgressTree:
         return summary
 
     async def read(
-        self, dht: ProgressDHT, *, now: float, stale_after: float
+        self, dht: RecordDHT, *, now: float, stale_after: float
     ) -> ProgressSummary | None:
         """The whole swarm's summary from the root alone (for observers)."""
         children = _parse_summaries(await dht.get(self.summary_key(()), latest=True), self.fanout)

@@ -7,7 +7,7 @@ The collaborative optimizer only asks it: ``reading`` (the latest
 run). ``serve`` runs it on the peer's trio thread: one refresh every
 ``progress_interval``, or when woken.
 
-It depends on what it needs of a DHT node (``TrackerDHT``), not on the peer.
+It depends on what it needs of a DHT node (``dht.RecordDHT``), not on the peer.
 Layout: every peer writes its record under one key (``progress_key``), which
 is what ``swarm status`` reads today. The aggregation tree
 (``_progress.ProgressTree``), which scales to thousands of peers, plugs in
@@ -22,28 +22,15 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import trio
 
-from dht import DHTValue, owner_marker
+from dht import RecordDHT, owner_marker
 from swarm import ConfigError, PeerID, SwarmError
 
 from ._progress import PeerProgress, SwarmProgress, estimate, parse_progress, progress_key
 
 log = logging.getLogger(__name__)
-
-
-class TrackerDHT(Protocol):
-    """What the tracker needs from a DHT node (``dht.DHTNode`` has it)."""
-
-    async def store(
-        self, key: str, value: Any, expiration_time: float, *, subkey: str | None = None
-    ) -> bool: ...
-
-    async def get(self, key: str, *, latest: bool = False) -> DHTValue | None: ...
-
-    def now(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -97,7 +84,7 @@ class ProgressTracker:
 
     def __init__(
         self,
-        dht: TrackerDHT,
+        dht: RecordDHT,
         peer_id: PeerID,
         run_id: str,
         *,
