@@ -486,6 +486,8 @@ class Peer:
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
         self._error: BaseException | None = None
+        #: whether a caller has been told of ``_error`` (after the start)
+        self._error_reported = False
         self._async_peer: AsyncPeer | None = None
         self.dht = SyncDHT(self)
 
@@ -502,7 +504,12 @@ class Peer:
         self.close()
 
     def close(self) -> None:
-        """Stop the peer and join its thread. Idempotent."""
+        """Stop the peer and join its thread. Idempotent.
+
+        Raises ``ClosedError`` (caused by the error, traceback and all) if the
+        peer's thread crashed after it started and no call has reported that yet,
+        so a crash is never lost in a background thread.
+        """
         if self._thread is None:
             return
         if self._token is not None and self._stop is not None:
@@ -510,6 +517,16 @@ class Peer:
                 trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
         self._thread.join()
         self._thread = None
+        if self._error is not None and not self._error_reported:
+            raise self._stopped() from self._error
+
+    def _stopped(self) -> ClosedError:
+        """The error for a call that found the peer's trio run over (raise it
+        ``from self._error``, the crash that ended the run, if one did)."""
+        self._error_reported = True
+        if self._error is None:
+            return ClosedError("the peer stopped")
+        return ClosedError(f"the peer stopped: its thread crashed with {self._error!r}")
 
     def _main(self) -> None:
         try:
@@ -540,7 +557,7 @@ class Peer:
         try:
             return trio.from_thread.run(fn, *args, trio_token=self._token)
         except trio.RunFinishedError:
-            raise ClosedError("the peer stopped") from None
+            raise self._stopped() from self._error
 
     def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run plain ``fn(*args)`` on the peer's trio thread, blocking until done.
@@ -553,7 +570,7 @@ class Peer:
         try:
             return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
         except trio.RunFinishedError:
-            raise ClosedError("the peer stopped") from None
+            raise self._stopped() from self._error
 
     @property
     def peer_id(self) -> PeerID:

@@ -2,11 +2,12 @@
 
 import threading
 import time
+import traceback
 
 import pytest
 import trio
 
-from swarm import BootstrapError, ConfigError, Peer, PeerConfig, open_peer
+from swarm import BootstrapError, ClosedError, ConfigError, Peer, PeerConfig, open_peer
 
 
 async def test_peers_listen_on_one_port_and_join() -> None:
@@ -60,3 +61,32 @@ def test_sync_peer_reraises_startup_errors() -> None:
     config = PeerConfig(initial_peers=(f"127.0.0.1:{port}",))
     with pytest.raises(BootstrapError), Peer(config=config):
         pass
+
+
+def test_sync_peer_surfaces_a_crash_of_its_thread_with_its_traceback() -> None:
+    async def crash(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        raise RuntimeError("a service of the peer failed")
+
+    peer = Peer()
+    with pytest.raises(ClosedError, match="crashed") as closed, peer:
+        peer.run(peer.async_peer.start_service, crash)
+        # the crash ends the peer's trio run: the next call says so, with the cause
+        peer.run(trio.sleep_forever)
+    leaf = closed.value.__cause__
+    while isinstance(leaf, BaseExceptionGroup):  # however trio's nurseries wrapped it
+        (leaf,) = leaf.exceptions
+    assert isinstance(leaf, RuntimeError) and leaf.__traceback__ is not None
+    assert "crash" in "".join(traceback.format_tb(leaf.__traceback__))
+
+
+def test_sync_peer_close_raises_a_crash_nobody_was_told_of() -> None:
+    async def crash(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        raise RuntimeError("a service of the peer failed")
+
+    peer = Peer().__enter__()
+    peer.run(peer.async_peer.start_service, crash)
+    with pytest.raises(ClosedError, match="crashed"):
+        peer.close()
+    peer.close()  # idempotent: the crash was reported once
