@@ -19,6 +19,8 @@ Modules, pure code first:
 - ``_lossy``: the lossy all-reduce round (``AllReduceConfig(lossy=True)``)
 - ``_matchmaking``: leader-based group formation over the DHT
 - ``_averager``: ``Averager``, one Moshpit round per ``step()``
+- ``_scheduled``: ``ScheduledRound``, a round found ahead, then triggered
+  (a weight, or 0 to join without data) or cancelled (group-mates told at once)
 - ``_arctopk``: ARC-Top-K, Top-K compression a group all-reduces without indices
 - ``_state_transfer``: newcomers download the current state from donors
 - ``_staging``: reused (pinned) host buffers between a device and the wire
@@ -36,6 +38,7 @@ from ._matchmaking import MatchmakingConfig
 from ._moshpit import MoshpitGrid, MoshpitState
 from ._partition import flat_zeros_like
 from ._robust import CenteredClip
+from ._scheduled import RoundClosedError, ScheduledRound
 from ._staging import HostStaging, LocalTensorError, float32_accumulators
 from ._state_transfer import (
     UNCHECKED,
@@ -75,7 +78,9 @@ __all__ = [
     "MemberMode",
     "MoshpitGrid",
     "MoshpitState",
+    "RoundClosedError",
     "RowSelection",
+    "ScheduledRound",
     "StateTransferConfig",
     "StepInProgressError",
     "StepResult",

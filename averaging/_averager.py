@@ -28,6 +28,7 @@ from ._group import Group, GroupMember, MemberMode
 from ._link_meter import LinkMeter
 from ._matchmaking import Matchmaker, MatchmakingConfig
 from ._moshpit import MoshpitGrid, MoshpitState
+from ._scheduled import ScheduledRound
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +164,8 @@ class Averager:
         self.peer.connections.set_handler(self._matchmaker.stream_name, self._matchmaker.handle)
         serve_allreduce(self.peer.connections)
         self._busy = False
+        #: a scheduled round not yet triggered or cancelled (it holds the averager)
+        self._pending: ScheduledRound | None = None
 
     def set_grid(self, grid: MoshpitGrid) -> None:
         """Use ``grid`` from the next round on (e.g. the swarm grew past a group).
@@ -214,7 +217,8 @@ class Averager:
         (this one included) lets a group close as soon as they all joined.
 
         ``step`` is ``find_group`` then ``average``; callers that can do useful
-        work meanwhile (a trainer finishing its batch) call the two apart.
+        work meanwhile (a trainer finishing its batch) call the two apart, or
+        ``schedule`` the round and trigger (or cancel) it later.
         """
         bound = self.config.step_bound if timeout is None else timeout
         group: Group | None = None
@@ -235,20 +239,76 @@ class Averager:
         (or ``skip``) for the same round.
         """
         with self._busy_guard():
-            if round is not None:
-                self.state = MoshpitState(round, self.state.coordinates)
-            key = self.state.key(self.grid, self.prefix)
-            expected = expected_peers if self.grid.dimensions == 1 else None
-            group = await self._matchmaker.find_group(key, self._member(), expected=expected)
-            if group is None:
-                log.info("round %d: no group under %s", self.state.round, key)
-            return group
+            return await self._match(round, expected_peers)
 
-    async def average(self, group: Group, weight: float = 1.0) -> StepResult:
+    async def _match(self, round: int | None, expected_peers: int | None) -> Group | None:
+        if round is not None:
+            self.state = MoshpitState(round, self.state.coordinates)
+        key = self.state.key(self.grid, self.prefix)
+        expected = expected_peers if self.grid.dimensions == 1 else None
+        group = await self._matchmaker.find_group(key, self._member(), expected=expected)
+        if group is None:
+            log.info("round %d: no group under %s", self.state.round, key)
+        return group
+
+    async def schedule(
+        self,
+        nursery: trio.Nursery,
+        *,
+        round: int | None = None,
+        expected_peers: int | None = None,
+    ) -> ScheduledRound:
+        """Begin this round's matchmaking now, in ``nursery``; trigger it later.
+
+        Returns once this peer looks for a group (the matchmaking runs on as a
+        task of ``nursery`` and ends within ``config.matchmaking.bound``). The
+        ``ScheduledRound`` is then triggered with a weight (0: join without
+        contributing) or cancelled (group-mates are told at once); see
+        ``_scheduled``. ``round`` and ``expected_peers`` are as in ``step``.
+        Until it is triggered or cancelled, other steps of this averager raise
+        ``StepInProgressError`` (as does this one while another step runs).
+        """
+        if self._busy or self._pending is not None:
+            raise StepInProgressError(f"averager {self.prefix!r} is already running a step")
+        scheduled = ScheduledRound(
+            self, self.state.round if round is None else round, expected_peers
+        )
+        self._pending = scheduled
+        try:
+            await nursery.start(scheduled._find)
+        except BaseException:
+            self._pending = None
+            raise
+        return scheduled
+
+    def _release(self, scheduled: ScheduledRound) -> None:
+        """``scheduled`` no longer holds this averager (triggered or cancelled)."""
+        if self._pending is scheduled:
+            self._pending = None
+
+    async def average(
+        self,
+        group: Group,
+        weight: float = 1.0,
+        *,
+        tensors: Sequence[torch.Tensor] | None = None,
+    ) -> StepResult:
         """All-reduce the tensors with ``group`` (from ``find_group``), in place,
         and move to the next round's grid cell. Returns within the all-reduce's
-        round deadline."""
-        return await self._all_reduce(group, group, self.tensors, weight, last=True)
+        round deadline.
+
+        ``tensors`` replaces the averager's own for this round (as many
+        values; ``ConfigError`` if not): e.g. scratch zeros of a peer that
+        joins with weight 0 while its own tensors are in use. The group sees
+        no difference.
+        """
+        if tensors is None:
+            tensors = self.tensors
+        else:
+            size, ours = sum(t.numel() for t in tensors), sum(t.numel() for t in self.tensors)
+            if size != ours:
+                raise ConfigError(f"tensors hold {size} values, the averager's {ours}")
+        return await self._all_reduce(group, group, tensors, weight, last=True)
 
     async def average_with(
         self,
@@ -323,7 +383,7 @@ class Averager:
 
     @contextlib.contextmanager
     def _busy_guard(self) -> Iterator[None]:
-        if self._busy:
+        if self._busy or self._pending is not None:
             raise StepInProgressError(f"averager {self.prefix!r} is already running a step")
         self._busy = True
         try:

@@ -1143,10 +1143,26 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self._prematch.scope.cancel()
             self._prematch = None
 
+    async def _leave_prematch(self) -> None:
+        """On the trio thread, before catching up: a group already formed for
+        this epoch gets this peer with weight 0 (``Strategy.join_without_data``)
+        rather than losing a member it waits for; matchmaking under way stops."""
+        prematch, self._prematch = self._prematch, None
+        if prematch is None:
+            return
+        if prematch.done.is_set() and prematch.group is not None:
+            with trio.move_on_after(self.config.averaging_timeout):
+                joined = await self._strategy.join_without_data(
+                    self._grad_averager, prematch.group
+                )
+                if joined is not None:
+                    return
+        prematch.scope.cancel()
+
     def _catch_up(self, *, initial: bool, min_epoch: int | None = None) -> bool:
         """Download the swarm's state (of at least ``min_epoch``); True if loaded."""
         with contextlib.suppress(SwarmError):
-            self.peer.run_sync(self._cancel_matchmaking)
+            self.peer.run(self._leave_prematch)
         template: dict[str, Any] = {
             "params": [p.detach() for p in self._trained],
             "optimizer": UNCHECKED,

@@ -105,6 +105,15 @@ class Strategy(ABC):
     ) -> StepResult:
         """On the trio thread: average ``host`` with ``group`` (in place)."""
 
+    async def join_without_data(self, averager: Averager, group: Group) -> StepResult | None:
+        """On the trio thread: take part in ``group``'s round with weight 0, for
+        a peer that must catch up instead: it contributes nothing, the average
+        lands in scratch tensors (``host`` is left alone), and its group-mates
+        lose no member and wait for nobody. None if this mode's round cannot be
+        joined so (then the caller leaves the group)."""
+        scratch = [torch.zeros_like(t) for t in averager.tensors]
+        return await averager.average(group, 0.0, tensors=scratch)
+
     @abstractmethod
     def apply(self, host: list[torch.Tensor], write_back: Callable[[], None]) -> object:
         """Take the step with the average in ``host`` (``write_back`` copies it into
@@ -233,6 +242,11 @@ class CompressedGradients(DenseGradients):
     def staged(self, host: list[torch.Tensor]) -> None:
         # averaging now carries EF21M's difference v - g (see _ef21m)
         self.ef21m.begin(host)
+
+    async def join_without_data(self, averager: Averager, group: Group) -> StepResult | None:
+        # ARC-Top-K's sub-rounds select rows from every member's data: a member
+        # without data cannot take part in them truthfully
+        return None
 
     async def average(
         self, averager: Averager, group: Group, host: list[torch.Tensor], weight: float, epoch: int
