@@ -92,6 +92,7 @@ from ._diloco import DiLoCo, OuterLoop
 from ._drift import ResyncSchedule, lost_fraction
 from ._dropcompute import ComputeBudget, DropCompute
 from ._ef21m import EF21M, ArcTopK
+from ._offload import OffloadedMasters
 from ._progress import (
     PeerProgress,
     RateMeter,
@@ -155,6 +156,11 @@ class CollaborativeConfig:
     #: measured loss, at most ``state_averaging_interval`` (``_drift``). Dense
     #: gradients only. A run setting every peer must share (``swarm train --lossy``).
     lossy: bool = False
+    #: keep float32 master copies of the parameters and the inner optimizer's
+    #: state in host memory and step there, once per global step (``_offload``):
+    #: the device holds the model, gradients and accumulators only. Not with
+    #: DiLoCo, whose inner optimizer steps after every batch.
+    offload_optimizer: bool = False
 
     def __post_init__(self) -> None:
         bound = self.averaging.matchmaking.bound
@@ -191,6 +197,11 @@ class CollaborativeConfig:
             raise ConfigError(
                 "lossy needs state_averaging_interval >= 1: re-synchronising parameters is "
                 "what keeps the peers from drifting apart"
+            )
+        if self.offload_optimizer and self.diloco is not None:
+            raise ConfigError(
+                "offload_optimizer steps the inner optimizer on the host once per global "
+                "step; DiLoCo steps it after every batch: turn one of them off"
             )
         if self.gradient_compression is not None and self.diloco is not None:
             raise ConfigError(
@@ -294,7 +305,12 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         #: after each step. None: float32 parameters, or DiLoCo mode.
         self._masters: list[torch.nn.Parameter] | None = None
         self._model_param: dict[int, torch.nn.Parameter] = {}
-        if (config is None or config.diloco is None) and any(
+        #: the masters in host memory, with config.offload_optimizer (``_offload``)
+        self._offload: OffloadedMasters | None = None
+        if config is not None and config.offload_optimizer:
+            self._offload = OffloadedMasters(self.params)
+            self._masters = self._make_masters(self._offload.masters)
+        elif (config is None or config.diloco is None) and any(
             p.dtype != torch.float32 for p in self.params
         ):
             self._masters = self._make_masters()
@@ -465,10 +481,16 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 elif p.grad is not None:
                     p.grad.detach_().zero_()
 
-    def _make_masters(self) -> list[torch.nn.Parameter]:
-        """float32 copies of the parameters, put in their place in the inner
-        optimizer (its groups and any state it already has)."""
-        masters = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in self.params]
+    def _make_masters(
+        self, masters: list[torch.nn.Parameter] | None = None
+    ) -> list[torch.nn.Parameter]:
+        """float32 copies of the parameters (``masters``, or new ones on the
+        parameters' devices), put in their place in the inner optimizer (its
+        groups and any state it already has)."""
+        if masters is None:
+            masters = [
+                torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in self.params
+            ]
         master_of = {id(p): m for p, m in zip(self.params, masters, strict=True)}
         self._model_param = {id(m): p for p, m in zip(self.params, masters, strict=True)}
         for group in self.optimizer.param_groups:
@@ -485,7 +507,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     def _sync_model(self) -> None:
         """Round the float32 masters into the model's parameters."""
-        if self._masters is not None:
+        if self._offload is not None:
+            self._offload.to_model()
+        elif self._masters is not None:
             with torch.no_grad():
                 model: list[torch.Tensor] = list(self.params)
                 torch._foreach_copy_(model, list(self._masters))

@@ -202,8 +202,11 @@ class DenseGradients(Strategy):
         unused = self._unused_params()
         with torch.no_grad():
             for i, (acc, p) in enumerate(zip(self.grads, trainee.trained, strict=True)):
+                # the host copy where it is next to the master (an offloaded
+                # optimizer): no second device-to-host copy of the average
+                source = host[i] if host[i].device == p.device else acc
                 # None, not zeros: AdamW must not decay what nobody trained
-                p.grad = None if i in unused else acc.to(p.dtype, copy=True)
+                p.grad = None if i in unused else source.to(p.dtype, copy=True)
                 acc.zero_()
         self._got_grad = [False] * len(trainee.params)
         hook_result = None if trainee.grad_hook is None else trainee.grad_hook(trainee.trained)
