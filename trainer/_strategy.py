@@ -316,8 +316,9 @@ class LocalSGD(Strategy):
         return await averager.average(group, weight)
 
     def apply(self, host: list[torch.Tensor], write_back: Callable[[], None]) -> object:
-        write_back()
-        self.outer.outer_step()
+        # the outer step runs on the host, on the averaged host copy: the
+        # device's deltas are recomputed before the next average anyway
+        self.outer.outer_step(host)
         return None
 
     def state_tensors(self) -> list[torch.Tensor]:
