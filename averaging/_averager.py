@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,7 @@ from ._link_meter import LinkMeter
 from ._matchmaking import Matchmaker, MatchmakingConfig
 from ._moshpit import MoshpitGrid, MoshpitState
 from ._scheduled import ScheduledRound
+from ._staging import ChunkedStaging
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,14 @@ class AveragerConfig:
     def step_bound(self) -> float:
         """The longest one ``step()`` takes: matchmaking, then the all-reduce."""
         return self.matchmaking.bound + self.allreduce.round_timeout
+
+
+def chunked_contributors(results: Sequence[StepResult]) -> frozenset[PeerID]:
+    """The peers whose data is in every element of a chunked average
+    (``Averager.average_in_chunks``): in every chunk's result."""
+    if not results:
+        return frozenset()
+    return frozenset.intersection(*(r.contributors for r in results))
 
 
 @dataclass(frozen=True)
@@ -337,6 +347,46 @@ class Averager:
         return await self._all_reduce(
             group, group.sub_round(tag), tensors, weight, last=last, codec=codec
         )
+
+    async def average_in_chunks(
+        self,
+        group: Group,
+        staging: ChunkedStaging,
+        weight: float = 1.0,
+        *,
+        write_lock: threading.Lock | None = None,
+    ) -> list[StepResult]:
+        """All-reduce ``staging``'s tensors with ``group`` one chunk at a time,
+        in place, and move to the next round's grid cell.
+
+        Each chunk is staged to the host, averaged as a sub-round of this
+        round (``average_with``, tag ``chunk`` + its index) and copied back
+        before the next is staged, so host memory holds one chunk of the
+        state, never all of it. The copies run in a worker thread, never on
+        the trio thread; the copy back holds ``write_lock`` (e.g. the state
+        lock that donors take). Every member must pass the same chunking
+        (same shapes, same ``chunk_elements``). Returns one result per chunk;
+        the peers whose data is in every element are the intersection of
+        their contributors (``chunked_contributors``). On cancellation, the
+        chunks copied back so far are averaged, the others local (each chunk
+        whole), and this round is not ended (``skip`` it).
+        """
+        lock = write_lock if write_lock is not None else contextlib.nullcontext()
+
+        def write_back(chunk: int) -> None:
+            with lock:
+                staging.from_host(chunk)
+
+        results = []
+        last = len(staging) - 1
+        for chunk in range(len(staging)):
+            host = await trio.to_thread.run_sync(staging.to_host, chunk)
+            tag = b"chunk" + chunk.to_bytes(4, "little")
+            results.append(
+                await self.average_with(group, host, weight, tag=tag, last=chunk == last)
+            )
+            await trio.to_thread.run_sync(write_back, chunk)
+        return results
 
     async def _all_reduce(
         self,

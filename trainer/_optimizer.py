@@ -65,6 +65,7 @@ from averaging import (
     UNCHECKED,
     Averager,
     AveragerConfig,
+    ChunkedStaging,
     Group,
     HostStaging,
     LoadedState,
@@ -72,6 +73,7 @@ from averaging import (
     MoshpitGrid,
     StateTransferConfig,
     StepResult,
+    chunked_contributors,
     load_state_from_peers,
     serve_state,
 )
@@ -161,6 +163,10 @@ class CollaborativeConfig:
     #: the device holds the model, gradients and accumulators only. Not with
     #: DiLoCo, whose inner optimizer steps after every batch.
     offload_optimizer: bool = False
+    #: state averaging stages and averages the state (parameters, optimizer
+    #: state, buffers) this many values at a time through one reused host
+    #: buffer, not all of it at once; every peer of a run must use the same
+    state_chunk_elements: int = 1 << 24
 
     def __post_init__(self) -> None:
         bound = self.averaging.matchmaking.bound
@@ -174,6 +180,8 @@ class CollaborativeConfig:
                 f"progress_interval ({self.progress_interval}s) must be positive and below "
                 f"progress_ttl ({self.progress_ttl}s), or live peers look gone"
             )
+        if self.state_chunk_elements < 1:
+            raise ConfigError(f"state_chunk_elements={self.state_chunk_elements} must be >= 1")
         if self.state_averaging_interval < 0 or self.checkpoint_every < 1:
             raise ConfigError("state_averaging_interval must be >= 0 and checkpoint_every >= 1")
         if self.load_state_timeout <= 0:
@@ -384,7 +392,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         #: this step's compute budget is spent (DropCompute): average now
         self._out_of_time = False
         self._state_averager: Averager | None = None
-        self._state_staging: HostStaging | None = None
+        self._state_staging: ChunkedStaging | None = None
         self._resync = (
             ResyncSchedule(self.config.state_averaging_interval) if self.config.lossy else None
         )
@@ -1082,16 +1090,20 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     def _average_state(self, expected: int) -> None:
         """Average parameters, optimizer state and buffers so Moshpit groups do
-        not drift. The state is staged to host memory (reused buffers) and
-        written back under the state lock."""
+        not drift. The state is staged to host memory a chunk at a time (one
+        reused buffer, ``config.state_chunk_elements`` values) and each chunk
+        written back under the state lock, in a worker thread."""
         tensors = self._state_tensors()
         staging = self._state_staging
         if staging is None or not _same_tensors(staging.tensors, tensors):
-            staging = self._state_staging = HostStaging(tensors)
-        if self._state_averager is None or len(self._state_averager.tensors) != len(tensors):
+            staging = self._state_staging = ChunkedStaging(
+                tensors, self.config.state_chunk_elements
+            )
+        if self._state_averager is None:
             self._state_averager = Averager(
                 self.peer,
-                staging.host,
+                # never averaged itself: the chunks are (average_in_chunks)
+                [staging.buffer],
                 prefix=f"{self.run_id}.state",
                 # the re-synchronisation that bounds drift must not lose anything
                 config=replace(
@@ -1100,34 +1112,44 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 ),
                 grid=self._grid(self.swarm_progress().num_peers),
             )
-        else:
-            self._state_averager.tensors = staging.host
-        staging.to_host()
-        try:
-            result = self.peer.run(
-                partial(
-                    self._state_averager.step,
-                    1.0,
-                    timeout=self.config.averaging_timeout,
-                    round=self.epoch,
-                    expected_peers=expected,
+        averager = self._state_averager
+        averager.tensors = [staging.buffer]
+
+        async def average() -> list[StepResult] | StepResult:
+            with trio.move_on_after(self.config.averaging_timeout):
+                group = await averager.find_group(round=self.epoch, expected_peers=expected)
+                if group is None:
+                    return averager.skip("no group formed in time")
+                return await averager.average_in_chunks(
+                    group, staging, write_lock=self._state_lock
                 )
-            )
+            return averager.skip("timed out")
+
+        try:
+            result = self.peer.run(average)
         except LocalTensorError:
             raise  # this peer's own state cannot be sent: not the group's fault
         except SwarmError as e:
             log.warning("epoch %d: parameter averaging failed: %s", self.epoch, e)
         else:
-            if result.group is None:
+            if isinstance(result, StepResult):
                 log.info("epoch %d: parameter averaging: %s", self.epoch, result.reason)
             else:
-                _log_average(self.epoch, "parameters", result)
-                self._locked(self._write_back_state, staging)
+                # the peers whose data is in every chunk, never merely the members
+                contributors = len(chunked_contributors(result))
+                members = len(result[0].members) if result else 0
+                if contributors == members:
+                    log.info("epoch %d: averaged parameters with %d peers", self.epoch, members)
+                else:
+                    log.info(
+                        "epoch %d: averaged parameters of %d of %d group members "
+                        "(the others' data is missing)",
+                        self.epoch,
+                        contributors,
+                        members,
+                    )
+                self._locked(self._sync_model)
         self._locked(self._strategy.after_state_averaging)
-
-    def _write_back_state(self, staging: HostStaging) -> None:
-        staging.from_host()
-        self._sync_model()
 
     # -- state sharing ------------------------------------------------------------
 
