@@ -23,6 +23,7 @@ and another ``schedule`` raise ``StepInProgressError``.
 from __future__ import annotations
 
 import enum
+import logging
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -37,6 +38,8 @@ from ._group import Group
 
 if TYPE_CHECKING:
     from ._averager import Averager, StepResult
+
+log = logging.getLogger(__name__)
 
 
 class RoundClosedError(SwarmError, RuntimeError):
@@ -73,6 +76,8 @@ class ScheduledRound:
             with self._scope:
                 task_status.started()
                 self._group = await self._averager._match(self.round, self._expected)
+        except SwarmError as e:  # this round's boundary: no group, as for a timeout
+            log.info("round %d: matchmaking failed: %s", self.round, e)
         finally:
             self._found.set()
 
@@ -121,6 +126,7 @@ class ScheduledRound:
         try:
             group = await self.wait_group()
         except BaseException:
+            self._scope.cancel()  # cancelled while waiting: stop looking too
             averager._release(self)
             raise
         averager._release(self)
