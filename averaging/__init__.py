@@ -19,14 +19,23 @@ Modules, pure code first:
 - ``_lossy``: the lossy all-reduce round (``AllReduceConfig(lossy=True)``)
 - ``_matchmaking``: leader-based group formation over the DHT
 - ``_averager``: ``Averager``, one Moshpit round per ``step()``
+- ``_scheduled``: ``ScheduledRound``, a round found ahead, then triggered
+  (a weight, or 0 to join without data) or cancelled (group-mates told at once)
 - ``_arctopk``: ARC-Top-K, Top-K compression a group all-reduces without indices
 - ``_state_transfer``: newcomers download the current state from donors
-- ``_staging``: reused (pinned) host buffers between a device and the wire
+- ``_staging``: reused (pinned) host buffers between a device and the wire,
+  whole (``HostStaging``) or a chunk at a time (``ChunkedStaging``)
 """
 
 from ._allreduce import AllReduceConfig, AllReduceResult, all_reduce, serve_allreduce
 from ._arctopk import ArcTopKRound, RowSelection, arc_topk_compress, contraction_bound, select_rows
-from ._averager import Averager, AveragerConfig, StepInProgressError, StepResult
+from ._averager import (
+    Averager,
+    AveragerConfig,
+    StepInProgressError,
+    StepResult,
+    chunked_contributors,
+)
 from ._codecs import FLOAT16, NONE, UINT4, UINT8, Codec, CodecKind
 from ._faults import DatagramFaults, FaultPlan, InjectedFault, MemberFault
 from ._grid import GridAgreement, GridProposal
@@ -36,7 +45,8 @@ from ._matchmaking import MatchmakingConfig
 from ._moshpit import MoshpitGrid, MoshpitState
 from ._partition import flat_zeros_like
 from ._robust import CenteredClip
-from ._staging import HostStaging, LocalTensorError, float32_accumulators
+from ._scheduled import RoundClosedError, ScheduledRound
+from ._staging import ChunkedStaging, HostStaging, LocalTensorError, float32_accumulators
 from ._state_transfer import (
     UNCHECKED,
     LoadedState,
@@ -57,6 +67,7 @@ __all__ = [
     "Averager",
     "AveragerConfig",
     "CenteredClip",
+    "ChunkedStaging",
     "Codec",
     "CodecKind",
     "DatagramFaults",
@@ -75,12 +86,15 @@ __all__ = [
     "MemberMode",
     "MoshpitGrid",
     "MoshpitState",
+    "RoundClosedError",
     "RowSelection",
+    "ScheduledRound",
     "StateTransferConfig",
     "StepInProgressError",
     "StepResult",
     "all_reduce",
     "arc_topk_compress",
+    "chunked_contributors",
     "contraction_bound",
     "flat_zeros_like",
     "float32_accumulators",

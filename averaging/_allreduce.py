@@ -20,6 +20,17 @@ all-zero mask means the chunk has no result (nobody with weight > 0 delivered
 it): then there is no blob header and no payload frame. A refused stream is
 reset with a one-line reason.
 
+A member that withdraws from a formed group before its round (a cancelled
+``ScheduledRound``) opens one stream to each member that accepts
+connections and sends ``["withdraw", version, group_id]``; the member answers
+``["ok"]``. Its reducer then excludes the withdrawn member at once, also if
+its own round starts later (the notice is kept ``WITHDRAWAL_TTL`` seconds),
+instead of waiting ``sender_timeout`` for it; and the withdrawn member
+refuses the streams of that group at once, so its senders keep their local
+values for its part without waiting either. A withdrawal only ever names the
+peer whose connection carries it (its proven peer id). The lossy data plane
+does not take withdrawals: there the others wait ``sender_timeout``.
+
 Payloads travel as frames of their own, each with the small header in front
 of it in the same system call (``send_bytes_batch``), so that an uncompressed
 chunk is sent straight from the tensor's memory (the sender's vector, the
@@ -68,7 +79,7 @@ from weakref import WeakKeyDictionary
 import torch
 import trio
 
-from swarm import ConfigError, PeerID, ProtocolError, SelfDialError
+from swarm import ConfigError, PeerID, ProtocolError, SelfDialError, SwarmError
 from swarm._wire import expect_bytes, expect_float, expect_int, expect_list
 
 from ._codecs import (
@@ -82,7 +93,7 @@ from ._codecs import (
     payload_size,
 )
 from ._faults import FaultPlan, InjectedFault, MemberFault
-from ._group import Group, MemberMode
+from ._group import Group, GroupMember, MemberMode
 from ._link_meter import LinkMeter, RoundTraffic
 from ._lossy import lossy_all_reduce, serve_lossy_allreduce
 from ._partition import Partition, flatten, unflatten_into
@@ -102,6 +113,14 @@ PROTOCOL_VERSION = 3
 UNKNOWN_GROUP_WAIT = 2.0
 #: How long a reducer waits for a stream's header.
 HEADER_TIMEOUT = 5.0
+#: The first item of a withdrawal notice (``withdraw_from_round``).
+WITHDRAW = "withdraw"
+#: How long a peer remembers a withdrawal (its own, or a group-mate's notice):
+#: longer than any member waits to begin a round it found ahead of time.
+WITHDRAWAL_TTL = 120.0
+#: At most this many withdrawal notices from others are kept (the oldest
+#: give way): a peer cannot be made to hold memory by notices for made-up groups.
+MAX_WITHDRAWAL_NOTICES = 1024
 #: Bytes of frame that are not the codec blob, at most (index + mask of 256 members).
 _FRAME_OVERHEAD = 4 + 32
 _CHUNK_INDEX = struct.Struct("<I")
@@ -320,7 +339,7 @@ async def all_reduce(
     ):
         async with trio.open_nursery() as nursery:
             if rnd.reducer is not None:
-                nursery.start_soon(rnd.reduce)
+                nursery.start_soon(rnd.reduce, _registry(net).withdrawn_from(group.group_id))
             if group.local.mode is not MemberMode.AUX:
                 for part in range(group.size):
                     if partition.part_size(part) > 0:
@@ -332,6 +351,41 @@ async def all_reduce(
         unflatten_into(flat, tensors)
         _log_contributors(result, len(group.senders()))
     return result
+
+
+async def withdraw_from_round(net: Network, group: Group, *, timeout: float) -> frozenset[PeerID]:
+    """Withdraw this peer from ``group``'s round before it began here.
+
+    From now on this peer refuses the group's streams at once (its part then
+    keeps each sender's local values), and each member that accepts
+    connections is told, so that its reducer excludes this peer at once
+    instead of waiting ``sender_timeout``. Returns the members that
+    acknowledged the notice within ``timeout`` seconds; the others wait for
+    this peer as for a failed one. Never raises for a member's failure (a
+    per-peer boundary); on cancellation the notices not yet sent are not sent.
+    """
+    if net.peer_id != group.local.peer_id:
+        raise ConfigError("the group's local member is not this peer")
+    _registry(net).withdraw(group.group_id)
+    told: set[PeerID] = set()
+
+    async def tell(member: GroupMember) -> None:
+        try:
+            with trio.fail_after(timeout):
+                async with net.open_stream(
+                    member.peer_id, member.address, ALLREDUCE_STREAM
+                ) as stream:
+                    await stream.send([WITHDRAW, PROTOCOL_VERSION, group.group_id])
+                    if await stream.receive() == ["ok"]:
+                        told.add(member.peer_id)
+        except (SwarmError, trio.TooSlowError) as e:  # per-peer boundary
+            logger.info("could not tell %s of our withdrawal: %r", member.peer_id.short(), e)
+
+    async with trio.open_nursery() as nursery:
+        for i, member in enumerate(group.members):
+            if i != group.local_index and member.mode is not MemberMode.CLIENT:
+                nursery.start_soon(tell, member)
+    return frozenset(told)
 
 
 async def _lossy_round(
@@ -450,8 +504,9 @@ class _Round:
                 buffer=self.buffer,
                 aggregation=config.aggregation,
             )
+        # a sender's stream, or None: the sender withdrew (``withdraw``)
         self._incoming_send, self._incoming_receive = trio.open_memory_channel[
-            tuple[StreamLike, int, float, trio.Event]
+            tuple[StreamLike | None, int, float, trio.Event]
         ](0)
         self._connected: set[int] = set()
         n_chunks = partition.num_chunks(me) if self.reducer is not None else 0
@@ -497,16 +552,42 @@ class _Round:
             raise ProtocolError("the round no longer accepts senders") from None
         await done.wait()
 
-    async def reduce(self) -> None:
-        """The reducer role: accept senders, serve each, until all are served."""
+    async def withdraw(self, peer_id: PeerID) -> None:
+        """``peer_id`` withdrew from this round: if it is a sender that has not
+        connected, exclude it now rather than after ``sender_timeout``."""
+        senders = self.group.senders()
+        index = next((i for i in senders if self.group.members[i].peer_id == peer_id), None)
+        if index is None or self.reducer is None:
+            return
+        done = trio.Event()
+        try:
+            await self._incoming_send.send((None, index, 0.0, done))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return  # the reducer no longer waits for senders
+        await done.wait()
+
+    async def reduce(self, withdrawn: frozenset[PeerID] = frozenset()) -> None:
+        """The reducer role: accept senders, serve each, until all are served.
+        Senders in ``withdrawn`` (notices that came before the round) are
+        excluded from the start."""
         assert self.reducer is not None
         reducer = self.reducer
         expected = set(self.group.senders())
+        gone = {i for i in expected if self.group.members[i].peer_id in withdrawn}
+        if gone:
+            logger.info("all-reduce: members %s withdrew from this round", sorted(gone))
+            self._completed(reducer.fail_all(gone))
         async with trio.open_nursery() as nursery:
             with self._incoming_receive:
                 with trio.move_on_after(self.config.sender_timeout):
                     while expected - self._connected - reducer.failed:
                         stream, sender, weight, done = await self._incoming_receive.receive()
+                        if stream is None:  # a withdrawal notice
+                            if sender not in self._connected and sender not in reducer.failed:
+                                logger.info("all-reduce: member %d withdrew", sender)
+                                self._completed(reducer.fail(sender))
+                            done.set()
+                            continue
                         if sender in self._connected or sender in reducer.failed:
                             nursery.start_soon(_refuse, done, stream, "duplicate sender stream")
                             continue
@@ -1042,6 +1123,52 @@ class _Registry:
         self._rounds: RoundsByGroup[_Round] = RoundsByGroup()
         self._spares: list[torch.Tensor] = []
         self._spare_scratch: list[bytearray] = []
+        #: groups this peer withdrew from, until when it refuses their streams
+        self._withdrawn: dict[bytes, float] = {}
+        #: withdrawal notices of others: (group id, peer) -> until when
+        self._notices: dict[tuple[bytes, PeerID], float] = {}
+
+    def _expire(self) -> None:
+        now = trio.current_time()
+        for gid in [g for g, until in self._withdrawn.items() if until <= now]:
+            del self._withdrawn[gid]
+        for key in [k for k, until in self._notices.items() if until <= now]:
+            del self._notices[key]
+
+    def withdraw(self, group_id: bytes) -> None:
+        """This peer withdrew from ``group_id``: refuse its streams from now on
+        (also those already waiting for the round to start)."""
+        self._expire()
+        self._withdrawn[group_id] = trio.current_time() + WITHDRAWAL_TTL
+        self._rounds.wake()
+
+    def has_withdrawn(self, group_id: bytes) -> bool:
+        return group_id in self._withdrawn
+
+    def withdrawn_from(self, group_id: bytes) -> frozenset[PeerID]:
+        """The peers whose notices say they withdrew from ``group_id``."""
+        self._expire()
+        return frozenset(peer for gid, peer in self._notices if gid == group_id)
+
+    async def _note_withdrawal(self, stream: StreamLike, message: Any) -> None:
+        """A group-mate's ``["withdraw", version, group_id]``: remember it, tell
+        the round if it runs, and answer ``["ok"]``. Raises ``ProtocolError``
+        if the notice is malformed."""
+        fields = expect_list(message, 3, "withdrawal notice")
+        version = expect_int(fields[1], "version")
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"all-reduce protocol version {version}, expected {PROTOCOL_VERSION}"
+            )
+        gid = expect_bytes(fields[2], "group id", max_size=64)
+        self._expire()
+        while len(self._notices) >= MAX_WITHDRAWAL_NOTICES:
+            del self._notices[next(iter(self._notices))]
+        self._notices[(gid, stream.remote)] = trio.current_time() + WITHDRAWAL_TTL
+        rnd = await self._rounds.find(gid, wait=0)
+        if rnd is not None:
+            await rnd.withdraw(stream.remote)
+        await stream.send(["ok"])
 
     def take_buffer(self, size: int) -> torch.Tensor:
         """An accumulator of at least ``size`` float32 values (contents undefined).
@@ -1088,9 +1215,16 @@ class _Registry:
             header = await stream.receive()
         if wait.cancelled_caught:
             raise ProtocolError("no all-reduce header in time")
+        if isinstance(header, list) and header and header[0] == WITHDRAW:
+            await self._note_withdrawal(stream, header)
+            return
         fields = expect_list(header, 7, "all-reduce header")
         gid = expect_bytes(fields[1], "group id", max_size=64)
-        rnd = await self._rounds.find(gid, wait=UNKNOWN_GROUP_WAIT)
+        rnd = await self._rounds.find(
+            gid, wait=UNKNOWN_GROUP_WAIT, unless=lambda: gid in self._withdrawn
+        )
+        if gid in self._withdrawn:
+            raise ProtocolError(f"this member withdrew from the round of group {gid.hex()[:16]}")
         if rnd is None:
             raise ProtocolError(f"no all-reduce round for group {gid.hex()[:16]} here")
         sender, weight = rnd.check_header(stream, header)

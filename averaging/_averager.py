@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,8 @@ from ._group import Group, GroupMember, MemberMode
 from ._link_meter import LinkMeter
 from ._matchmaking import Matchmaker, MatchmakingConfig
 from ._moshpit import MoshpitGrid, MoshpitState
+from ._scheduled import ScheduledRound
+from ._staging import ChunkedStaging
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,14 @@ class AveragerConfig:
     def step_bound(self) -> float:
         """The longest one ``step()`` takes: matchmaking, then the all-reduce."""
         return self.matchmaking.bound + self.allreduce.round_timeout
+
+
+def chunked_contributors(results: Sequence[StepResult]) -> frozenset[PeerID]:
+    """The peers whose data is in every element of a chunked average
+    (``Averager.average_in_chunks``): in every chunk's result."""
+    if not results:
+        return frozenset()
+    return frozenset.intersection(*(r.contributors for r in results))
 
 
 @dataclass(frozen=True)
@@ -163,6 +174,8 @@ class Averager:
         self.peer.connections.set_handler(self._matchmaker.stream_name, self._matchmaker.handle)
         serve_allreduce(self.peer.connections)
         self._busy = False
+        #: a scheduled round not yet triggered or cancelled (it holds the averager)
+        self._pending: ScheduledRound | None = None
 
     def set_grid(self, grid: MoshpitGrid) -> None:
         """Use ``grid`` from the next round on (e.g. the swarm grew past a group).
@@ -214,7 +227,8 @@ class Averager:
         (this one included) lets a group close as soon as they all joined.
 
         ``step`` is ``find_group`` then ``average``; callers that can do useful
-        work meanwhile (a trainer finishing its batch) call the two apart.
+        work meanwhile (a trainer finishing its batch) call the two apart, or
+        ``schedule`` the round and trigger (or cancel) it later.
         """
         bound = self.config.step_bound if timeout is None else timeout
         group: Group | None = None
@@ -235,20 +249,76 @@ class Averager:
         (or ``skip``) for the same round.
         """
         with self._busy_guard():
-            if round is not None:
-                self.state = MoshpitState(round, self.state.coordinates)
-            key = self.state.key(self.grid, self.prefix)
-            expected = expected_peers if self.grid.dimensions == 1 else None
-            group = await self._matchmaker.find_group(key, self._member(), expected=expected)
-            if group is None:
-                log.info("round %d: no group under %s", self.state.round, key)
-            return group
+            return await self._match(round, expected_peers)
 
-    async def average(self, group: Group, weight: float = 1.0) -> StepResult:
+    async def _match(self, round: int | None, expected_peers: int | None) -> Group | None:
+        if round is not None:
+            self.state = MoshpitState(round, self.state.coordinates)
+        key = self.state.key(self.grid, self.prefix)
+        expected = expected_peers if self.grid.dimensions == 1 else None
+        group = await self._matchmaker.find_group(key, self._member(), expected=expected)
+        if group is None:
+            log.info("round %d: no group under %s", self.state.round, key)
+        return group
+
+    async def schedule(
+        self,
+        nursery: trio.Nursery,
+        *,
+        round: int | None = None,
+        expected_peers: int | None = None,
+    ) -> ScheduledRound:
+        """Begin this round's matchmaking now, in ``nursery``; trigger it later.
+
+        Returns once this peer looks for a group (the matchmaking runs on as a
+        task of ``nursery`` and ends within ``config.matchmaking.bound``). The
+        ``ScheduledRound`` is then triggered with a weight (0: join without
+        contributing) or cancelled (group-mates are told at once); see
+        ``_scheduled``. ``round`` and ``expected_peers`` are as in ``step``.
+        Until it is triggered or cancelled, other steps of this averager raise
+        ``StepInProgressError`` (as does this one while another step runs).
+        """
+        if self._busy or self._pending is not None:
+            raise StepInProgressError(f"averager {self.prefix!r} is already running a step")
+        scheduled = ScheduledRound(
+            self, self.state.round if round is None else round, expected_peers
+        )
+        self._pending = scheduled
+        try:
+            await nursery.start(scheduled._find)
+        except BaseException:
+            self._pending = None
+            raise
+        return scheduled
+
+    def _release(self, scheduled: ScheduledRound) -> None:
+        """``scheduled`` no longer holds this averager (triggered or cancelled)."""
+        if self._pending is scheduled:
+            self._pending = None
+
+    async def average(
+        self,
+        group: Group,
+        weight: float = 1.0,
+        *,
+        tensors: Sequence[torch.Tensor] | None = None,
+    ) -> StepResult:
         """All-reduce the tensors with ``group`` (from ``find_group``), in place,
         and move to the next round's grid cell. Returns within the all-reduce's
-        round deadline."""
-        return await self._all_reduce(group, group, self.tensors, weight, last=True)
+        round deadline.
+
+        ``tensors`` replaces the averager's own for this round (as many
+        values; ``ConfigError`` if not): e.g. scratch zeros of a peer that
+        joins with weight 0 while its own tensors are in use. The group sees
+        no difference.
+        """
+        if tensors is None:
+            tensors = self.tensors
+        else:
+            size, ours = sum(t.numel() for t in tensors), sum(t.numel() for t in self.tensors)
+            if size != ours:
+                raise ConfigError(f"tensors hold {size} values, the averager's {ours}")
+        return await self._all_reduce(group, group, tensors, weight, last=True)
 
     async def average_with(
         self,
@@ -277,6 +347,46 @@ class Averager:
         return await self._all_reduce(
             group, group.sub_round(tag), tensors, weight, last=last, codec=codec
         )
+
+    async def average_in_chunks(
+        self,
+        group: Group,
+        staging: ChunkedStaging,
+        weight: float = 1.0,
+        *,
+        write_lock: threading.Lock | None = None,
+    ) -> list[StepResult]:
+        """All-reduce ``staging``'s tensors with ``group`` one chunk at a time,
+        in place, and move to the next round's grid cell.
+
+        Each chunk is staged to the host, averaged as a sub-round of this
+        round (``average_with``, tag ``chunk`` + its index) and copied back
+        before the next is staged, so host memory holds one chunk of the
+        state, never all of it. The copies run in a worker thread, never on
+        the trio thread; the copy back holds ``write_lock`` (e.g. the state
+        lock that donors take). Every member must pass the same chunking
+        (same shapes, same ``chunk_elements``). Returns one result per chunk;
+        the peers whose data is in every element are the intersection of
+        their contributors (``chunked_contributors``). On cancellation, the
+        chunks copied back so far are averaged, the others local (each chunk
+        whole), and this round is not ended (``skip`` it).
+        """
+        lock = write_lock if write_lock is not None else contextlib.nullcontext()
+
+        def write_back(chunk: int) -> None:
+            with lock:
+                staging.from_host(chunk)
+
+        results = []
+        last = len(staging) - 1
+        for chunk in range(len(staging)):
+            host = await trio.to_thread.run_sync(staging.to_host, chunk)
+            tag = b"chunk" + chunk.to_bytes(4, "little")
+            results.append(
+                await self.average_with(group, host, weight, tag=tag, last=chunk == last)
+            )
+            await trio.to_thread.run_sync(write_back, chunk)
+        return results
 
     async def _all_reduce(
         self,
@@ -323,7 +433,7 @@ class Averager:
 
     @contextlib.contextmanager
     def _busy_guard(self) -> Iterator[None]:
-        if self._busy:
+        if self._busy or self._pending is not None:
             raise StepInProgressError(f"averager {self.prefix!r} is already running a step")
         self._busy = True
         try:

@@ -157,6 +157,11 @@ class PartReducer:
         if not finite and not all_finite(values):
             return self.fail(sender)
         w = self._weights[sender]
+        if w == 0:
+            # weight 0 (a member that joins only to receive): its data is in
+            # no result, so it is no contributor either
+            self._delivered[sender] = chunk + 1
+            return self._advance()
         start, end = self._offsets[chunk], self._offsets[chunk + 1]
         acc = self._acc[start:end]
         contributors = self._contributors[chunk]

@@ -9,7 +9,7 @@ the lossy one's control streams (``_lossy``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Generic, TypeVar
 
@@ -46,10 +46,18 @@ class RoundsByGroup(Generic[R]):
         finally:
             del self._rounds[group_id]
 
-    async def find(self, group_id: bytes, *, wait: float) -> R | None:
+    def wake(self) -> None:
+        """Wake every ``find`` to check its ``unless`` again."""
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def find(
+        self, group_id: bytes, *, wait: float, unless: Callable[[], bool] | None = None
+    ) -> R | None:
         """The round of ``group_id``, waiting up to ``wait`` seconds for it to
-        be registered; None if none was."""
+        be registered; None if none was, or if ``unless()`` became true (checked
+        on each ``register`` and ``wake``)."""
         with trio.move_on_after(wait):
-            while group_id not in self._rounds:
+            while group_id not in self._rounds and not (unless is not None and unless()):
                 await self._changed.wait()
         return self._rounds.get(group_id)

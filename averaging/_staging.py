@@ -82,11 +82,18 @@ class HostStaging:
     ``tensors`` and both are no-ops (``copies`` is False). Raises
     ``LocalTensorError`` for tensors that are not floating point.
 
+    ``buffer`` (float32, CPU, at least as many values as ``tensors``) is used
+    as the host buffer instead of new memory: several stagings that are never
+    used at once may share one (``ChunkedStaging``). ``LocalTensorError`` if
+    it does not fit.
+
     Not thread-safe: one caller at a time (the trainer's state lock or its
     single training thread).
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, tensors: Sequence[torch.Tensor], *, buffer: torch.Tensor | None = None
+    ) -> None:
         for t in tensors:
             if not t.is_floating_point():
                 raise LocalTensorError(
@@ -105,8 +112,17 @@ class HostStaging:
             self.buffer = _as_vector(self.tensors)
             return
         total = sum(t.numel() for t in self.tensors)
-        pin = bool(devices) and torch.cuda.is_available()
-        self.buffer = torch.zeros(total, dtype=torch.float32, pin_memory=pin)
+        if buffer is not None:
+            if buffer.dtype != torch.float32 or buffer.device.type != "cpu" or (
+                buffer.numel() < total
+            ):
+                raise LocalTensorError(
+                    f"a staging buffer must be float32 on the CPU with {total} values or more"
+                )
+            self.buffer = buffer.view(-1)[:total]
+        else:
+            pin = bool(devices) and torch.cuda.is_available()
+            self.buffer = torch.zeros(total, dtype=torch.float32, pin_memory=pin)
         self.host = []
         offset = 0
         for t in self.tensors:
@@ -164,6 +180,73 @@ class HostStaging:
                 done = self._stream.record_event()
             current.wait_event(done)
             done.synchronize()  # the host buffer is written again next step
+
+
+class ChunkedStaging:
+    """``tensors`` in chunks of at most ``chunk_elements`` values, each staged
+    through one reused host buffer: for a state too large to stage whole
+    (parameters, optimizer state and buffers are several copies of a model),
+    so that host memory holds one chunk of it, not all of it.
+
+    Chunk k is a list of pieces: flat slices of the tensors, in order (a
+    contiguous tensor may be cut across chunks; a non-contiguous one is one
+    piece, whole, even if larger). ``to_host(k)`` copies chunk k into the
+    buffer and returns its host pieces (float32 CPU, back to back: one vector
+    for the all-reduce); ``from_host(k)`` copies them back into the tensors.
+    As with ``HostStaging``, pieces that already are one float32 CPU vector are
+    not copied at all. Peers that cut tensors of the same shapes with the same
+    ``chunk_elements`` get the same chunks. Raises ``LocalTensorError`` for
+    tensors that are not floating point, ``ValueError`` for ``chunk_elements``
+    below 1. Not thread-safe.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], chunk_elements: int) -> None:
+        if chunk_elements < 1:
+            raise ValueError(f"chunk_elements must be at least 1, got {chunk_elements}")
+        for t in tensors:
+            if not t.is_floating_point():
+                raise LocalTensorError(
+                    f"only floating point tensors can be averaged, got {t.dtype} on {t.device}"
+                )
+        self.tensors = list(tensors)
+        chunks: list[list[torch.Tensor]] = [[]]
+        room = chunk_elements
+        for t in self.tensors:
+            if not t.is_contiguous():
+                if chunks[-1]:
+                    chunks.append([])
+                chunks[-1].append(t)
+                chunks.append([])
+                room = chunk_elements
+                continue
+            flat, start = t.detach().view(-1), 0
+            while start < flat.numel():
+                if room == 0:
+                    chunks.append([])
+                    room = chunk_elements
+                take = min(room, flat.numel() - start)
+                chunks[-1].append(flat[start : start + take])
+                start += take
+                room -= take
+        self.chunks = [c for c in chunks if c]
+        largest = max((sum(p.numel() for p in c) for c in self.chunks), default=0)
+        devices = {t.device for t in self.tensors if t.device.type != "cpu"}
+        pin = bool(devices) and torch.cuda.is_available()
+        self.buffer = torch.zeros(largest, dtype=torch.float32, pin_memory=pin)
+        self._stagings = [HostStaging(c, buffer=self.buffer) for c in self.chunks]
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def to_host(self, chunk: int) -> list[torch.Tensor]:
+        """Copy chunk ``chunk`` into the buffer; its host pieces (valid until
+        the next ``to_host``). See ``HostStaging.to_host``."""
+        return self._stagings[chunk].to_host()
+
+    def from_host(self, chunk: int) -> None:
+        """Copy chunk ``chunk``'s host pieces back into the tensors (after
+        its ``to_host`` and before the next one). See ``HostStaging.from_host``."""
+        self._stagings[chunk].from_host()
 
 
 def _as_vector(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -6,15 +6,21 @@ and steps; Swarm's ``CollaborativeOptimizer`` with ``target_batch_size`` equal
 to that batch takes one global step per batch (one peer: no averaging; with
 ``--peers N``, N peers in one process on the same device average every step).
 Each mode runs in its own process, so the peaks are its own. Reported: wall
-time per global step (after ``--warmup`` steps), peak device memory (CUDA)
-and peak RSS.
+time per global step (after ``--warmup`` steps), peak device memory (CUDA),
+peak RSS, and where the optimizer keeps what it holds besides the model's
+parameters (its state, and any float32 master copies), by device. With
+``--offload-optimizer`` Swarm keeps those on the host (``offload_optimizer``):
+on CUDA the peak device memory drops by them, and on any device the last
+column shows them moved to the CPU.
 
     python benchmarks/device.py                           # CPU-sized, digits-cnn
     python benchmarks/device.py --device cuda --task lm-25m --dtype bf16 --steps 20
     python benchmarks/device.py --peers 2
+    python benchmarks/device.py --device cuda --task lm-25m --offload-optimizer
 
 Targets (issue 16): a 1-peer Swarm step within 5% of plain training's time;
-device memory at most plain training's plus one float32 copy of the parameters.
+device memory at most plain training's plus one float32 copy of the parameters,
+and below plain training's with the optimizer offloaded.
 """
 
 from __future__ import annotations
@@ -71,15 +77,16 @@ def _worker(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     times: list[float] = []
+    held: dict[str, int] = {}
     if args.mode == "plain":
         # In a thread like Swarm's training loop: torch's CPU thread pool
         # behaves differently in the main thread (measured: 2.8 s vs 0.05 s
         # per step on a loaded 2-core machine), which would skew the comparison.
-        thread = threading.Thread(target=_plain, args=(args, task, device, dtype, times))
+        thread = threading.Thread(target=_plain, args=(args, task, device, dtype, times, held))
         thread.start()
         thread.join()
     else:
-        times = _swarm(args, task, device, dtype)
+        times = _swarm(args, task, device, dtype, held)
     measured = times[args.warmup :]
     peak_device = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     print(
@@ -91,14 +98,34 @@ def _worker(args: argparse.Namespace) -> None:
                 "step_s": sorted(measured)[len(measured) // 2],
                 "peak_device_bytes": peak_device,
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "optimizer_bytes": held,
             }
         ),
         flush=True,
     )
 
 
+def _optimizer_bytes(optimizer: Any, model: Any) -> dict[str, int]:
+    """Bytes the optimizer holds besides the model's own parameters (its state,
+    and master copies it updates in their place), by device."""
+    own = {id(p) for p in model.parameters()}
+    held: dict[str, int] = {}
+    tensors = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in own]
+    for state in optimizer.state.values():
+        tensors += [v for v in state.values() if hasattr(v, "untyped_storage") and v.dim()]
+    for t in tensors:
+        key = str(t.device)
+        held[key] = held.get(key, 0) + t.numel() * t.element_size()
+    return held
+
+
 def _plain(
-    args: argparse.Namespace, task: Any, device: Any, dtype: Any, times: list[float]
+    args: argparse.Namespace,
+    task: Any,
+    device: Any,
+    dtype: Any,
+    times: list[float],
+    held: dict[str, int],
 ) -> None:
     import torch
 
@@ -114,9 +141,12 @@ def _plain(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - started)
+    held.update(_optimizer_bytes(optimizer, model))
 
 
-def _swarm(args: argparse.Namespace, task: Any, device: Any, dtype: Any) -> list[float]:
+def _swarm(
+    args: argparse.Namespace, task: Any, device: Any, dtype: Any, held: dict[str, int]
+) -> list[float]:
     import torch
 
     from averaging import AllReduceConfig, AveragerConfig, MatchmakingConfig
@@ -135,6 +165,7 @@ def _swarm(args: argparse.Namespace, task: Any, device: Any, dtype: Any) -> list
         progress_interval=0.2,
         progress_ttl=10.0,
         state_averaging_interval=0,
+        offload_optimizer=args.offload_optimizer,
     )
     target = args.batch_size * args.accumulation * args.peers
     times: dict[int, list[float]] = {}
@@ -175,6 +206,8 @@ def _swarm(args: argparse.Namespace, task: Any, device: Any, dtype: Any) -> list
                             mine.append(now - started)
                             started = now
                         opt.zero_grad(set_to_none=True)
+                    if i == 0:
+                        held.update(_optimizer_bytes(inner, model))
             except BaseException as e:  # reported by the main thread
                 errors.append(e)
 
@@ -197,6 +230,8 @@ def _run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     for key in keys:
         command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     command += ["--peers", str(args.peers)]
+    if args.offload_optimizer:
+        command.append("--offload-optimizer")
     out = subprocess.run(command, check=True, capture_output=True, text=True, timeout=1800)
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
@@ -215,6 +250,11 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=4, help="micro-batches per step")
     parser.add_argument("--peers", type=int, default=1, help="Swarm peers on the device")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    parser.add_argument(
+        "--offload-optimizer",
+        action="store_true",
+        help="Swarm keeps the optimizer's state and float32 masters on the host",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=["plain", "swarm"], help=argparse.SUPPRESS)
@@ -228,15 +268,22 @@ def main() -> None:
         return
     print(
         f"device {plain['device']}, task {args.task} ({args.dtype}), global batch "
-        f"{args.batch_size}x{args.accumulation} per peer, {args.peers} Swarm peer(s), "
+        f"{args.batch_size}x{args.accumulation} per peer, {args.peers} Swarm peer(s)"
+        f"{' with the optimizer offloaded' if args.offload_optimizer else ''}, "
         f"median of {args.steps} steps"
     )
-    print(f"{'':>6}  {'s/step':>8}  {'peak device MiB':>15}  {'peak RSS MiB':>12}")
+    print(
+        f"{'':>6}  {'s/step':>8}  {'peak device MiB':>15}  {'peak RSS MiB':>12}  "
+        "optimizer state + masters MiB"
+    )
     for name, r in (("plain", plain), ("swarm", swarm)):
         peak = r["peak_device_bytes"]
         device_mib = "-" if peak is None else f"{peak / 2**20:.0f}"
         rss_mib = r["peak_rss_bytes"] / 2**20
-        print(f"{name:>6}  {r['step_s']:>8.4f}  {device_mib:>15}  {rss_mib:>12.0f}")
+        held = ", ".join(
+            f"{size / 2**20:.1f} on {where}" for where, size in sorted(r["optimizer_bytes"].items())
+        )
+        print(f"{name:>6}  {r['step_s']:>8.4f}  {device_mib:>15}  {rss_mib:>12.0f}  {held or '-'}")
     ratio = swarm["step_s"] / plain["step_s"]
     verdict = "PASS" if args.peers > 1 or ratio <= 1.05 else "MISS"
     print(f"{verdict}  swarm/plain time per step: {ratio:.3f} (target <= 1.05 with one peer)")

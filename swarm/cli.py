@@ -198,6 +198,13 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "--batch-size", type=int, metavar="N", help="samples per local step (default: the task's)"
     )
     training.add_argument(
+        "--offload-optimizer",
+        action="store_true",
+        help="keep float32 master weights and the optimizer's state in host memory and step "
+        "there once per global step: the device holds the model, its gradients and "
+        "activations only (not with --diloco; default: off)",
+    )
+    training.add_argument(
         "--lr",
         type=float,
         metavar="RATE",
@@ -559,6 +566,7 @@ def _collaborative_config(args: argparse.Namespace) -> CollaborativeConfig:
         diloco=None if args.diloco is None else DiLoCo(local_steps=args.diloco),
         drop_compute=_drop_compute(args.drop_compute),
         lossy=args.lossy,
+        offload_optimizer=args.offload_optimizer,
     )
 
 

@@ -152,6 +152,7 @@ async def test_bad_configuration_exits_2_with_one_line(tmp_path: Path) -> None:
     cases = {
         ("train", "--task", "no-such-task"): "unknown task",
         ("train", "--target-batch-size", "0"): "--target-batch-size",
+        ("train", "--offload-optimizer", "--diloco", "4"): "offload_optimizer",
         ("train", "--initial-peer", nobody): "no initial peer answered",
         ("status", "--initial-peer", nobody): "no initial peer answered",
         ("status", "--initial-peer", "nonsense"): "HOST:PORT",

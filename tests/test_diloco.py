@@ -54,6 +54,44 @@ def test_outer_steps_are_nesterov_sgd_on_the_pseudo_gradient() -> None:
         assert loop.local_steps == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_synced_copy_on_the_host_steps_as_one_next_to_the_parameters(
+    dtype: torch.dtype,
+) -> None:
+    """The previous behaviour as the reference: ``synced`` a copy next to the
+    parameters, stepped there by SGD with Nesterov momentum."""
+    torch.manual_seed(3)
+    params = [
+        torch.nn.Parameter(torch.randn(5).to(dtype)),
+        torch.nn.Parameter(torch.randn(2, 3).to(dtype)),
+    ]
+    reference = [p.detach().clone() for p in params]
+    outer = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=True)
+    loop = OuterLoop(params, DiLoCo(local_steps=2))
+    for s, p in zip(loop.synced, params, strict=True):
+        assert s.device.type == "cpu"
+        assert s.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
+    for step in range(3):
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn(p.shape).to(dtype))  # what the local steps did
+        loop.compute_pseudo_gradients()
+        for delta, r, p in zip(loop.deltas, reference, params, strict=True):
+            assert delta.dtype == torch.float32
+            assert torch.equal(delta, (r - p.detach()).float())
+        # what the all-reduce hands back: a host copy of the (averaged) deltas
+        averaged = [d.clone() for d in loop.deltas]
+        for r, d in zip(reference, averaged, strict=True):
+            r.grad = d.to(dtype)
+        outer.step()
+        loop.outer_step(averaged if step % 2 else None)  # the host copy, or deltas
+        for s, r, p in zip(loop.synced, reference, params, strict=True):
+            assert torch.equal(s, r)
+            assert torch.equal(p.detach(), r)
+        for m, r in zip(loop.momentum(), reference, strict=True):
+            assert torch.equal(m, outer.state[r]["momentum_buffer"])
+
+
 def test_outer_state_round_trips_and_is_checked() -> None:
     a = torch.nn.Parameter(torch.ones(3))
     loop = OuterLoop([a], DiLoCo())

@@ -30,6 +30,27 @@ def test_all_deliver_weighted_mean() -> None:
     assert all(r.contributors(c) == {0, 1} for c in range(3))
 
 
+@pytest.mark.parametrize("zero_first", [True, False])
+def test_a_sender_of_weight_zero_is_waited_for_but_is_no_contributor(zero_first: bool) -> None:
+    r = PartReducer([4], {0: 2.0, 1: 0.0, 2: 1.0})
+    x = {s: data(s, 4) for s in range(3)}
+    order = [1, 0, 2] if zero_first else [0, 2, 1]
+    for s in order[:-1]:
+        assert r.add(s, 0, x[s]) == range(0, 0)  # the last sender is still expected
+    assert r.add(order[-1], 0, x[order[-1]]) == range(0, 1)
+    result = r.result(0)
+    assert result is not None
+    torch.testing.assert_close(result, (2 * x[0] + x[2]) / 3)
+    assert r.contributors(0) == {0, 2}
+
+
+def test_a_chunk_only_senders_of_weight_zero_delivered_has_no_result() -> None:
+    r = PartReducer([3], {0: 0.0, 1: 0.0})
+    r.add(0, 0, data(0, 3))
+    assert r.add(1, 0, data(1, 3)) == range(0, 1)
+    assert r.result(0) is None and r.contributors(0) == frozenset()
+
+
 def test_failed_sender_excluded_from_undelivered_chunks_only() -> None:
     r = PartReducer([2, 2, 2], {0: 1.0, 1: 1.0, 2: 2.0})
     x = {s: data(s, 6) for s in range(3)}

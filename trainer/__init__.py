@@ -16,6 +16,7 @@ Modules:
 - ``_dropcompute``: DropCompute: a compute threshold per step, chosen from measured times
 - ``_drift``: when the lossy data plane re-synchronises parameters (bounded drift)
 - ``_amp``: mixed precision: batched finiteness checks, ``GradScaler`` unscaling
+- ``_offload``: the inner optimizer on float32 host masters (``offload_optimizer``)
 - ``_buffers``: a model's buffers by name, plain and ``torch.compile``d alike
 - ``_strategy``: the modes of the global step (dense, ARC-Top-K/EF21M, DiLoCo)
   behind one interface: what is accumulated, averaged and applied

@@ -17,6 +17,15 @@ half precision and reports no loss of quality).
 
 ``OuterLoop`` holds the state and does the arithmetic; the collaborative
 optimizer decides when, and averages ``deltas`` with its group in between.
+
+``synced`` and the outer momentum live in host memory (pinned when the
+parameters are on CUDA), not on the device: on a GPU they would be two more
+copies of the model, used once per ``local_steps`` steps. The outer step runs
+on the host, on the averaged pseudo-gradient's host copy (the one the
+all-reduce produced), and the result is copied to the device once per outer
+step; the pseudo-gradient is computed on the device, one parameter's worth of
+``synced`` at a time. Donors and checkpoints read ``synced`` without touching
+the device.
 """
 
 from __future__ import annotations
@@ -71,6 +80,15 @@ class DiLoCo:
             raise ConfigError("DiLoCo nesterov needs outer_momentum > 0 (or nesterov=False)")
 
 
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in host memory, pinned when ``t`` is on CUDA."""
+    pin = t.device.type == "cuda"
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+    with torch.no_grad():
+        out.copy_(t.detach())
+    return out
+
+
 class OuterLoop:
     """The synced parameters, the outer optimizer over them and the count of
     local steps since the last synchronisation, for ``params``.
@@ -82,7 +100,8 @@ class OuterLoop:
     def __init__(self, params: list[torch.nn.Parameter], config: DiLoCo) -> None:
         self.config = config
         self.params = params
-        self.synced = [p.detach().clone() for p in params]
+        #: the parameters of the last synchronisation, in host memory
+        self.synced = [_host_copy(p) for p in params]
         #: the pseudo-gradients: float32 on the parameters' device (the group
         #: averages their host copy, see ``averaging.HostStaging``)
         self.deltas = float32_accumulators(params)
@@ -98,18 +117,23 @@ class OuterLoop:
         """``deltas = synced - params``: the way back to the last sync."""
         with torch.no_grad():
             for delta, synced, p in zip(self.deltas, self.synced, self.params, strict=True):
-                torch.sub(synced, p, out=delta)
+                # one parameter's worth on the device at a time (no copy on the CPU)
+                torch.sub(synced.to(p.device, non_blocking=True), p, out=delta)
 
-    def outer_step(self) -> None:
-        """Apply the outer optimizer to ``synced`` with ``deltas`` (averaged by
-        now) as the gradient, and restart the parameters from the result."""
+    def outer_step(self, averaged: list[torch.Tensor] | None = None) -> None:
+        """Apply the outer optimizer to ``synced`` with the averaged
+        pseudo-gradients as the gradient, and restart the parameters from the
+        result. ``averaged`` is their host copy (float32 CPU tensors shaped as
+        ``deltas``, e.g. what the all-reduce averaged); None: ``deltas``."""
+        deltas = self.deltas if averaged is None else averaged
         with torch.no_grad():
-            for synced, delta in zip(self.synced, self.deltas, strict=True):
-                synced.grad = delta.to(synced.dtype)  # itself for float32
+            for synced, delta in zip(self.synced, deltas, strict=True):
+                # itself for float32 host tensors; else one copy to the host
+                synced.grad = delta.to(device=synced.device, dtype=synced.dtype)
             self.optimizer.step()
             for synced, p in zip(self.synced, self.params, strict=True):
                 synced.grad = None
-                p.copy_(synced)
+                p.copy_(synced)  # the one host-to-device copy of the outer step
         self.local_steps = 0
 
     def resync(self) -> None:

@@ -65,6 +65,7 @@ from averaging import (
     UNCHECKED,
     Averager,
     AveragerConfig,
+    ChunkedStaging,
     Group,
     HostStaging,
     LoadedState,
@@ -72,6 +73,7 @@ from averaging import (
     MoshpitGrid,
     StateTransferConfig,
     StepResult,
+    chunked_contributors,
     load_state_from_peers,
     serve_state,
 )
@@ -92,6 +94,7 @@ from ._diloco import DiLoCo, OuterLoop
 from ._drift import ResyncSchedule, lost_fraction
 from ._dropcompute import ComputeBudget, DropCompute
 from ._ef21m import EF21M, ArcTopK
+from ._offload import OffloadedMasters
 from ._progress import (
     PeerProgress,
     RateMeter,
@@ -155,6 +158,15 @@ class CollaborativeConfig:
     #: measured loss, at most ``state_averaging_interval`` (``_drift``). Dense
     #: gradients only. A run setting every peer must share (``swarm train --lossy``).
     lossy: bool = False
+    #: keep float32 master copies of the parameters and the inner optimizer's
+    #: state in host memory and step there, once per global step (``_offload``):
+    #: the device holds the model, gradients and accumulators only. Not with
+    #: DiLoCo, whose inner optimizer steps after every batch.
+    offload_optimizer: bool = False
+    #: state averaging stages and averages the state (parameters, optimizer
+    #: state, buffers) this many values at a time through one reused host
+    #: buffer, not all of it at once; every peer of a run must use the same
+    state_chunk_elements: int = 1 << 24
 
     def __post_init__(self) -> None:
         bound = self.averaging.matchmaking.bound
@@ -168,6 +180,8 @@ class CollaborativeConfig:
                 f"progress_interval ({self.progress_interval}s) must be positive and below "
                 f"progress_ttl ({self.progress_ttl}s), or live peers look gone"
             )
+        if self.state_chunk_elements < 1:
+            raise ConfigError(f"state_chunk_elements={self.state_chunk_elements} must be >= 1")
         if self.state_averaging_interval < 0 or self.checkpoint_every < 1:
             raise ConfigError("state_averaging_interval must be >= 0 and checkpoint_every >= 1")
         if self.load_state_timeout <= 0:
@@ -191,6 +205,11 @@ class CollaborativeConfig:
             raise ConfigError(
                 "lossy needs state_averaging_interval >= 1: re-synchronising parameters is "
                 "what keeps the peers from drifting apart"
+            )
+        if self.offload_optimizer and self.diloco is not None:
+            raise ConfigError(
+                "offload_optimizer steps the inner optimizer on the host once per global "
+                "step; DiLoCo steps it after every batch: turn one of them off"
             )
         if self.gradient_compression is not None and self.diloco is not None:
             raise ConfigError(
@@ -294,7 +313,12 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         #: after each step. None: float32 parameters, or DiLoCo mode.
         self._masters: list[torch.nn.Parameter] | None = None
         self._model_param: dict[int, torch.nn.Parameter] = {}
-        if (config is None or config.diloco is None) and any(
+        #: the masters in host memory, with config.offload_optimizer (``_offload``)
+        self._offload: OffloadedMasters | None = None
+        if config is not None and config.offload_optimizer:
+            self._offload = OffloadedMasters(self.params)
+            self._masters = self._make_masters(self._offload.masters)
+        elif (config is None or config.diloco is None) and any(
             p.dtype != torch.float32 for p in self.params
         ):
             self._masters = self._make_masters()
@@ -368,7 +392,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         #: this step's compute budget is spent (DropCompute): average now
         self._out_of_time = False
         self._state_averager: Averager | None = None
-        self._state_staging: HostStaging | None = None
+        self._state_staging: ChunkedStaging | None = None
         self._resync = (
             ResyncSchedule(self.config.state_averaging_interval) if self.config.lossy else None
         )
@@ -465,10 +489,16 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 elif p.grad is not None:
                     p.grad.detach_().zero_()
 
-    def _make_masters(self) -> list[torch.nn.Parameter]:
-        """float32 copies of the parameters, put in their place in the inner
-        optimizer (its groups and any state it already has)."""
-        masters = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in self.params]
+    def _make_masters(
+        self, masters: list[torch.nn.Parameter] | None = None
+    ) -> list[torch.nn.Parameter]:
+        """float32 copies of the parameters (``masters``, or new ones on the
+        parameters' devices), put in their place in the inner optimizer (its
+        groups and any state it already has)."""
+        if masters is None:
+            masters = [
+                torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in self.params
+            ]
         master_of = {id(p): m for p, m in zip(self.params, masters, strict=True)}
         self._model_param = {id(m): p for p, m in zip(self.params, masters, strict=True)}
         for group in self.optimizer.param_groups:
@@ -485,7 +515,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     def _sync_model(self) -> None:
         """Round the float32 masters into the model's parameters."""
-        if self._masters is not None:
+        if self._offload is not None:
+            self._offload.to_model()
+        elif self._masters is not None:
             with torch.no_grad():
                 model: list[torch.Tensor] = list(self.params)
                 torch._foreach_copy_(model, list(self._masters))
@@ -1058,16 +1090,20 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     def _average_state(self, expected: int) -> None:
         """Average parameters, optimizer state and buffers so Moshpit groups do
-        not drift. The state is staged to host memory (reused buffers) and
-        written back under the state lock."""
+        not drift. The state is staged to host memory a chunk at a time (one
+        reused buffer, ``config.state_chunk_elements`` values) and each chunk
+        written back under the state lock, in a worker thread."""
         tensors = self._state_tensors()
         staging = self._state_staging
         if staging is None or not _same_tensors(staging.tensors, tensors):
-            staging = self._state_staging = HostStaging(tensors)
-        if self._state_averager is None or len(self._state_averager.tensors) != len(tensors):
+            staging = self._state_staging = ChunkedStaging(
+                tensors, self.config.state_chunk_elements
+            )
+        if self._state_averager is None:
             self._state_averager = Averager(
                 self.peer,
-                staging.host,
+                # never averaged itself: the chunks are (average_in_chunks)
+                [staging.buffer],
                 prefix=f"{self.run_id}.state",
                 # the re-synchronisation that bounds drift must not lose anything
                 config=replace(
@@ -1076,34 +1112,44 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 ),
                 grid=self._grid(self.swarm_progress().num_peers),
             )
-        else:
-            self._state_averager.tensors = staging.host
-        staging.to_host()
-        try:
-            result = self.peer.run(
-                partial(
-                    self._state_averager.step,
-                    1.0,
-                    timeout=self.config.averaging_timeout,
-                    round=self.epoch,
-                    expected_peers=expected,
+        averager = self._state_averager
+        averager.tensors = [staging.buffer]
+
+        async def average() -> list[StepResult] | StepResult:
+            with trio.move_on_after(self.config.averaging_timeout):
+                group = await averager.find_group(round=self.epoch, expected_peers=expected)
+                if group is None:
+                    return averager.skip("no group formed in time")
+                return await averager.average_in_chunks(
+                    group, staging, write_lock=self._state_lock
                 )
-            )
+            return averager.skip("timed out")
+
+        try:
+            result = self.peer.run(average)
         except LocalTensorError:
             raise  # this peer's own state cannot be sent: not the group's fault
         except SwarmError as e:
             log.warning("epoch %d: parameter averaging failed: %s", self.epoch, e)
         else:
-            if result.group is None:
+            if isinstance(result, StepResult):
                 log.info("epoch %d: parameter averaging: %s", self.epoch, result.reason)
             else:
-                _log_average(self.epoch, "parameters", result)
-                self._locked(self._write_back_state, staging)
+                # the peers whose data is in every chunk, never merely the members
+                contributors = len(chunked_contributors(result))
+                members = len(result[0].members) if result else 0
+                if contributors == members:
+                    log.info("epoch %d: averaged parameters with %d peers", self.epoch, members)
+                else:
+                    log.info(
+                        "epoch %d: averaged parameters of %d of %d group members "
+                        "(the others' data is missing)",
+                        self.epoch,
+                        contributors,
+                        members,
+                    )
+                self._locked(self._sync_model)
         self._locked(self._strategy.after_state_averaging)
-
-    def _write_back_state(self, staging: HostStaging) -> None:
-        staging.from_host()
-        self._sync_model()
 
     # -- state sharing ------------------------------------------------------------
 
@@ -1143,10 +1189,26 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self._prematch.scope.cancel()
             self._prematch = None
 
+    async def _leave_prematch(self) -> None:
+        """On the trio thread, before catching up: a group already formed for
+        this epoch gets this peer with weight 0 (``Strategy.join_without_data``)
+        rather than losing a member it waits for; matchmaking under way stops."""
+        prematch, self._prematch = self._prematch, None
+        if prematch is None:
+            return
+        if prematch.done.is_set() and prematch.group is not None:
+            with trio.move_on_after(self.config.averaging_timeout):
+                joined = await self._strategy.join_without_data(
+                    self._grad_averager, prematch.group
+                )
+                if joined is not None:
+                    return
+        prematch.scope.cancel()
+
     def _catch_up(self, *, initial: bool, min_epoch: int | None = None) -> bool:
         """Download the swarm's state (of at least ``min_epoch``); True if loaded."""
         with contextlib.suppress(SwarmError):
-            self.peer.run_sync(self._cancel_matchmaking)
+            self.peer.run(self._leave_prematch)
         template: dict[str, Any] = {
             "params": [p.detach() for p in self._trained],
             "optimizer": UNCHECKED,

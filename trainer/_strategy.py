@@ -105,6 +105,15 @@ class Strategy(ABC):
     ) -> StepResult:
         """On the trio thread: average ``host`` with ``group`` (in place)."""
 
+    async def join_without_data(self, averager: Averager, group: Group) -> StepResult | None:
+        """On the trio thread: take part in ``group``'s round with weight 0, for
+        a peer that must catch up instead: it contributes nothing, the average
+        lands in scratch tensors (``host`` is left alone), and its group-mates
+        lose no member and wait for nobody. None if this mode's round cannot be
+        joined so (then the caller leaves the group)."""
+        scratch = [torch.zeros_like(t) for t in averager.tensors]
+        return await averager.average(group, 0.0, tensors=scratch)
+
     @abstractmethod
     def apply(self, host: list[torch.Tensor], write_back: Callable[[], None]) -> object:
         """Take the step with the average in ``host`` (``write_back`` copies it into
@@ -193,8 +202,11 @@ class DenseGradients(Strategy):
         unused = self._unused_params()
         with torch.no_grad():
             for i, (acc, p) in enumerate(zip(self.grads, trainee.trained, strict=True)):
+                # the host copy where it is next to the master (an offloaded
+                # optimizer): no second device-to-host copy of the average
+                source = host[i] if host[i].device == p.device else acc
                 # None, not zeros: AdamW must not decay what nobody trained
-                p.grad = None if i in unused else acc.to(p.dtype, copy=True)
+                p.grad = None if i in unused else source.to(p.dtype, copy=True)
                 acc.zero_()
         self._got_grad = [False] * len(trainee.params)
         hook_result = None if trainee.grad_hook is None else trainee.grad_hook(trainee.trained)
@@ -233,6 +245,11 @@ class CompressedGradients(DenseGradients):
     def staged(self, host: list[torch.Tensor]) -> None:
         # averaging now carries EF21M's difference v - g (see _ef21m)
         self.ef21m.begin(host)
+
+    async def join_without_data(self, averager: Averager, group: Group) -> StepResult | None:
+        # ARC-Top-K's sub-rounds select rows from every member's data: a member
+        # without data cannot take part in them truthfully
+        return None
 
     async def average(
         self, averager: Averager, group: Group, host: list[torch.Tensor], weight: float, epoch: int
@@ -299,8 +316,9 @@ class LocalSGD(Strategy):
         return await averager.average(group, weight)
 
     def apply(self, host: list[torch.Tensor], write_back: Callable[[], None]) -> object:
-        write_back()
-        self.outer.outer_step()
+        # the outer step runs on the host, on the averaged host copy: the
+        # device's deltas are recomputed before the next average anyway
+        self.outer.outer_step(host)
         return None
 
     def state_tensors(self) -> list[torch.Tensor]:
