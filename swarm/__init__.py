@@ -19,7 +19,9 @@ application on top of them:
   dial a peer, found out by asking them to dial it back (behind NAT: no)
 - relays (``serve_relay``, ``keep_relay``, ``RelayConfig``, ``Relay``): a
   reachable peer splices end-to-end authenticated connections to peers
-  nobody can dial (``Connections.set_relay_route`` dials through one)
+  nobody can dial (``Connections.set_relay_route`` dials through one); an
+  unreachable peer stays registered (keepalives; another relay when its own
+  leaves) and is announced through its relay (``AsyncPeer.relay_route``)
 - the peer facade (``open_peer``, ``Peer``, ``PeerConfig``): identity, DHT node
   and connections on one port; ``Peer`` runs trio in a background thread for
   synchronous training loops

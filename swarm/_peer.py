@@ -293,6 +293,12 @@ class AsyncPeer:
             backoff = min(2 * backoff, cap)
 
     async def _keep_one_relay(self, relay_peer: PeerID, address: Address) -> None:
+        # collapsed: the caller moves on to another relay on a SwarmError,
+        # which a nursery would otherwise wrap in an ExceptionGroup
+        with collapse_exception_groups():
+            await self._registered_with(relay_peer, address)
+
+    async def _registered_with(self, relay_peer: PeerID, address: Address) -> None:
         async with trio.open_nursery() as nursery:
             circuits = await nursery.start(keep_relay, self.connections, relay_peer, address)
             self.relayed_by = (relay_peer, circuits)
@@ -343,6 +349,23 @@ class AsyncPeer:
     def client_mode(self) -> bool:
         """Configured a client, or found unreachable (``check_reachability``)."""
         return self.config.client_mode or self.reachability is Reachability.UNREACHABLE
+
+    @property
+    def relay_route(self) -> Address | None:
+        """Where others reach this peer when they cannot dial ``endpoint``: the
+        circuit address of its relay (``swarm._relay``), while it is
+        UNREACHABLE and registered with one; else None. Layers that announce
+        this peer (matchmaking) announce it through that relay, so it can do
+        what a reachable peer does (reduce a part) although ``client_mode``."""
+        if self.reachability is not Reachability.UNREACHABLE or self.relayed_by is None:
+            return None
+        return self.relayed_by[1]
+
+    def can_relay(self) -> bool:
+        """Whether this peer may relay for others: not while it is a client or
+        unreachable itself (its relay port would be no easier to reach than
+        the peers it relays for)."""
+        return not self.client_mode
 
     @property
     def metrics(self) -> tuple[Collector, ...]:
@@ -424,6 +447,7 @@ async def open_peer(
                 trio.open_nursery() as services,
             ):
                 peer = AsyncPeer(identity, config, dht, connections, services, relay)
+                relay.set_usable(peer.can_relay)
                 serve_dial_back(connections, dht, config.reachability)
                 if config.checks_reachability:
                     if config.initial_peers:

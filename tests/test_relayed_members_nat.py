@@ -1,0 +1,172 @@
+"""Peers behind real NATs announced through their relay (``netbed.Nat``,
+``swarm._relay``, ``averaging._matchmaking``): they reduce parts of the
+average like reachable peers, and move to another relay when theirs leaves.
+
+Every peer runs in a namespace of its own with a user's defaults (``--host
+0.0.0.0``, nothing announced), finds out by dial-back whether it is reachable,
+and, if not, registers with a reachable peer by itself. Nobody is told who is
+behind a NAT or who relays for whom. NAT behaviours covered: port-preserving
+MASQUERADE with address-and-port-dependent filtering, and symmetric
+(``--random-fully``); a relayed peer only dials out (to its relay), which both
+allow. Its circuits are new TCP connections from the peer to the relay port.
+
+Rounds are slots of the shared system clock (every namespace runs on one
+kernel): round ``r`` begins at ``r * PERIOD`` seconds of the epoch, so the
+peers alive in a slot meet without talking about it first.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import pytest
+from cli_harness import CLIProcess, run_command
+from netbed import Link, Nat, NetBed
+
+#: argv: index, initial peer ("" for the founder), port. Identities come from
+#: the index. Prints "relayed HOST" whenever its relay changes (hosts of the
+#: public peers), then per round: "round R members=I,J,.. contributors=N
+#: mine=SIZE relays=I:HOST,.." (the members' indices, the size of its own
+#: part, and through which host each relayed member was announced).
+PEER = """
+import sys, time, torch, trio
+from averaging import AllReduceConfig, Averager, AveragerConfig, MatchmakingConfig, MoshpitGrid
+from swarm import Identity, PeerConfig, RelayConfig, open_peer
+
+PERIOD = {PERIOD}
+IDS = {bytes(Identity.from_seed(bytes([i + 1]) * 32).peer_id): i for i in range(8)}
+CONFIG = AveragerConfig(
+    matchmaking=MatchmakingConfig(target_group_size=4, min_group_size=2, matchmaking_time=2.0,
+                                  request_timeout=1.5, poll_interval=0.2),
+    allreduce=AllReduceConfig(sender_timeout=2.0, reducer_timeout=3.0, round_timeout=4.0),
+)
+
+async def watch_relay(peer, task_status):
+    task_status.started()
+    shown = None
+    while True:
+        now = None if peer.relayed_by is None else peer.relayed_by[1][0]
+        if now != shown and now is not None:
+            print("relayed", now, flush=True)
+        shown = now
+        await trio.sleep(0.1)
+
+async def main():
+    index, initial, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    config = PeerConfig(host="0.0.0.0", port=port, initial_peers=(initial,) if initial else (),
+                        relay=RelayConfig(keepalive_interval=1.0))
+    async with open_peer(Identity.from_seed(bytes([index + 1]) * 32), config) as peer:
+        print("address", peer.address, flush=True)
+        await peer.start_service(watch_relay, peer)
+        tensor = torch.full((20_000,), float(index))
+        averager = Averager(peer, [tensor], prefix="nat", config=CONFIG, grid=MoshpitGrid(1, 4))
+        while True:
+            now = time.time()
+            r = int(now // PERIOD) + 1
+            await trio.sleep(r * PERIOD - now)
+            result = await averager.step(round=r)
+            if result.group is None or result.allreduce is None:
+                print("round", r, "none", result.reason, flush=True)
+                continue
+            members = result.group.members
+            lo, hi = result.allreduce.part_bounds[result.group.local_index]
+            relays = ",".join(f"{IDS[bytes(m.peer_id)]}:{m.relay[0]}" for m in members if m.relay)
+            print("round", r, "members=" + ",".join(str(IDS[bytes(m.peer_id)]) for m in members),
+                  f"contributors={len(result.contributors)}", f"mine={hi - lo}",
+                  f"relays={relays}", flush=True)
+
+trio.run(main)
+"""
+PORT = 7000
+#: Seconds per round: more than a step can take (matchmaking's bound, 5 s,
+#: and the all-reduce's deadline, 4 s).
+PERIOD = 10.0
+PEER = PEER.replace("{PERIOD}", str(PERIOD))
+#: Rounds checked: every one of them must hold every peer's data.
+ROUNDS = 3
+
+
+@asynccontextmanager
+async def _peers(bed: NetBed, stack: AsyncExitStack) -> AsyncIterator[list[CLIProcess]]:
+    founder = f"{bed.addresses[0]}:{PORT}"
+    peers: list[CLIProcess] = []
+    for i in range(len(bed.links)):
+        argv = [sys.executable, "-c", PEER, str(i), founder if i else "", str(PORT)]
+        peers.append(await stack.enter_async_context(run_command(*bed.exec(i, argv))))
+        await peers[i].read_line_containing("address", timeout=60)
+    yield peers
+
+
+def _parse(line: str) -> dict[str, str]:
+    return dict(field.split("=", 1) for field in line.split()[2:] if "=" in field)
+
+
+def _next_round() -> int:
+    """The first round that begins at least a whole round from now: every
+    peer's record from then on says what it says now."""
+    return int(time.time() // PERIOD) + 2
+
+
+async def _rounds(peer: CLIProcess, first: int, count: int) -> list[str]:
+    """The lines of rounds ``first`` to ``first + count - 1`` of ``peer``
+    (each peer prints every round it steps, in order)."""
+    lines: list[str] = []
+    while len(lines) < count:
+        line = await peer.read_line_containing("round ", timeout=60)
+        number = int(line.split()[1])
+        if number >= first:
+            assert number == first + len(lines), (first, lines, line)
+            lines.append(line)
+    return lines
+
+
+@pytest.mark.slow
+async def test_natted_peers_are_announced_through_their_relay_and_reduce_parts() -> None:
+    """One public peer, two behind NATs (one symmetric): the NATed peers are
+    announced through the public one and reduce parts of their own; every
+    round once all three are in has all three peers' data."""
+    with NetBed([Link()] * 3, nats=[None, Nat(), Nat(symmetric=True)]) as bed:
+        async with AsyncExitStack() as stack, _peers(bed, stack) as peers:
+            for i in (1, 2):
+                line = await peers[i].read_line_containing("relayed", timeout=60)
+                assert line == f"relayed {bed.addresses[0]}", line
+            first = _next_round()
+            for i, peer in enumerate(peers):
+                for line in await _rounds(peer, first, ROUNDS):
+                    fields = _parse(line)
+                    assert fields.get("members") == "0,1,2", line
+                    assert fields["contributors"] == "3", line
+                    host = bed.addresses[0]
+                    assert fields["relays"] in (f"1:{host},2:{host}", f"2:{host},1:{host}"), line
+                    if i:  # behind a NAT, and reducing a part
+                        assert int(fields["mine"]) > 0, line
+
+
+@pytest.mark.slow
+async def test_a_natted_peer_whose_relay_leaves_is_announced_through_another() -> None:
+    """Two public peers and one behind a NAT: the NATed peer registers with
+    one of them; that one is killed; the NATed peer registers with the other
+    by itself, is announced through it, and keeps reducing its part."""
+    with NetBed([Link()] * 3, nats=[None, None, Nat()]) as bed:
+        async with AsyncExitStack() as stack, _peers(bed, stack) as peers:
+            line = await peers[2].read_line_containing("relayed", timeout=60)
+            relay = bed.addresses.index(line.split()[1])
+            other = 1 - relay
+            (line,) = await _rounds(peers[other], _next_round(), 1)
+            assert _parse(line).get("members") == "0,1,2", line
+            assert _parse(line)["relays"] == f"2:{bed.addresses[relay]}", line
+            peers[relay].process.kill()
+            line = await peers[2].read_line_containing("relayed", timeout=60)
+            assert line == f"relayed {bed.addresses[other]}", line
+            first = _next_round()
+            members = ",".join(str(i) for i in sorted((other, 2)))
+            for i in (other, 2):
+                for line in await _rounds(peers[i], first, ROUNDS):
+                    fields = _parse(line)
+                    assert fields.get("members") == members, line
+                    assert fields["contributors"] == "2", line
+                    assert fields["relays"] == f"2:{bed.addresses[other]}", line
+                    assert int(fields["mine"]) > 0, line
