@@ -288,6 +288,17 @@ class NetBed:
             _run(*in_router, "iptables", "-A", "FORWARD", "-i", "wan0", "-o", "lan0",
                  "-p", protocol, "--dport", str(port), "-j", "ACCEPT")  # fmt: skip
 
+    def set_nat_tcp_timeout(self, peer: int, seconds: int) -> None:
+        """From now on, NATed peer ``peer``'s router forgets an established TCP
+        connection idle for ``seconds`` (conntrack's timeout in the router's
+        namespace; Linux's default is five days, home routers' minutes): the
+        outside's packets on it are then dropped or refused."""
+        router = self.router_ns[peer]
+        if router is None:
+            raise ValueError(f"peer {peer} is not behind a NAT")
+        _run("ip", "netns", "exec", router, "sysctl", "-qw",
+             f"net.netfilter.nf_conntrack_tcp_timeout_established={seconds}")  # fmt: skip
+
     def add_loss(self, peer: int, probability: float) -> None:
         """From now on, drop packets of peer ``peer``'s link at random, each way
         (on top of any loss it has)."""

@@ -170,3 +170,77 @@ async def test_a_natted_peer_whose_relay_leaves_is_announced_through_another() -
                     assert fields["contributors"] == "2", line
                     assert fields["relays"] == f"2:{bed.addresses[other]}", line
                     assert int(fields["mine"]) > 0, line
+
+
+#: argv: index (0: the public relay, 1: behind the NAT), initial peer, port,
+#: the relay's keepalive interval. The relay waits until the NATed peer
+#: registered, lets the registration sit idle for IDLE seconds, then calls
+#: the NATed peer through itself and prints whether that worked.
+IDLE_PEER = """
+import sys, trio
+from swarm import Identity, PeerConfig, RelayConfig, SwarmError, open_peer
+
+IDS = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(2)]
+
+async def who(stream):
+    await stream.receive()
+    await stream.send(b"here")
+
+async def main():
+    index, initial, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    keepalive = float(sys.argv[4])
+    config = PeerConfig(host="0.0.0.0", port=port, initial_peers=(initial,) if initial else (),
+                        relay=RelayConfig(keepalive_interval=keepalive))
+    async with open_peer(IDS[index], config) as peer:
+        peer.connections.set_handler("who", who)
+        print("address", peer.address, flush=True)
+        if index == 1:
+            await peer.relay_found.wait()
+            print("relayed", flush=True)
+            await trio.sleep_forever()
+        for _ in range(600):
+            if peer.relay.relayed_peers:
+                break
+            await trio.sleep(0.1)
+        print("registered", flush=True)
+        await trio.sleep(IDLE)
+        target = IDS[1].peer_id
+        peer.connections.set_relay_route(target, peer.endpoint)
+        try:
+            answer = await peer.connections.call(target, ("10.0.0.1", 1), "who", "?", timeout=10)
+            print("call", answer.decode(), flush=True)
+        except SwarmError as e:
+            print("call failed", type(e).__name__, e, flush=True)
+        await trio.sleep_forever()
+
+trio.run(main)
+"""
+#: The router forgets an idle TCP connection after this many seconds, as home
+#: routers do (after minutes; Linux's default is five days).
+NAT_TCP_TIMEOUT = 4
+IDLE = 3 * NAT_TCP_TIMEOUT
+IDLE_PEER = IDLE_PEER.replace("IDLE", str(IDLE))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("keepalive", "reached"), [(1.0, True), (60.0, False)])
+async def test_keepalives_keep_a_registration_through_a_nat_that_forgets_idle_connections(
+    keepalive: float, reached: bool
+) -> None:
+    """A registration that sits idle for three times the router's TCP
+    timeout still carries a circuit with keepalives more frequent than the
+    timeout; with rarer ones (the control) the router forgot it."""
+    with NetBed([Link()] * 2, nats=[None, Nat()]) as bed:
+        bed.set_nat_tcp_timeout(1, NAT_TCP_TIMEOUT)
+        founder = f"{bed.addresses[0]}:{PORT}"
+        async with AsyncExitStack() as stack:
+            peers: list[CLIProcess] = []
+            for i in range(2):
+                argv = [sys.executable, "-c", IDLE_PEER, str(i), founder if i else "", str(PORT)]
+                argv.append(str(keepalive))
+                peers.append(await stack.enter_async_context(run_command(*bed.exec(i, argv))))
+                await peers[i].read_line_containing("address", timeout=60)
+            await peers[1].read_line_containing("relayed", timeout=60)
+            await peers[0].read_line_containing("registered", timeout=60)
+            line = await peers[0].read_line_containing("call", timeout=IDLE + 60)
+            assert (line == "call here") is reached, line
