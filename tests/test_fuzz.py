@@ -69,6 +69,7 @@ from swarm import Identity, ManualClock, PeerUnreachableError, ProtocolError, Re
 from swarm._connections import Stream, open_connections
 from swarm._framing import FrameDecoder, FrameEncoder, FrameKind
 from swarm._handshake import Handshake
+from swarm._punch import decode_offer, encode_offer
 from swarm._relay import decode_registered
 from swarm._state import flatten_state, parse_state_header, tensor_from_bytes, unflatten_state
 from swarm._wire import pack, unpack
@@ -440,6 +441,11 @@ TARGETS = [
         "matchmaking-candidate",
         lambda: [pack(Candidate(m, NOW).to_wire()) for m in _members()],
         lambda data: Candidate.from_wire(unpack(data)),
+    ),
+    Target(
+        "punch-offer",
+        lambda: [pack(encode_offer("10.77.0.2", 40000))],
+        lambda data: decode_offer(unpack(data)),
     ),
     Target(
         "relay-registered",

@@ -26,6 +26,7 @@ from swarm import (
     PeerID,
     PeerUnreachableError,
     ProtocolError,
+    PunchError,
     open_peer,
 )
 from swarm._bans import BanList
@@ -392,3 +393,18 @@ async def test_a_client_refuses_to_relay() -> None:
         assert not x.can_relay() and r.can_relay()
         with pytest.raises(PeerUnreachableError, match="cannot be dialed itself"):
             await keep_relay(d.connections, X.peer_id, x.endpoint)
+
+
+async def test_a_punch_needs_both_peers_to_know_the_address_others_see_them_at() -> None:
+    """Punching itself needs NATs (``test_relayed_members_nat``: on loopback
+    each SYN meets a closed port at once); here the refusals: a peer that
+    does not know the address others see it at neither asks nor answers."""
+    async with (
+        open_peer(R, PeerConfig()) as r,
+        open_peer(X, PeerConfig(initial_peers=(r.address,))) as x,
+    ):
+        with pytest.raises(PunchError, match="does not know the address"):
+            await x.punch(R.peer_id, r.endpoint)
+        x.observed_host = HOST
+        with pytest.raises(PunchError, match="refused to punch"):
+            await x.punch(R.peer_id, r.endpoint)

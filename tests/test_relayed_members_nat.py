@@ -9,6 +9,11 @@ behind a NAT or who relays for whom. NAT behaviours covered: port-preserving
 MASQUERADE with address-and-port-dependent filtering, and symmetric
 (``--random-fully``); a relayed peer only dials out (to its relay), which both
 allow. Its circuits are new TCP connections from the peer to the relay port.
+A router that forgets idle TCP connections after seconds (``netbed``'s
+``set_nat_tcp_timeout``): keepalives keep the registration. Hole punching
+(``swarm._punch``): port-preserving routers that drop unsolicited packets
+(``Nat(stealth=True)``) punch; a symmetric one does not, and the relay goes
+on carrying the streams.
 
 Rounds are slots of the shared system clock (every namespace runs on one
 kernel): round ``r`` begins at ``r * PERIOD`` seconds of the epoch, so the
@@ -244,3 +249,93 @@ async def test_keepalives_keep_a_registration_through_a_nat_that_forgets_idle_co
             await peers[0].read_line_containing("registered", timeout=60)
             line = await peers[0].read_line_containing("call", timeout=IDLE + 60)
             assert (line == "call here") is reached, line
+
+
+#: argv: index (0: public relay, 1 and 2 behind NATs), initial peer, port.
+#: Peer 1 calls peer 2 through the relay, punches a direct connection to it,
+#: calls again, says "ready", waits until its relay is gone, calls again.
+PUNCH_PEER = """
+import sys, trio
+from swarm import Identity, PeerConfig, PunchError, SwarmError, open_peer
+
+IDS = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(3)]
+
+async def who(stream):
+    await stream.receive()
+    await stream.send(b"here")
+
+async def call(peer, label):
+    try:
+        target = IDS[2].peer_id
+        answer = await peer.connections.call(target, ("10.0.0.1", 1), "who", "?", timeout=10)
+        print(label, answer.decode(), flush=True)
+    except SwarmError as e:
+        print(label, "failed", type(e).__name__, e, flush=True)
+
+async def main():
+    index, initial, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    config = PeerConfig(host="0.0.0.0", port=port, initial_peers=(initial,) if initial else ())
+    async with open_peer(IDS[index], config) as peer:
+        peer.connections.set_handler("who", who)
+        print("address", peer.address, flush=True)
+        if index == 0:
+            await trio.sleep_forever()
+        await peer.relay_found.wait()
+        print("relayed", flush=True)
+        if index == 2:
+            await trio.sleep_forever()
+        # both are relayed by peer 0, at the same circuit address
+        peer.connections.set_relay_route(IDS[2].peer_id, peer.relayed_by[1])
+        await call(peer, "through the relay:")
+        try:
+            await peer.punch(IDS[2].peer_id, ("10.0.0.1", 1))
+            print("punched", flush=True)
+        except PunchError as e:
+            print("punch failed", e, flush=True)
+        await call(peer, "after the punch:")
+        print("ready", flush=True)
+        for _ in range(600):
+            if peer.relayed_by is None:
+                break
+            await trio.sleep(0.1)
+        await call(peer, "after the relay left:")
+        await trio.sleep_forever()
+
+trio.run(main)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("symmetric", [False, True], ids=["port-preserving", "symmetric"])
+async def test_natted_peers_punch_a_connection_that_outlives_their_relay(
+    symmetric: bool,
+) -> None:
+    """Two peers behind NATs that reach each other through a public relay
+    punch a direct connection (TCP simultaneous open coordinated over the
+    relay's circuit), which still carries their streams after the relay
+    left. Behind a symmetric NAT the punch fails, and the relay still
+    carries their streams (until it leaves)."""
+    nats = [None, Nat(stealth=True), Nat(symmetric=symmetric, stealth=True)]
+    with NetBed([Link()] * 3, nats=nats) as bed:
+        founder = f"{bed.addresses[0]}:{PORT}"
+        async with AsyncExitStack() as stack:
+            peers: dict[int, CLIProcess] = {}
+            for i in (0, 2, 1):  # peer 2 relayed before peer 1 calls it
+                argv = [sys.executable, "-c", PUNCH_PEER, str(i), founder if i else "", str(PORT)]
+                peers[i] = await stack.enter_async_context(run_command(*bed.exec(i, argv)))
+                await peers[i].read_line_containing("address", timeout=60)
+                if i:
+                    await peers[i].read_line_containing("relayed", timeout=60)
+            line = await peers[1].read_line_containing("through the relay:", timeout=60)
+            assert line == "through the relay: here", line
+            line = await peers[1].read_line_containing("punch", timeout=60)
+            assert line.startswith("punch failed" if symmetric else "punched"), line
+            line = await peers[1].read_line_containing("after the punch:", timeout=60)
+            assert line == "after the punch: here", line
+            await peers[1].read_line_containing("ready", timeout=60)
+            peers[0].process.kill()
+            line = await peers[1].read_line_containing("after the relay left:", timeout=90)
+            if symmetric:
+                assert line.startswith("after the relay left: failed"), line
+            else:
+                assert line == "after the relay left: here", line
