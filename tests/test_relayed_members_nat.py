@@ -91,7 +91,7 @@ PORT = 7000
 PERIOD = 10.0
 PEER = PEER.replace("{PERIOD}", str(PERIOD))
 #: Rounds checked: every one of them must hold every peer's data.
-ROUNDS = 3
+ROUNDS = 2
 
 
 @asynccontextmanager
