@@ -227,7 +227,8 @@ class Relay:
     def set_usable(self, usable: Callable[[], bool]) -> None:
         """Refuse new registrations while ``usable()`` is False (a peer that is
         itself unreachable or a client: ``AsyncPeer.can_relay``), so a relayed
-        peer is never chosen as a relay. Registrations already held are kept."""
+        peer is never chosen as a relay. A registration already held ends at
+        its next keepalive or circuit once ``usable()`` turned False."""
         self._usable = usable
 
     async def _throttle(self, size: int) -> None:
@@ -298,6 +299,10 @@ class Relay:
                 token: bytes | None = None
                 with trio.move_on_after(interval):
                     token = await receive.receive()
+                if not self._usable():
+                    # found unreachable since: the peer must find a relay others can dial
+                    nursery.cancel_scope.cancel()
+                    return
                 await stream.send(["ping"] if token is None else ["circuit", token])
 
     async def handle_tcp(self, socket_stream: trio.SocketStream) -> None:

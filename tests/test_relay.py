@@ -408,3 +408,18 @@ async def test_a_punch_needs_both_peers_to_know_the_address_others_see_them_at()
         x.observed_host = HOST
         with pytest.raises(PunchError, match="refused to punch"):
             await x.punch(R.peer_id, r.endpoint)
+
+
+async def test_a_relay_that_can_no_longer_be_dialed_ends_its_registrations() -> None:
+    """A relay found unreachable after a peer registered (``Relay.set_usable``)
+    ends the registration at its next keepalive, so the peer looks for a
+    relay others can dial."""
+    async with relayed_swarm(KEEPALIVE) as s:
+        usable = True
+        s.relay.set_usable(lambda: usable)
+        usable = False
+        for _ in range(100):  # bounded: one keepalive interval is 0.2 s
+            if not s.relay.relayed_peers:
+                break
+            await trio.sleep(0.05)
+        assert s.relay.relayed_peers == frozenset()
