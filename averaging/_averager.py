@@ -192,7 +192,7 @@ class Averager:
         host, port = self.peer.endpoint
         if self.mode is MemberMode.CLIENT:
             return GroupMember(self.peer.peer_id, host, port, 0.0, self.mode)
-        relay = self.peer.relay_route if self.peer.client_mode else None
+        relay = self.peer.relay_route
         if self.config.bandwidth is not None:
             return GroupMember(
                 self.peer.peer_id, host, port, self.config.bandwidth, self.mode, relay=relay
