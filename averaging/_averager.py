@@ -189,21 +189,30 @@ class Averager:
 
     @property
     def mode(self) -> MemberMode:
-        if self.peer.client_mode:
+        """CLIENT while the peer is one, unless others reach it through a relay
+        (``AsyncPeer.relay_route``); else the configured mode. The lossy data
+        plane sends datagrams straight to a reducer's address, which a relay
+        does not carry: there a relayed peer stays a client."""
+        relayed = self.peer.relay_route is not None and not self.config.allreduce.lossy
+        if self.peer.client_mode and not relayed:
             return MemberMode.CLIENT
         return self.config.mode
 
     def _member(self) -> GroupMember:
         """This peer as a group member: its declared share, or (by default)
-        the rates its link was measured to move."""
+        the rates its link was measured to move; announced through its relay
+        when it has one."""
         host, port = self.peer.endpoint
         if self.mode is MemberMode.CLIENT:
             return GroupMember(self.peer.peer_id, host, port, 0.0, self.mode)
+        relay = self.peer.relay_route
         if self.config.bandwidth is not None:
-            return GroupMember(self.peer.peer_id, host, port, self.config.bandwidth, self.mode)
+            return GroupMember(
+                self.peer.peer_id, host, port, self.config.bandwidth, self.mode, relay=relay
+            )
         meter = self.link_meter
         return GroupMember(
-            self.peer.peer_id, host, port, 1.0, self.mode, meter.upload, meter.download
+            self.peer.peer_id, host, port, 1.0, self.mode, meter.upload, meter.download, relay
         )
 
     async def step(

@@ -47,6 +47,11 @@ class GroupMember:
     share instead). Parts follow the measured uploads when every member that
     reduces has one, and the declared shares otherwise
     (``_partition.part_weights``).
+
+    ``relay`` is the address of a relay's circuit port when the member cannot
+    be dialed at ``host:port`` (behind a NAT, ``swarm._relay``): the others
+    reach it through a circuit there, and it can still reduce a part. None for
+    a member anyone can dial.
     """
 
     peer_id: PeerID
@@ -56,6 +61,7 @@ class GroupMember:
     mode: MemberMode = MemberMode.NODE
     upload: float = 0.0
     download: float = 0.0
+    relay: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("bandwidth", "upload", "download"):
@@ -64,6 +70,10 @@ class GroupMember:
                 raise ConfigError(f"{name} must be a finite number >= 0, got {value}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.relay is not None:
+            relay_host, relay_port = self.relay
+            if not relay_host or not 0 < relay_port < 65536:
+                raise ConfigError(f"relay {self.relay} is not a host and a port in [1, 65535]")
 
     @property
     def address(self) -> tuple[str, int]:

@@ -30,7 +30,11 @@ same bound. Everything ends within ``matchmaking_time + 2 * request_timeout``:
 peers that found no group by then get ``None`` and keep their values.
 
 Client-mode peers accept no connections: they never lead, only follow (any
-non-client candidate, seniors first).
+non-client candidate, seniors first). A peer behind a NAT that holds a relay
+registration (``swarm._relay``) is no client: its records and member entries
+name the relay, and every peer that reads one dials that member through the
+relay from then on (``Connections.set_relay_route``), so it leads, follows and
+reduces a part like anyone else.
 
 Wire messages on the stream ``mm.<prefix>`` (msgpack), follower -> leader:
 ``["join", key, member]``; leader -> follower: ``["accepted"]``,
@@ -47,7 +51,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -123,14 +127,14 @@ class Candidate:
 
     def to_wire(self) -> list[Any]:
         """``[peer_id, host, port, bandwidth, mode, join_by]``, then the measured
-        ``upload, download`` if there are any (``member_to_wire``)."""
+        ``upload, download`` and the relay if there are any (``member_to_wire``)."""
         wire = member_to_wire(self.member)
         return [*wire[:5], self.join_by, *wire[5:]]
 
     @classmethod
     def from_wire(cls, obj: Any) -> Candidate:
-        """Decode ``to_wire``'s list (6 items, or 8 with measured rates);
-        raises ``ProtocolError`` if malformed."""
+        """Decode ``to_wire``'s list (6 items, 8 with measured rates, 9 with a
+        relay); raises ``ProtocolError`` if malformed."""
         fields = _expect_fields(obj, "candidate", 6)
         member = member_from_wire([*fields[:5], *fields[6:]])
         return cls(member, expect_float(fields[5], "candidate join_by"))
@@ -144,17 +148,21 @@ def expect_message(obj: Any, what: str) -> list[Any]:
 
 
 def _expect_fields(obj: Any, what: str, length: int) -> list[Any]:
-    """A list of ``length`` items, or of ``length + 2`` when it ends with the
+    """A list of ``length`` items, of ``length + 2`` when it ends with the
     measured rates (records of peers that measure none, or predate
-    measuring, have none)."""
-    if isinstance(obj, list) and len(obj) == length + 2:
+    measuring, have none), or of ``length + 3`` when a relay follows them."""
+    if isinstance(obj, list) and len(obj) in (length + 2, length + 3):
         return obj
     return expect_list(obj, length, what)
 
 
-def _rates(member: GroupMember) -> list[float]:
-    """The measured rates on the wire: none if nothing was measured, so the
-    records of a peer that measures nothing are as they were before."""
+def _tail(member: GroupMember) -> list[Any]:
+    """What follows the fixed fields on the wire: the measured rates if any
+    were measured, then ``[relay_host, relay_port]`` if the member is reached
+    through a relay (with rates, 0 for none, before it). A member that
+    measures nothing and needs no relay is on the wire as before both existed."""
+    if member.relay is not None:
+        return [member.upload, member.download, [*member.relay]]
     if member.upload == 0 and member.download == 0:
         return []
     return [member.upload, member.download]
@@ -162,23 +170,33 @@ def _rates(member: GroupMember) -> list[float]:
 
 def member_to_wire(member: GroupMember) -> list[Any]:
     """``[peer_id, host, port, bandwidth, mode]``, then ``upload, download``
-    (bytes per second) if the member measured its link."""
+    (bytes per second) if the member measured its link, then ``[relay_host,
+    relay_port]`` if others reach it through a relay (``_tail``)."""
     return [
         bytes(member.peer_id),
         member.host,
         member.port,
         member.bandwidth,
         member.mode.value,
-        *_rates(member),
+        *_tail(member),
     ]
 
 
+def _relay_from_wire(obj: Any) -> tuple[str, int]:
+    host, port = expect_list(obj, 2, "member relay")
+    return (
+        expect_str(host, "member relay host", max_size=64),
+        expect_int(port, "member relay port", lo=1, hi=65535),
+    )
+
+
 def member_from_wire(obj: Any) -> GroupMember:
-    """Decode a group member (5 items, or 7 with measured rates); raises
-    ``ProtocolError`` if malformed."""
+    """Decode a group member (5 items, 7 with measured rates, 8 with a relay
+    after them); raises ``ProtocolError`` if malformed."""
     fields = _expect_fields(obj, "member", 5)
     peer_id, host, port, bandwidth, mode = fields[:5]
-    upload, download = fields[5:] or (0.0, 0.0)
+    upload, download = fields[5:7] or (0.0, 0.0)
+    relay = _relay_from_wire(fields[7]) if len(fields) == 8 else None
     try:
         return GroupMember(
             PeerID(expect_bytes(peer_id, "member peer id", size=20)),
@@ -188,6 +206,7 @@ def member_from_wire(obj: Any) -> GroupMember:
             MemberMode(expect_str(mode, "member mode", max_size=8)),
             expect_float(upload, "member upload"),
             expect_float(download, "member download"),
+            relay,
         )
     except (ValueError, ConfigError) as e:
         raise ProtocolError(f"bad member: {e}") from e
@@ -196,14 +215,14 @@ def member_from_wire(obj: Any) -> GroupMember:
 def announcement(member: GroupMember, join_by: float) -> list[Any]:
     """The DHT value a peer stores under its group key (its sub-key names it):
     ``[host, port, bandwidth, mode, join_by]``, then the measured ``upload,
-    download`` if there are any."""
+    download`` if there are any, then the relay if it has one (``_tail``)."""
     return [
         member.host,
         member.port,
         member.bandwidth,
         member.mode.value,
         join_by,
-        *_rates(member),
+        *_tail(member),
     ]
 
 
@@ -427,6 +446,7 @@ class Matchmaker:
         if member.peer_id != stream.remote:
             await stream.send(["refused", "member peer id differs from the connection's"])
             return
+        self._learn_routes([member])
         lobby = self._lobby
         if lobby is None or lobby.key != key:
             # it may simply not have begun this round yet: the follower retries
@@ -451,6 +471,13 @@ class Matchmaker:
         if slot.outcome is not None:
             with trio.move_on_after(self.config.request_timeout):
                 await stream.send(slot.outcome)
+
+    def _learn_routes(self, members: Iterable[GroupMember]) -> None:
+        """Dial each member as its latest entry says: through the relay it
+        names, or directly (which also forgets a relay it no longer uses)."""
+        for member in members:
+            if member.peer_id != self.peer.peer_id:
+                self.peer.connections.set_relay_route(member.peer_id, member.relay)
 
     # looking for a group
 
@@ -550,9 +577,11 @@ class Matchmaker:
                 log.debug("reading %s failed: %s", lobby.key, e)
                 found = None
             now = trio.current_time()
+            candidates = parse_candidates(found, self.peer.peer_id)
+            self._learn_routes(c.member for c in candidates)
             queue = [
                 c
-                for c in leaders_to_try(parse_candidates(found, self.peer.peer_id), me)
+                for c in leaders_to_try(candidates, me)
                 if c.peer_id not in final and retry_at.get(c.peer_id, -math.inf) <= now
             ]
             hops = 0
@@ -573,6 +602,11 @@ class Matchmaker:
                         queue.insert(0, result)
             await trio.sleep(self.config.poll_interval)
 
+    def _redirected(self, wire: Any) -> Candidate:
+        candidate = Candidate.from_wire(wire)
+        self._learn_routes([candidate.member])
+        return candidate
+
     async def _join(self, lobby: Lobby, leader: Candidate) -> Group | Candidate | object | None:
         """Ask ``leader`` to take us: the group it formed, a redirect, ``_RETRY``
         (busy or unreachable before it accepted us: ask again later) or None."""
@@ -587,7 +621,7 @@ class Matchmaker:
                         await stream.send(["join", lobby.key, member_to_wire(lobby.me)])
                         reply = expect_message(await stream.receive(), "join reply")
                     if reply[0] == "redirect":
-                        return Candidate.from_wire(reply[1])
+                        return self._redirected(reply[1])
                     if reply[0] == "busy":
                         return _RETRY
                     if reply[0] != "accepted" or lobby.closed:
@@ -602,7 +636,7 @@ class Matchmaker:
                 _, group_id, members_wire = outcome
                 if not isinstance(members_wire, list):
                     raise ProtocolError("group members must be a list")
-                return validate_group(
+                group = validate_group(
                     lobby.key,
                     expect_bytes(group_id, "group id", max_size=64),
                     tuple(member_from_wire(m) for m in members_wire),
@@ -610,8 +644,10 @@ class Matchmaker:
                     leader.peer_id,
                     self.config,
                 )
+                self._learn_routes(group.members)
+                return group
             if outcome[0] == "redirect" and len(outcome) == 2:
-                return Candidate.from_wire(outcome[1])
+                return self._redirected(outcome[1])
             log.debug("%s disbanded: %s", leader.peer_id.short(), outcome[1:])
             return None
         except (SwarmError, trio.TooSlowError, IndexError) as e:

@@ -6,14 +6,21 @@ no ``--initial-peer``, the others with the join command it prints. Layouts:
 
 - ``nat``: peers 0 and 1 public, peers 2 and 3 each behind its own NAT
   (port-preserving MASQUERADE, a FORWARD chain that admits only replies)
+- ``relay``: peer 0 public, peers 1-3 each behind its own NAT: everything that
+  reaches a NATed peer goes through peer 0's relay
 - ``public``: all four public, the baseline measured in the same run
 
 For each it reports the wall time from the first peer's start until the last
 one finished, each peer's final accuracy, per peer the all-reduce rounds that
-had every peer's data (``data of 4 of 4 senders``) out of all its rounds, the
-reducer failures the peers logged, and what each peer said of its reachability.
+had every peer's data (``data of 4 of 4 senders``) out of all its rounds and
+the mean seconds between its rounds, the reducer failures the peers logged,
+what each peer said of its reachability, the CPU seconds each peer's process
+used (``wait4``'s rusage), and what each public peer relayed (bytes and
+circuits: its ``swarm_relay_*`` counters, scraped from ``--metrics-port``
+every few seconds while it runs; the last scrape is reported, so up to one
+interval of the end is missing).
 
-    python benchmarks/nat.py                          # nat and public, 30 epochs
+    python benchmarks/nat.py                          # nat, relay and public, 30 epochs
     python benchmarks/nat.py --layouts nat --swarm-root /tmp/base   # older code
 
 ``--swarm-root DIR`` runs the peers from another source tree (e.g. ``git
@@ -27,7 +34,6 @@ here). The machine's load shows in the times: compare layouts of one run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -52,11 +58,17 @@ PEERS = 4
 HOME = Link("20mbit", "20mbit")
 LAYOUTS: dict[str, list[Nat | None]] = {
     "nat": [None, None, Nat(), Nat()],
+    "relay": [None, Nat(), Nat(), Nat()],
     "public": [None] * PEERS,
 }
 _JOIN = re.compile(r"join with: ((?:\S*/)?swarm \S+ --initial-peer \S+.*)$")
 _ROUND = re.compile(r"all-reduce [0-9a-f]+: data of (\d+) of (\d+) senders in every part")
 _FINISHED = re.compile(r"finished at epoch (\d+): accuracy ([0-9.]+)")
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
+_RELAY_METRIC = re.compile(r"^swarm_relay_(bytes|circuits)_total (\S+)$", re.MULTILINE)
+METRICS_PORT = 9100
+#: Seconds between scrapes of the public peers' relay counters.
+SCRAPE_INTERVAL = 3.0
 
 
 @dataclass
@@ -70,6 +82,13 @@ class PeerResult:
     round_kinds: dict[str, int]
     reducer_failures: int
     reachability: str
+    #: mean seconds between this peer's consecutive all-reduce rounds
+    round_interval_s: float | None = None
+    #: user + system CPU seconds of the peer's process
+    cpu_s: float | None = None
+    #: what it relayed for others (public peers; last scrape)
+    relay_bytes: int | None = None
+    relay_circuits: int | None = None
 
 
 @dataclass
@@ -108,6 +127,73 @@ class _Reader:
                 self._cond.wait(left)
 
 
+def _round_interval(stamps: list[float]) -> float | None:
+    if len(stamps) < 2:
+        return None
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+
+
+def _stamp(line: str) -> float | None:
+    match = _STAMP.search(line)
+    if match is None:
+        return None
+    seconds = time.mktime(time.strptime(match.group(1), "%Y-%m-%d %H:%M:%S"))
+    return seconds + int(match.group(2)) / 1000
+
+
+class _RelayScraper:
+    """Reads the relay counters of the public peers every ``SCRAPE_INTERVAL``
+    seconds (from inside each one's namespace), keeping the last values."""
+
+    def __init__(self, bed: NetBed, peers: list[int]) -> None:
+        self.last: dict[int, dict[str, int]] = {}
+        self._bed = bed
+        self._peers = peers
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        fetch = (
+            "import urllib.request; print(urllib.request.urlopen("
+            f"'http://127.0.0.1:{METRICS_PORT}/metrics', timeout=2).read().decode())"
+        )
+        while not self._stop.wait(SCRAPE_INTERVAL):
+            for i in self._peers:
+                done = subprocess.run(
+                    self._bed.exec(i, [sys.executable, "-c", fetch]),
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
+                found = {k: int(float(v)) for k, v in _RELAY_METRIC.findall(done.stdout)}
+                if found:
+                    self.last[i] = found
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _wait_all(
+    processes: list[subprocess.Popen[bytes]], deadline: float
+) -> dict[int, tuple[int, float]]:
+    """Reap the processes as they exit, until ``deadline``: exit code and CPU
+    seconds (user + system) of each one that exited, by index."""
+    reaped: dict[int, tuple[int, float]] = {}
+    while len(reaped) < len(processes) and time.monotonic() < deadline:
+        for i, process in enumerate(processes):
+            if i in reaped:
+                continue
+            pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+            if pid:
+                code = os.waitstatus_to_exitcode(status)
+                process.returncode = code  # reaped here: Popen must not wait again
+                reaped[i] = (code, usage.ru_utime + usage.ru_stime)
+        time.sleep(0.5)
+    return reaped
+
+
 def run_layout(
     name: str, epochs: int, swarm_root: str | None, timeout: float, logs: Path
 ) -> LayoutResult:
@@ -119,7 +205,10 @@ def run_layout(
         "train", "--run-id", "nat-bench", "--target-batch-size", "256", "--threads", "1",
         "--matchmaking-time", "2",
     ]  # fmt: skip
-    local = ["--max-epochs", str(epochs), "--min-peers", str(PEERS), "--eval-every", str(epochs)]
+    local = [
+        "--max-epochs", str(epochs), "--min-peers", str(PEERS), "--eval-every", str(epochs),
+        "--metrics-port", str(METRICS_PORT),
+    ]  # fmt: skip
     result = LayoutResult(name, 0.0)
     with NetBed([HOME] * PEERS, nats=LAYOUTS[name]) as bed:
         readers: list[_Reader] = []
@@ -139,16 +228,22 @@ def run_layout(
                 match = _JOIN.search(line)
                 assert match is not None, line
                 join = shlex.split(match.group(1))[1:]
-        deadline = start + timeout
-        for process in processes:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        public = [i for i, nat in enumerate(LAYOUTS[name]) if nat is None]
+        scraper = _RelayScraper(bed, public)
+        try:
+            reaped = _wait_all(processes, start + timeout)
+        finally:
+            scraper.stop()
         result.wall_s = time.monotonic() - start
         for i, (process, reader) in enumerate(zip(processes, readers, strict=True)):
             finished = [m for m in map(_FINISHED.search, reader.lines) if m is not None]
             log_lines = (logs / f"{name}-peer{i}.log").read_text(errors="replace").splitlines()
             rounds = [m for m in map(_ROUND.search, log_lines) if m is not None]
             said = [line for line in reader.lines if line.startswith("reachability:")]
+            stamps = [
+                t for line in log_lines if _ROUND.search(line) and (t := _stamp(line)) is not None
+            ]
+            relayed = scraper.last.get(i, {})
             result.peers.append(
                 PeerResult(
                     accuracy=float(finished[-1].group(2)) if finished else None,
@@ -161,6 +256,10 @@ def run_layout(
                     ),
                     reducer_failures=sum("reducer of part" in line for line in log_lines),
                     reachability=said[-1] if said else "-",
+                    round_interval_s=_round_interval(stamps),
+                    cpu_s=reaped[i][1] if i in reaped else None,
+                    relay_bytes=relayed.get("bytes"),
+                    relay_circuits=relayed.get("circuits"),
                 )
             )
     return result
@@ -168,7 +267,9 @@ def run_layout(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["nat", "public"])
+    parser.add_argument(
+        "--layouts", nargs="+", choices=sorted(LAYOUTS), default=["nat", "relay", "public"]
+    )
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--swarm-root", default=None, help="run the peers from this source tree")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per layout")
@@ -187,9 +288,17 @@ def main() -> None:
         print(f"{r.layout}: {r.wall_s:.1f} s wall for {args.epochs} epochs")
         for i, p in enumerate(r.peers):
             accuracy = "-" if p.accuracy is None else f"{p.accuracy:.4f}"
+            interval = "-" if p.round_interval_s is None else f"{p.round_interval_s:.2f}"
+            cpu = "-" if p.cpu_s is None else f"{p.cpu_s:.1f}"
+            relayed = (
+                ""
+                if p.relay_bytes is None
+                else f", relayed {p.relay_bytes / 1e6:.1f} MB in {p.relay_circuits} circuits"
+            )
             print(
                 f"  peer {i}: accuracy {accuracy} at epoch {p.epoch}, exit {p.exit_code}, "
                 f"rounds with all {PEERS}: {p.full_rounds}/{p.rounds} {p.round_kinds}, "
+                f"{interval} s between rounds, CPU {cpu} s{relayed}, "
                 f"reducer failures {p.reducer_failures}; {p.reachability[:60]}"
             )
 

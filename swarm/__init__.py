@@ -19,7 +19,12 @@ application on top of them:
   dial a peer, found out by asking them to dial it back (behind NAT: no)
 - relays (``serve_relay``, ``keep_relay``, ``RelayConfig``, ``Relay``): a
   reachable peer splices end-to-end authenticated connections to peers
-  nobody can dial (``Connections.set_relay_route`` dials through one)
+  nobody can dial (``Connections.set_relay_route`` dials through one); an
+  unreachable peer stays registered (keepalives; another relay when its own
+  leaves) and is announced through its relay (``AsyncPeer.relay_route``)
+- hole punching (``punch``, ``PunchError``, ``AsyncPeer.punch``): two peers
+  behind NATs that reach each other through a relay coordinate a TCP
+  simultaneous open over it, for a direct connection that outlives the relay
 - the peer facade (``open_peer``, ``Peer``, ``PeerConfig``): identity, DHT node
   and connections on one port; ``Peer`` runs trio in a background thread for
   synchronous training loops
@@ -56,6 +61,7 @@ from ._errors import (
     SwarmError,
 )
 from ._identity import Identity, PeerID, verify_signature
+from ._punch import PunchError, punch
 from ._reachability import Reachability, ReachabilityConfig
 from ._relay import Relay, RelayConfig, keep_relay, open_circuit, serve_relay
 from ._swarm_key import create_swarm_key, load_swarm_key
@@ -96,6 +102,7 @@ __all__ = [  # noqa: RUF022 - grouped: core names, then the peer facade
     "PeerID",
     "NonFiniteError",
     "PeerUnreachableError",
+    "PunchError",
     "ProtocolError",
     "Reachability",
     "ReachabilityConfig",
@@ -110,6 +117,7 @@ __all__ = [  # noqa: RUF022 - grouped: core names, then the peer facade
     "WallClock",
     "create_swarm_key",
     "keep_relay",
+    "punch",
     "load_swarm_key",
     "open_circuit",
     "open_connections",

@@ -1033,17 +1033,45 @@ class Connections:
         They count against the inbound limits like any connection."""
         self._raw_handler = handler
 
-    def adopt_inbound(self, socket_stream: trio.SocketStream) -> None:
+    def adopt_inbound(self, socket_stream: trio.SocketStream, *, relayed: bool = True) -> None:
         """Serve ``socket_stream`` as an inbound connection (its handshake, then
         its streams) in the background, as if it had arrived at the listener:
-        a relay circuit this peer took (``_relay.keep_relay``). Limits apply
-        as to any inbound connection; closed at once if the manager is closed.
+        a relay circuit this peer took (``_relay.keep_relay``; ``relayed``), or
+        a connection punched through NATs (``_punch``; not relayed). Limits
+        apply as to any inbound connection; closed at once if the manager is
+        closed.
         """
         if self._closed or self._nursery is None:
             socket_stream.socket.close()
             return
-        serve = functools.partial(self._handle_inbound, relayed=True)
+        serve = functools.partial(self._handle_inbound, relayed=relayed)
         self._nursery.start_soon(serve, socket_stream)
+
+    async def adopt_outbound(self, socket_stream: trio.SocketStream, peer_id: PeerID) -> None:
+        """Run the handshake over ``socket_stream`` as the dialer, which must
+        prove ``peer_id``, and pool the connection: this peer's next stream to
+        ``peer_id`` uses it before dialing anew (a connection punched through
+        NATs, ``_punch``). The connection is then like any dialed one (closed
+        after ``idle_timeout`` unused).
+
+        Raises ``ProtocolError`` (a failed handshake, another peer),
+        ``DeadlineError`` (no handshake within ``handshake_timeout``) or
+        ``ClosedError``; the socket is closed on any failure or cancellation.
+        """
+        try:
+            self._check_not_banned(peer_id)
+            with self._cancelled_on_close():
+                with trio.fail_after(self._config.handshake_timeout):
+                    connection = await self._handshake(socket_stream, expected_peer=peer_id)
+        except trio.TooSlowError as e:
+            socket_stream.socket.close()
+            raise DeadlineError(
+                f"no handshake with {peer_id.short()} within {self._config.handshake_timeout} s"
+            ) from e
+        except BaseException:
+            socket_stream.socket.close()
+            raise
+        self._pool_connection(connection, eof=True, ready=True)
 
     async def aclose(self) -> None:
         """Close everything: pending operations raise ``ClosedError``, handlers

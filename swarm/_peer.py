@@ -32,6 +32,7 @@ from ._errors import (
     unwrap_single,
 )
 from ._identity import Identity, PeerID
+from ._punch import PunchError, punch, serve_punch
 from ._reachability import (
     Reachability,
     ReachabilityConfig,
@@ -154,6 +155,9 @@ class AsyncPeer:
         self.relayed_by: tuple[PeerID, Address] | None = None
         #: set once this peer first registered with a relay
         self.relay_found = trio.Event()
+        #: the address the reachability helpers saw this peer come from (its
+        #: NAT's public address, behind one); None until a check was answered
+        self.observed_host: str | None = None
 
     def _guess_host(self) -> str:
         initial = self.config.initial_peers
@@ -183,6 +187,8 @@ class AsyncPeer:
         finally:
             if silent:
                 self.dht.set_client_mode(True)
+        if verdict.host is not None:
+            self.observed_host = verdict.host
         if self.config.client_mode:
             return verdict
         if verdict.reachability is not Reachability.UNCHECKED:
@@ -293,11 +299,27 @@ class AsyncPeer:
             backoff = min(2 * backoff, cap)
 
     async def _keep_one_relay(self, relay_peer: PeerID, address: Address) -> None:
+        # collapsed: the caller moves on to another relay on a SwarmError,
+        # which a nursery would otherwise wrap in an ExceptionGroup
+        with collapse_exception_groups():
+            await self._registered_with(relay_peer, address)
+
+    async def _registered_with(self, relay_peer: PeerID, address: Address) -> None:
         async with trio.open_nursery() as nursery:
             circuits = await nursery.start(keep_relay, self.connections, relay_peer, address)
             self.relayed_by = (relay_peer, circuits)
             self.relay_found.set()
             log.info("unreachable: others reach this peer through %s", relay_peer.short())
+
+    async def punch(self, peer_id: PeerID, address: Address, *, timeout: float = 5.0) -> None:
+        """Punch a direct connection to ``peer_id`` (which this peer reaches at
+        ``address`` or through a relay route) for this peer's next streams to
+        it (``swarm._punch``). Raises ``PunchError`` if none was made (also when
+        this peer does not know the address others see it at: no reachability
+        check answered yet); streams then go as before, through the relay."""
+        if self.observed_host is None:
+            raise PunchError("this peer does not know the address others see it at")
+        await punch(self.connections, peer_id, address, self.observed_host, timeout=timeout)
 
     async def start_service(
         self, fn: Callable[..., Awaitable[Any]], *args: Any
@@ -343,6 +365,23 @@ class AsyncPeer:
     def client_mode(self) -> bool:
         """Configured a client, or found unreachable (``check_reachability``)."""
         return self.config.client_mode or self.reachability is Reachability.UNREACHABLE
+
+    @property
+    def relay_route(self) -> Address | None:
+        """Where others reach this peer when they cannot dial ``endpoint``: the
+        circuit address of its relay (``swarm._relay``), while it is
+        UNREACHABLE and registered with one; else None. Layers that announce
+        this peer (matchmaking) announce it through that relay, so it can do
+        what a reachable peer does (reduce a part) although ``client_mode``."""
+        if self.reachability is not Reachability.UNREACHABLE or self.relayed_by is None:
+            return None
+        return self.relayed_by[1]
+
+    def can_relay(self) -> bool:
+        """Whether this peer may relay for others: not while it is a client or
+        unreachable itself (its relay port would be no easier to reach than
+        the peers it relays for)."""
+        return not self.client_mode
 
     @property
     def metrics(self) -> tuple[Collector, ...]:
@@ -424,7 +463,9 @@ async def open_peer(
                 trio.open_nursery() as services,
             ):
                 peer = AsyncPeer(identity, config, dht, connections, services, relay)
+                relay.set_usable(peer.can_relay)
                 serve_dial_back(connections, dht, config.reachability)
+                serve_punch(connections, peer)
                 if config.checks_reachability:
                     if config.initial_peers:
                         await peer.check_reachability()

@@ -6,9 +6,11 @@ lends it a way in:
 
 1. The unreachable peer X opens a stream ``REGISTER`` to the relay R over a
    normal peer connection (so R knows it is X: the handshake proved it) and
-   keeps it open (``keep_relay``). R replies ``["registered", relay_port]``,
-   or ``["refused", reason]`` beyond ``RelayConfig.max_relayed_peers`` or
-   when it does not serve relaying.
+   keeps it open (``keep_relay``). R replies ``["registered", relay_port,
+   keepalive]`` (``keepalive``: seconds; a relay that predates keepalives
+   sent only the port), or ``["refused", reason]`` beyond
+   ``RelayConfig.max_relayed_peers``, when it does not serve relaying, or
+   when it cannot be dialed itself (``Relay.set_usable``).
 2. A peer D that wants X dials R's relay port and sends ``RAW_MAGIC`` and
    the preamble ``["connect", X]`` (``open_circuit``). R picks a fresh random
    token, sends ``["circuit", token]`` on X's register stream, and X opens a
@@ -23,6 +25,14 @@ lends it a way in:
    the handshake's signature or a frame's tag, which raises ``ProtocolError``
    at the receiver, and D's handshake must prove X's peer id, so a relay
    cannot answer in X's place.
+
+Keepalive: on an idle register stream both sides send ``["ping"]`` every
+``keepalive`` seconds, and each ends the registration when it heard nothing
+for ``KEEPALIVE_MISSES`` intervals. The pings keep the NAT's mapping of the
+register connection alive (a home router forgets an idle TCP mapping, often
+within minutes, and then drops the relay's next circuit offer), and they let
+each side notice a peer that vanished without closing the connection: the
+relayed peer then registers with another relay (``AsyncPeer.keep_relay``).
 
 The relay port is the relay's own peer port: a connection that begins with
 ``RAW_MAGIC`` (two zero bytes, which no handshake begins with) goes to the
@@ -48,7 +58,7 @@ import logging
 import math
 import os
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -66,7 +76,7 @@ from ._errors import (
     collapse_exception_groups,
 )
 from ._identity import PEER_ID_SIZE, PeerID
-from ._wire import expect_bytes, expect_int, expect_list, expect_str, pack, unpack
+from ._wire import expect_bytes, expect_float, expect_int, expect_list, expect_str, pack, unpack
 
 if TYPE_CHECKING:
     from ._connections import Address, Connections, Stream
@@ -81,6 +91,10 @@ TOKEN_SIZE = 16
 RAW_MAGIC = b"\x00\x00"
 _LENGTH = struct.Struct(">H")
 _CHUNK = 64 * 1024
+#: Keepalive intervals without a message after which a register stream is dead.
+KEEPALIVE_MISSES = 3
+#: The keepalive intervals a relayed peer accepts from a relay (seconds).
+_KEEPALIVE_RANGE = (0.1, 3600.0)
 _MAX_REASON = 200
 
 
@@ -93,6 +107,9 @@ class RelayConfig:
     ``max_bytes_per_second`` (10 MB/s) forwarded by all circuits together (both
     directions count). ``circuit_timeout`` (5 s): how long a circuit waits for
     the relayed peer to take its side, and how long a preamble may take.
+    ``keepalive_interval`` (15 s): how often an idle register stream carries a
+    ping each way (module docstring), well under the minutes after which home
+    routers forget an idle TCP mapping.
     """
 
     serve: bool = True
@@ -100,6 +117,7 @@ class RelayConfig:
     max_circuits: int = 64
     max_bytes_per_second: float = 10e6
     circuit_timeout: float = 5.0
+    keepalive_interval: float = 15.0
 
     def __post_init__(self) -> None:
         for name in ("max_relayed_peers", "max_circuits"):
@@ -109,6 +127,11 @@ class RelayConfig:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ConfigError(f"{name}={value} must be a positive finite number")
+        lo, hi = _KEEPALIVE_RANGE
+        if not lo <= self.keepalive_interval <= hi:
+            raise ConfigError(
+                f"keepalive_interval={self.keepalive_interval} must be in [{lo}, {hi}] seconds"
+            )
 
 
 # The preamble codec: pure.
@@ -176,6 +199,7 @@ class Relay:
         self._circuits: dict[bytes, _Circuit] = {}
         self._active = 0
         self._free_at = 0.0
+        self._usable: Callable[[], bool] = lambda: True
         self._bytes = new_counter("swarm_relay_bytes", "Bytes this peer relayed, both directions")
         self._made = new_counter("swarm_relay_circuits", "Circuits this peer relayed")
 
@@ -200,6 +224,13 @@ class Relay:
         """The peers registered now."""
         return frozenset(self._registered)
 
+    def set_usable(self, usable: Callable[[], bool]) -> None:
+        """Refuse new registrations while ``usable()`` is False (a peer that is
+        itself unreachable or a client: ``AsyncPeer.can_relay``), so a relayed
+        peer is never chosen as a relay. A registration already held ends at
+        its next keepalive or circuit once ``usable()`` turned False."""
+        self._usable = usable
+
     async def _throttle(self, size: int) -> None:
         # A shared token bucket with no burst: each chunk books its share of
         # the relay's rate, and waits until its slot begins.
@@ -221,6 +252,9 @@ class Relay:
         if not self.config.serve:
             await stream.send(["refused", "this peer does not relay"])
             return
+        if not self._usable():
+            await stream.send(["refused", "this peer cannot be dialed itself"])
+            return
         earlier = self._registrations.pop(peer, None)
         if earlier is not None:
             earlier.cancel()
@@ -234,7 +268,7 @@ class Relay:
         self._registered[peer] = send
         scope = self._registrations[peer] = trio.CancelScope()
         try:
-            await stream.send(["registered", self.port])
+            await stream.send(["registered", self.port, self.config.keepalive_interval])
             with scope:
                 await self._serve_registration(stream, receive)
         finally:
@@ -246,18 +280,30 @@ class Relay:
     async def _serve_registration(
         self, stream: Stream, receive: trio.MemoryReceiveChannel[bytes]
     ) -> None:
+        interval = self.config.keepalive_interval
         async with trio.open_nursery() as nursery:
 
             async def watch_end() -> None:
-                # The relayed peer sends nothing; its EOF or a lost
-                # connection ends the registration.
-                with suppress(SwarmError):
-                    await stream.receive()
+                # The relayed peer sends only pings; its EOF, a lost
+                # connection, anything else, or silence ends the registration.
+                with suppress(SwarmError, trio.TooSlowError):
+                    while True:
+                        with trio.fail_after(KEEPALIVE_MISSES * interval):
+                            message = await stream.receive()
+                        if message != ["ping"]:
+                            break
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(watch_end)
-            async for token in receive:
-                await stream.send(["circuit", token])
+            while True:
+                token: bytes | None = None
+                with trio.move_on_after(interval):
+                    token = await receive.receive()
+                if not self._usable():
+                    # found unreachable since: the peer must find a relay others can dial
+                    nursery.cancel_scope.cancel()
+                    return
+                await stream.send(["ping"] if token is None else ["circuit", token])
 
     async def handle_tcp(self, socket_stream: trio.SocketStream) -> None:
         """Serve one connection to the relay port (after its ``RAW_MAGIC``): a
@@ -406,38 +452,77 @@ async def keep_relay(
     Started with ``await nursery.start(keep_relay, ...)``, it reports the relay
     port address (host of ``relay_address``, the relay's port) that others
     pass to ``open_circuit``. Each circuit becomes an inbound connection of
-    ``connections`` (its handshake and streams as if dialed directly).
+    ``connections`` (its handshake and streams as if dialed directly). It
+    pings the relay every keepalive interval the relay named (module
+    docstring).
 
     Raises ``PeerUnreachableError`` if the relay refuses (the message says
     why) or cannot be reached, and the errors of ``Connections.open_stream``;
-    after registering it returns when the relay ends the stream and raises
-    what a lost stream raises. Cancellation closes the register stream.
+    after registering it returns when the relay ends the stream, raises
+    ``PeerUnreachableError`` when the relay was silent for
+    ``KEEPALIVE_MISSES`` keepalive intervals, and what a lost stream raises.
+    Cancellation closes the register stream.
     """
     async with connections.open_stream(relay_peer, relay_address, REGISTER) as stream:
-        reply = expect_list(await stream.receive(), 2, "relay register reply")
-        kind = expect_str(reply[0], "relay register reply kind", max_size=16)
-        if kind == "refused":
-            raise PeerUnreachableError(
-                f"relay {relay_peer.short()} refused: {_refused_reason(reply)}"
-            )
-        if kind != "registered":
-            raise ProtocolError(f"unexpected relay register reply {kind!r}")
-        relay_port = expect_int(reply[1], "relay port", lo=1, hi=65535)
+        relay_port, keepalive = decode_registered(await stream.receive(), relay_peer)
         circuit_address = (relay_address[0], relay_port)
         task_status.started(circuit_address)
         with collapse_exception_groups():
             async with trio.open_nursery() as nursery:
-                await _take_circuits(connections, stream, circuit_address, nursery)
+                if keepalive is not None:
+                    nursery.start_soon(_ping, stream, keepalive)
+                await _take_circuits(connections, stream, circuit_address, keepalive, nursery)
+                nursery.cancel_scope.cancel()
+
+
+def decode_registered(reply: Any, relay_peer: PeerID) -> tuple[int, float | None]:
+    """The relay's answer to a registration: its circuit port and keepalive
+    interval (None from a relay that predates keepalives). Raises
+    ``PeerUnreachableError`` for a refusal and ``ProtocolError`` if malformed."""
+    if not isinstance(reply, list) or len(reply) not in (2, 3):
+        raise ProtocolError("relay register reply: expected a list of 2 or 3 items")
+    kind = expect_str(reply[0], "relay register reply kind", max_size=16)
+    if kind == "refused":
+        raise PeerUnreachableError(f"relay {relay_peer.short()} refused: {_refused_reason(reply)}")
+    if kind != "registered":
+        raise ProtocolError(f"unexpected relay register reply {kind!r}")
+    relay_port = expect_int(reply[1], "relay port", lo=1, hi=65535)
+    if len(reply) == 2:
+        return relay_port, None
+    keepalive = expect_float(reply[2], "relay keepalive interval")
+    lo, hi = _KEEPALIVE_RANGE
+    if not lo <= keepalive <= hi:
+        raise ProtocolError(f"relay keepalive interval {keepalive} is outside [{lo}, {hi}] s")
+    return relay_port, keepalive
+
+
+async def _ping(stream: Stream, interval: float) -> None:
+    while True:
+        await trio.sleep(interval)
+        await stream.send(["ping"])
 
 
 async def _take_circuits(
-    connections: Connections, stream: Stream, circuit_address: Address, nursery: trio.Nursery
+    connections: Connections,
+    stream: Stream,
+    circuit_address: Address,
+    keepalive: float | None,
+    nursery: trio.Nursery,
 ) -> None:
+    silence = math.inf if keepalive is None else KEEPALIVE_MISSES * keepalive
     while True:
         try:
-            message = expect_list(await stream.receive(), 2, "relay circuit")
+            with trio.fail_after(silence):
+                message = await stream.receive()
         except EndOfStreamError:
             return
+        except trio.TooSlowError as e:
+            raise PeerUnreachableError(
+                f"the relay sent nothing for {silence:g} s ({KEEPALIVE_MISSES} keepalives)"
+            ) from e
+        if message == ["ping"]:
+            continue
+        message = expect_list(message, 2, "relay circuit")
         if expect_str(message[0], "relay message kind", max_size=16) != "circuit":
             raise ProtocolError(f"unexpected relay message {message[0]!r}")
         token = expect_bytes(message[1], "circuit token", size=TOKEN_SIZE)

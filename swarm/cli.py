@@ -693,7 +693,8 @@ def _join_address(peer: Peer) -> str:
     if reachability is Reachability.UNREACHABLE and peer.async_peer.config.initial_peers:
         say(
             f"reachability: other peers cannot dial this one at {peer.address} (behind a "
-            "NAT or a firewall): it trains as a client, and others join through its initial peer"
+            "NAT or a firewall): others reach it through a relay (a peer they can dial), "
+            "and join through its initial peer"
         )
         return peer.async_peer.config.initial_peers[0]
     if reachability is Reachability.REACHABLE:

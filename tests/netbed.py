@@ -43,7 +43,14 @@ filtering is address-and-port-dependent (conntrack admits only packets from
 the exact address and port the LAN socket sent to): a "port-restricted cone",
 the most common home router. ``Nat(symmetric=True)`` adds ``--random-fully``:
 every new destination gets a fresh random public port (endpoint-dependent
-mapping), as on symmetric and carrier-grade NATs.
+mapping), as on symmetric and carrier-grade NATs. A packet from outside
+that no LAN connection asked for, to a port of the router itself, is refused
+(a TCP reset, an ICMP error), as Linux does with no firewall;
+``Nat(stealth=True)`` drops it silently instead, as most home routers'
+firewalls do (OpenWrt's wan zone, "stealth mode"). Hole punching needs the
+latter here: the routers sit next to each other on one bridge, so one side's
+SYN reaches the other's router before that one has sent its own, and a reset
+then ends the attempt (across the internet the SYNs would cross in flight).
 
 Teardown kills every process started with ``popen`` (its whole process group)
 and deletes every namespace of the bed, which destroys its links; it runs on
@@ -81,6 +88,8 @@ class Nat:
     """
 
     symmetric: bool = False
+    #: drop unsolicited packets to the router's own ports instead of refusing them
+    stealth: bool = False
 
 
 @dataclass(frozen=True)
@@ -272,6 +281,9 @@ class NetBed:
         _run(*in_router, "iptables", "-A", "FORWARD", "-i", "lan0", "-o", "wan0", "-j", "ACCEPT")
         _run(*in_router, "iptables", "-A", "FORWARD", "-m", "conntrack", "--ctstate",
              "ESTABLISHED,RELATED", "-j", "ACCEPT")  # fmt: skip
+        if nat.stealth:
+            _run(*in_router, "iptables", "-A", "INPUT", "-i", "wan0", "-m", "conntrack",
+                 "--ctstate", "NEW,INVALID", "-j", "DROP")  # fmt: skip
 
     def forward_port(self, peer: int, port: int) -> None:
         """From now on, NATed peer ``peer``'s router forwards TCP and UDP ``port``
@@ -287,6 +299,17 @@ class NetBed:
                  "-j", "DNAT", "--to-destination", f"{self.addresses[peer]}:{port}")  # fmt: skip
             _run(*in_router, "iptables", "-A", "FORWARD", "-i", "wan0", "-o", "lan0",
                  "-p", protocol, "--dport", str(port), "-j", "ACCEPT")  # fmt: skip
+
+    def set_nat_tcp_timeout(self, peer: int, seconds: int) -> None:
+        """From now on, NATed peer ``peer``'s router forgets an established TCP
+        connection idle for ``seconds`` (conntrack's timeout in the router's
+        namespace; Linux's default is five days, home routers' minutes): the
+        outside's packets on it are then dropped or refused."""
+        router = self.router_ns[peer]
+        if router is None:
+            raise ValueError(f"peer {peer} is not behind a NAT")
+        _run("ip", "netns", "exec", router, "sysctl", "-qw",
+             f"net.netfilter.nf_conntrack_tcp_timeout_established={seconds}")  # fmt: skip
 
     def add_loss(self, peer: int, probability: float) -> None:
         """From now on, drop packets of peer ``peer``'s link at random, each way

@@ -48,6 +48,7 @@ from averaging._allreduce import (
 from averaging._codecs import FLOAT16, NONE, UINT4, UINT8, decode, decode_split, encode
 from averaging._datagrams import PIECE_ELEMENTS, DatagramOpener, DatagramSealer, Kind, Pair
 from averaging._group import Group, GroupMember, MemberMode
+from averaging._matchmaking import Candidate, member_from_wire, member_to_wire
 from averaging._partition import Partition
 from averaging._pieces import PieceMask
 from averaging._state_transfer import (
@@ -64,10 +65,12 @@ from dht import _messages as messages
 from dht._protocol import SwarmProtocol, decode_find_value_reply, decode_nodes
 from dht._records import Record, RecordLimits, decode_subkey, make_record, owner_marker, validate
 from dht._storage import RecordStorage
-from swarm import Identity, ManualClock, ProtocolError, RecordRejectedError
+from swarm import Identity, ManualClock, PeerUnreachableError, ProtocolError, RecordRejectedError
 from swarm._connections import Stream, open_connections
 from swarm._framing import FrameDecoder, FrameEncoder, FrameKind
 from swarm._handshake import Handshake
+from swarm._punch import decode_offer, encode_offer
+from swarm._relay import decode_registered
 from swarm._state import flatten_state, parse_state_header, tensor_from_bytes, unflatten_state
 from swarm._wire import pack, unpack
 
@@ -384,6 +387,24 @@ def _state_samples() -> list[bytes]:
     return [pack(state_header(flatten_state(_TEMPLATE)))]
 
 
+# Matchmaking members and candidates (a relayed one names its relay), and a
+# relay's answer to a registration
+
+
+def _members() -> list[GroupMember]:
+    relayed = ("10.77.0.1", 7000)
+    return [
+        GroupMember(ALICE.peer_id, "10.0.0.1", 7000),
+        GroupMember(ALICE.peer_id, "10.0.0.1", 7000, 2.0, MemberMode.NODE, 1e6, 2e6),
+        GroupMember(ALICE.peer_id, "10.78.1.2", 7000, 1.0, MemberMode.NODE, relay=relayed),
+        GroupMember(ALICE.peer_id, "10.78.1.2", 7000, 1.0, MemberMode.NODE, 1e6, 2e6, relayed),
+    ]
+
+
+def _registered(data: bytes) -> None:
+    decode_registered(unpack(data), BOB.peer_id)
+
+
 TARGETS = [
     Target(
         "dht-record",
@@ -411,6 +432,27 @@ TARGETS = [
     Target("state", _state_samples, _state),
     Target("lossy-datagram", _lossy_datagrams, _lossy_datagram),
     Target("lossy-mask", lambda: [bytes([11, 0xFF, 0x07]), bytes([8, 0x81])], _lossy_mask),
+    Target(
+        "matchmaking-member",
+        lambda: [pack(member_to_wire(m)) for m in _members()],
+        lambda data: member_from_wire(unpack(data)),
+    ),
+    Target(
+        "matchmaking-candidate",
+        lambda: [pack(Candidate(m, NOW).to_wire()) for m in _members()],
+        lambda data: Candidate.from_wire(unpack(data)),
+    ),
+    Target(
+        "punch-offer",
+        lambda: [pack(encode_offer("10.77.0.2", 40000))],
+        lambda data: decode_offer(unpack(data)),
+    ),
+    Target(
+        "relay-registered",
+        lambda: [pack(["registered", 7000]), pack(["registered", 7000, 15.0])],
+        _registered,
+        (ProtocolError, PeerUnreachableError),
+    ),
 ]
 IDS = [t.name for t in TARGETS]
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -26,13 +26,23 @@ from swarm import (
     PeerID,
     PeerUnreachableError,
     ProtocolError,
+    PunchError,
     open_peer,
 )
 from swarm._bans import BanList
 from swarm._connections import Address, Connections, Stream, open_connections
 from swarm._counters import count_of
 from swarm._errors import StreamResetError
-from swarm._relay import RAW_MAGIC, Relay, RelayConfig, encode_preamble, keep_relay, serve_relay
+from swarm._relay import (
+    RAW_MAGIC,
+    REGISTER,
+    Relay,
+    RelayConfig,
+    decode_registered,
+    encode_preamble,
+    keep_relay,
+    serve_relay,
+)
 
 R = Identity.from_seed(b"R" * 32)
 X = Identity.from_seed(b"X" * 32)
@@ -265,6 +275,8 @@ async def test_the_rate_limit_spaces_out_forwarded_bytes(autojump_clock: Any) ->
         {"max_bytes_per_second": 0.0},
         {"max_bytes_per_second": float("inf")},
         {"circuit_timeout": -1.0},
+        {"keepalive_interval": 0.0},
+        {"keepalive_interval": float("nan")},
     ],
 )
 def test_config_is_validated(kwargs: dict[str, Any]) -> None:
@@ -299,3 +311,115 @@ async def test_peers_relay_by_default_and_a_client_is_reached_through_one() -> N
         # what it relayed is among the figures the peer exposes
         (relay_bytes,) = [m for m in r.metrics if m.describe()[0].name == "swarm_relay_bytes"]
         assert count_of(relay_bytes) == r.relay.bytes_relayed > 0
+
+
+KEEPALIVE = RelayConfig(keepalive_interval=0.2)
+
+
+async def test_an_idle_registration_lives_on_keepalives() -> None:
+    """Nothing but pings for many times the silence either side tolerates
+    (3 intervals): still registered, and a circuit still reaches X."""
+    async with relayed_swarm(KEEPALIVE) as s:
+        await trio.sleep(10 * KEEPALIVE.keepalive_interval)
+        assert s.relay.relayed_peers == {X.peer_id}
+        assert await s.d.call(X.peer_id, NOWHERE, "echo", "idle", timeout=10) == "idle"
+
+
+async def test_a_relayed_peer_that_falls_silent_is_unregistered() -> None:
+    """A registration whose peer sends no keepalive (vanished, or its NAT
+    forgot the mapping) ends after 3 silent intervals, freeing its slot."""
+    async with (
+        open_connections(R) as r,
+        serve_relay(r, KEEPALIVE) as relay,
+        open_connections(X) as x,
+        x.open_stream(R.peer_id, (HOST, r.port), REGISTER) as stream,
+    ):
+        assert await stream.receive() == ["registered", r.port, KEEPALIVE.keepalive_interval]
+        assert relay.relayed_peers == {X.peer_id}
+        for _ in range(200):  # bounded: 3 silent intervals are 0.6 s
+            if not relay.relayed_peers:
+                break
+            await trio.sleep(0.05)
+        assert relay.relayed_peers == frozenset()
+
+
+async def test_a_silent_relay_is_left_so_that_another_can_be_found() -> None:
+    """A relay that registered X and then says nothing (a machine that
+    vanished without closing its connections): X gives up on it after 3
+    keepalive intervals with ``PeerUnreachableError``."""
+    async with open_connections(R) as r, open_connections(X) as x:
+
+        async def stalled(stream: Stream) -> None:
+            await stream.send(["registered", r.port, 0.2])
+            await trio.sleep_forever()
+
+        r.set_handler(REGISTER, stalled)
+        with trio.fail_after(10), pytest.raises(PeerUnreachableError, match="sent nothing"):
+            await keep_relay(x, R.peer_id, (HOST, r.port))
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        ["registered", 7000, 0.0],
+        ["registered", 7000, 1e9],
+        ["registered", 7000, "15"],
+        ["registered", 0],
+        ["registered", 7000, 15.0, 1],
+        ["welcome", 7000],
+        "registered",
+    ],
+)
+def test_a_malformed_registration_reply_is_a_protocol_error(reply: Any) -> None:
+    with pytest.raises(ProtocolError):
+        decode_registered(reply, R.peer_id)
+
+
+def test_old_and_new_registration_replies_decode() -> None:
+    assert decode_registered(["registered", 7000], R.peer_id) == (7000, None)
+    assert decode_registered(["registered", 7000, 15.0], R.peer_id) == (7000, 15.0)
+    with pytest.raises(PeerUnreachableError, match="refused: full"):
+        decode_registered(["refused", "full"], R.peer_id)
+
+
+async def test_a_client_refuses_to_relay() -> None:
+    """A peer others cannot dial is never a relay: a configured client (and an
+    unreachable peer, ``AsyncPeer.can_relay``) refuses registrations."""
+    async with (
+        open_peer(R, PeerConfig()) as r,
+        open_peer(X, PeerConfig(initial_peers=(r.address,), client_mode=True)) as x,
+        open_peer(D, PeerConfig(initial_peers=(r.address,))) as d,
+    ):
+        assert not x.can_relay() and r.can_relay()
+        with pytest.raises(PeerUnreachableError, match="cannot be dialed itself"):
+            await keep_relay(d.connections, X.peer_id, x.endpoint)
+
+
+async def test_a_punch_needs_both_peers_to_know_the_address_others_see_them_at() -> None:
+    """Punching itself needs NATs (``test_relayed_members_nat``: on loopback
+    each SYN meets a closed port at once); here the refusals: a peer that
+    does not know the address others see it at neither asks nor answers."""
+    async with (
+        open_peer(R, PeerConfig()) as r,
+        open_peer(X, PeerConfig(initial_peers=(r.address,))) as x,
+    ):
+        with pytest.raises(PunchError, match="does not know the address"):
+            await x.punch(R.peer_id, r.endpoint)
+        x.observed_host = HOST
+        with pytest.raises(PunchError, match="refused to punch"):
+            await x.punch(R.peer_id, r.endpoint)
+
+
+async def test_a_relay_that_can_no_longer_be_dialed_ends_its_registrations() -> None:
+    """A relay found unreachable after a peer registered (``Relay.set_usable``)
+    ends the registration at its next keepalive, so the peer looks for a
+    relay others can dial."""
+    async with relayed_swarm(KEEPALIVE) as s:
+        usable = True
+        s.relay.set_usable(lambda: usable)
+        usable = False
+        for _ in range(100):  # bounded: one keepalive interval is 0.2 s
+            if not s.relay.relayed_peers:
+                break
+            await trio.sleep(0.05)
+        assert s.relay.relayed_peers == frozenset()
