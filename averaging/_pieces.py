@@ -175,19 +175,20 @@ class PieceReducer:
         """Add ``sender``'s ``piece``; False (and nothing added) if it already
         arrived or the phase is finished. ``ValueError`` for a piece out of
         range or of the wrong size: the caller checked both (``_datagrams``)."""
-        if self._finished or piece in self.masks[sender]:
+        mask = self.masks[sender]
+        if self._finished or piece in mask:
             return False
         start = piece * PIECE_ELEMENTS
         end = min(start + PIECE_ELEMENTS, self.part_size)
         array = values.detach().numpy() if isinstance(values, torch.Tensor) else values
         if array.size != end - start:
             raise ValueError(f"piece {piece} has {end - start} values, got {array.size}")
-        self.masks[sender].add(piece)
+        mask.add(piece)
         w = self._weights[sender]
         if w > 0:
             acc = self._acc_np[start:end]
             if w == 1.0:
-                acc += array.reshape(-1)
+                np.add(acc, array.reshape(-1), out=acc)
             else:
                 acc += np.float32(w) * array.reshape(-1)
             self._weight_sum[piece] += w
