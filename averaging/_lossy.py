@@ -40,7 +40,16 @@ Losing a piece is not a failure.
 
 Pacing. Nothing else protects a link from a sender flooding it: each sender
 paces its datagrams to one rate per remote peer (``Pacer``), set from what
-that peer reported for the previous round (``_pacing``).
+that peer reported for the previous phases (``_pacing``). What makes the
+reports true and the rate reachable on a busy machine:
+
+- arrivals are timed by the kernel (``SO_TIMESTAMPNS``), not when the reader
+  gets to them, so a receiver short of CPU does not slow its senders down;
+- a sender sends bursts of ``BURST`` seconds at its rate (``MIN_BURST`` to
+  ``MAX_BURST`` datagrams) in one system call where the kernel segments UDP
+  (``UDP_SEGMENT``), and one that fell behind catches up by ``MAX_LAG`` at
+  most, rather than in one long burst;
+- the reader gathers ``GATHER`` seconds of datagrams per wake-up.
 
 Restrictions: only the ``NONE`` codec (raw float32) and the weighted mean
 (no ``CenteredClip``): ``all_reduce`` raises ``ConfigError`` otherwise.

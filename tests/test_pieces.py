@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from averaging._pacing import (
     PROBE,
     Pacer,
 )
-from averaging._pieces import PieceMask, PieceReducer
+from averaging._pieces import PieceMask, PieceReducer, contributor_codes
 from swarm import ProtocolError
 
 N_PIECES = 4
@@ -41,6 +42,36 @@ def test_mask_round_trip_and_refusals() -> None:
         PieceMask.from_bytes(b"\x00\x08", 11)  # a bit beyond piece 10
     with pytest.raises(ValueError):
         mask.add(11)
+
+
+@pytest.mark.parametrize("senders", [(0, 1, 2, 3), (1, 5, 70)])  # 70: beyond int64 bits
+def test_contributor_codes_name_exactly_the_senders_of_each_piece(senders: tuple[int, ...]) -> None:
+    rng = random.Random(7)
+    n = 37
+    masks = {s: PieceMask(n) for s in senders}
+    for mask in masks.values():
+        for p in range(n):
+            if rng.random() < 0.6:
+                mask.add(p)
+    codes = contributor_codes(masks, n)
+    for p in range(n):
+        who = {s for s in senders if int(codes[p]) >> s & 1}
+        assert who == {s for s, m in masks.items() if p in m}
+    first = masks[senders[0]]
+    assert [bool(b) for b in first.array()] == [p in first for p in range(n)]
+
+
+def test_reducer_codes_agree_with_its_contributors() -> None:
+    reducer = PieceReducer(SIZE, {0: 1.0, 1: 0.0, 2: 2.0})
+    ones = torch.ones(PIECE_ELEMENTS)
+    reducer.add(0, 0, ones)
+    reducer.add(1, 1, ones)  # weight 0: in no piece's contributors
+    reducer.add(2, 2, ones)
+    reducer.add(0, 2, ones)
+    reducer.finish()
+    codes = reducer.contributor_codes()
+    for p in range(N_PIECES):
+        assert {s for s in range(3) if int(codes[p]) >> s & 1} == reducer.contributors(p)
 
 
 def test_each_piece_is_the_mean_over_what_arrived_weights_renormalised() -> None:
