@@ -105,6 +105,8 @@ LOSSY_VERSION = 1
 #: the marker travels on TCP, the datagrams it follows on UDP, and the two
 #: may be reordered on the way by a few milliseconds.
 DRAIN = 0.05
+#: How long a reducer waits for what a sender got back (it feeds the pacer only).
+GOT_WAIT = 4 * DRAIN
 #: How long a control stream for a group this peer does not run (yet) waits.
 UNKNOWN_GROUP_WAIT = 2.0
 HEADER_TIMEOUT = 5.0
@@ -165,8 +167,18 @@ class _Inbound:
     opener: DatagramOpener
     on_piece: Callable[[int, np.ndarray], None]
     complete: trio.Event = field(default_factory=trio.Event)
+    #: Set once the last piece the sender sends arrived (``expect_last``):
+    #: the sender is done, whether or not its end-of-sending marker is.
+    ended: trio.Event = field(default_factory=trio.Event)
+    final: int = -1
     first: float | None = None
     last: float = 0.0
+
+    def expect_last(self, piece: int) -> None:
+        """The sender sends its pieces in order and ``piece`` last (-1: none)."""
+        self.final = piece
+        if piece >= 0 and self.opener.has(piece):
+            self.ended.set()
 
     def deliver(self, datagram: bytes, when: float) -> None:
         """Open ``datagram``, which arrived at ``when`` (seconds: the kernel's
@@ -179,8 +191,11 @@ class _Inbound:
             self.first = when
         self.last = when
         self.on_piece(*opened)
+        if opened[0] == self.final:
+            self.ended.set()
         if self.opener.received == self.opener.pair.num_pieces:
             self.complete.set()
+            self.ended.set()
 
     @property
     def span(self) -> float:
@@ -368,6 +383,29 @@ class _LossyRound:
         if readable or not self._idle:
             await self._empty.wait()
 
+    async def _end_of_sending(self, stream: _LossyStream, inbound: _Inbound, what: str) -> bool:
+        """Wait until the remote is done sending ``inbound``'s datagrams: its
+        end-of-sending marker arrived (consumed and checked: True), or the
+        last datagram it sends did (False: the marker is still to be read).
+
+        Why both: a marker is one small TCP segment, and one the link loses
+        waits for TCP's retransmission timer (200 ms at least); the last
+        datagram arriving says the same, as often as the link delivers.
+        ``ProtocolError`` for a malformed marker."""
+        seen = False
+        async with trio.open_nursery() as nursery:
+
+            async def by_datagram() -> None:
+                await inbound.ended.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(by_datagram)
+            # a cancelled receive loses nothing: the marker is read later
+            _check_marker(await stream.receive(), what)
+            seen = True
+            nursery.cancel_scope.cancel()
+        return seen
+
     async def _wait_for_pieces(self, inbound: _Inbound) -> None:
         """After the end-of-sending marker: all pieces, or ``DRAIN`` and then
         what had arrived by then."""
@@ -547,11 +585,8 @@ class _LossyRound:
             self.inbound[route] = inbound
             self._all_inbound.append(inbound)
             await stream.send([self.sock.getsockname()[1], round_])
-            marker = expect_list(await stream.receive(), 3, "end of sending")
-            if expect_str(marker[0], "marker") != "sent":
-                raise ProtocolError("expected the end of sending")
-            expect_int(marker[1], "datagrams sent", lo=0)
-            expect_float(marker[2], "seconds sending")
+            inbound.expect_last(up.num_pieces - 1)  # every piece, in order
+            marker_read = await self._end_of_sending(stream, inbound, "end of sending")
             await self._wait_for_pieces(inbound)
             self._sender_done(sender)
             await self.reduced.wait()
@@ -571,12 +606,17 @@ class _LossyRound:
             pieces = (p for p in range(down.num_pieces) if reducer.has_result(p))
             span = await self._send_datagrams(sealer, result.numpy(), pieces, address, pacer)
             await stream.send(["sent", sealer.seq, span])
-            got = expect_list(await stream.receive(), 3, "results received")
-            if expect_str(got[0], "marker") != "got":
-                raise ProtocolError("expected the results received")
-            received = expect_int(got[1], "results received", lo=0, hi=sealer.seq)
-            arrival = expect_float(got[2], "seconds")
-            self.pacers.sender_report(stream.remote, sealer.seq, received, span, arrival)
+            # What the sender got back only feeds our pacer: wait for it
+            # briefly, not for a retransmission (``_end_of_sending``).
+            with trio.move_on_after(GOT_WAIT):
+                if not marker_read:
+                    _check_marker(await stream.receive(), "end of sending")
+                got = expect_list(await stream.receive(), 3, "results received")
+                if expect_str(got[0], "marker") != "got":
+                    raise ProtocolError("expected the results received")
+                received = expect_int(got[1], "results received", lo=0, hi=sealer.seq)
+                arrival = expect_float(got[2], "seconds")
+                self.pacers.sender_report(stream.remote, sealer.seq, received, span, arrival)
         except Exception as e:  # per-peer boundary: this sender only
             logger.info("lossy all-reduce: serving member %d failed: %r", sender, e)
             self._sender_done(sender, failed=not self.reduced.is_set())
@@ -653,17 +693,24 @@ class _LossyRound:
                     member.peer_id, sealer.seq, received, span, expect_float(report[2], "seconds")
                 )
                 masks = self._parse_masks(report[3], got.n)
-                marker = expect_list(await stream.receive(), 3, "end of results")
-                if expect_str(marker[0], "marker") != "sent":
-                    raise ProtocolError("expected the end of the results")
+                codes = contributor_codes(masks, got.n)
+                nonzero = np.flatnonzero(codes)
+                inbound.expect_last(int(nonzero[-1]) if nonzero.size else -1)
+                marker_read = await self._end_of_sending(stream, inbound, "end of results")
                 await self._wait_for_pieces(inbound)
                 # From here on nothing more is taken: the result is what arrived.
                 del self.inbound[(int(Kind.RESULT), part, me)]
                 self._results[part] = (buffer, got, masks)
                 await stream.send(["got", inbound.opener.received, inbound.span])
+                if not marker_read:
+                    # Read before leaving: a connection returns to the pool
+                    # only once nothing but the remote's EOF is left on it.
+                    with trio.move_on_after(GOT_WAIT):
+                        _check_marker(await stream.receive(), "end of results")
         except Exception as e:  # per-peer boundary: this reducer only
-            logger.info("lossy all-reduce: part %d from member %d failed: %r", part, part, e)
-            self._failed_reducers.add(part)
+            if part not in self._results:  # after them: the "got" only fed its pacer
+                logger.info("lossy all-reduce: part %d from member %d failed: %r", part, part, e)
+                self._failed_reducers.add(part)
 
     def _parse_masks(self, obj: Any, n: int) -> dict[int, PieceMask]:
         if not isinstance(obj, list) or len(obj) > self.group.size:
@@ -750,6 +797,15 @@ class _LossyRound:
             senders,
             f"; dropped datagrams: {dict(sorted(dropped.items()))}" if dropped else "",
         )
+
+
+def _check_marker(message: Any, what: str) -> None:
+    """An end-of-sending marker ``["sent", datagrams, seconds]``, else ``ProtocolError``."""
+    marker = expect_list(message, 3, what)
+    if expect_str(marker[0], "marker") != "sent":
+        raise ProtocolError(f"expected the {what}")
+    expect_int(marker[1], "datagrams sent", lo=0)
+    expect_float(marker[2], "seconds sending")
 
 
 # ---------------------------------------------------------------- the registry
