@@ -40,7 +40,16 @@ Losing a piece is not a failure.
 
 Pacing. Nothing else protects a link from a sender flooding it: each sender
 paces its datagrams to one rate per remote peer (``Pacer``), set from what
-that peer reported for the previous round (``_pacing``).
+that peer reported for the previous phases (``_pacing``). What makes the
+reports true and the rate reachable on a busy machine:
+
+- arrivals are timed by the kernel (``SO_TIMESTAMPNS``), not when the reader
+  gets to them, so a receiver short of CPU does not slow its senders down;
+- a sender sends bursts of ``BURST`` seconds at its rate (``MIN_BURST`` to
+  ``MAX_BURST`` datagrams) in one system call where the kernel segments UDP
+  (``UDP_SEGMENT``), and one that fell behind catches up by ``MAX_LAG`` at
+  most, rather than in one long burst;
+- the reader gathers ``GATHER`` seconds of datagrams per wake-up.
 
 Restrictions: only the ``NONE`` codec (raw float32) and the weighted mean
 (no ``CenteredClip``): ``all_reduce`` raises ``ConfigError`` otherwise.
@@ -53,8 +62,10 @@ import math
 import secrets
 import select
 import socket
+import struct
+import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -68,6 +79,7 @@ from swarm import PeerID, ProtocolError
 from swarm._wire import expect_bytes, expect_float, expect_int, expect_list, expect_str
 
 from ._datagrams import (
+    FULL_DATAGRAM,
     PIECE_ELEMENTS,
     DatagramOpener,
     DatagramSealer,
@@ -81,7 +93,7 @@ from ._faults import DatagramFilter, FaultPlan
 from ._group import Group, MemberMode
 from ._pacing import Pacer, PacerRegistry
 from ._partition import Partition
-from ._pieces import PieceMask, PieceReducer
+from ._pieces import PieceMask, PieceReducer, contributor_codes
 from ._rounds import RoundsByGroup
 
 logger = logging.getLogger(__name__)
@@ -93,12 +105,39 @@ LOSSY_VERSION = 1
 #: the marker travels on TCP, the datagrams it follows on UDP, and the two
 #: may be reordered on the way by a few milliseconds.
 DRAIN = 0.05
+#: How long a reducer waits for what a sender got back (it feeds the pacer only).
+GOT_WAIT = 4 * DRAIN
 #: How long a control stream for a group this peer does not run (yet) waits.
 UNKNOWN_GROUP_WAIT = 2.0
 HEADER_TIMEOUT = 5.0
 #: Kernel receive buffer asked for the round's socket: a burst from several
 #: senders must not overflow it while the trio thread is busy.
 SOCKET_BUFFER = 8 * 2**20
+#: Longest burst a sender sends at once, in seconds at its paced rate: long
+#: enough that one system call carries many datagrams (``UDP_SEGMENT``) and a
+#: sleep between bursts is not shorter than trio's timers can honour; short
+#: enough that a burst fits the queue of a home router many times over.
+BURST = 0.004
+#: Fewest and most datagrams in one burst (the kernel's limit for one
+#: segmented send is 64 segments and 64 KiB in all, 47 of ours): a burst of
+#: 11 kB costs a home router's queue nothing, and a trio timer per datagram
+#: would cost more CPU than the sending.
+MIN_BURST = 8
+MAX_BURST = 32
+#: The reader, woken by a datagram after finding the socket empty, lets this
+#: many seconds of datagrams gather before it reads them: one wake-up per
+#: batch rather than per datagram. Arrival times are the kernel's, so the
+#: wait does not distort what the receiver reports.
+GATHER = 0.002
+#: A sender that fell behind its schedule (its CPU was busy) sends at most
+#: this much late traffic at once, rather than one long burst at line rate.
+MAX_LAG = 0.005
+# Linux socket options that Python's ``socket`` module does not name.
+_SO_TIMESTAMPNS = 35  # a kernel receive timestamp with each datagram
+_SO_SNDBUFFORCE = 32  # buffers beyond net.core.*mem_max (root only)
+_SO_RCVBUFFORCE = 33
+_UDP_SEGMENT = 103  # UDP segmentation offload: one send, many datagrams
+_TIMESPEC = struct.Struct("@qq")
 
 
 class _LossyStream(Protocol):
@@ -128,20 +167,35 @@ class _Inbound:
     opener: DatagramOpener
     on_piece: Callable[[int, np.ndarray], None]
     complete: trio.Event = field(default_factory=trio.Event)
+    #: Set once the last piece the sender sends arrived (``expect_last``):
+    #: the sender is done, whether or not its end-of-sending marker is.
+    ended: trio.Event = field(default_factory=trio.Event)
+    final: int = -1
     first: float | None = None
     last: float = 0.0
 
-    def deliver(self, datagram: bytes) -> None:
+    def expect_last(self, piece: int) -> None:
+        """The sender sends its pieces in order and ``piece`` last (-1: none)."""
+        self.final = piece
+        if piece >= 0 and self.opener.has(piece):
+            self.ended.set()
+
+    def deliver(self, datagram: bytes, when: float) -> None:
+        """Open ``datagram``, which arrived at ``when`` (seconds: the kernel's
+        receive time where the socket gives one, so that a receiver busy with
+        other work does not make the path look slower than it is)."""
         opened = self.opener.open(datagram)
         if opened is None:
             return
-        now = trio.current_time()
         if self.first is None:
-            self.first = now
-        self.last = now
+            self.first = when
+        self.last = when
         self.on_piece(*opened)
+        if opened[0] == self.final:
+            self.ended.set()
         if self.opener.received == self.opener.pair.num_pieces:
             self.complete.set()
+            self.ended.set()
 
     @property
     def span(self) -> float:
@@ -187,11 +241,10 @@ async def lossy_all_reduce(
     sock = socket.socket(family, socket.SOCK_DGRAM)
     with sock:
         sock.setblocking(False)
-        for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-            with suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
+        segmented, stamped = _tune(sock)
         sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
         rnd = _LossyRound(net, group, partition, flat, weight, sock, sender_timeout, round_timeout)
+        rnd.segmented, rnd.stamped = segmented, stamped
         plan = fault_plan if fault_plan is not None else FaultPlan()
         faults = plan.datagrams.filter(group.local_index) if plan.datagrams else None
         with trio.move_on_after(round_timeout) as deadline, _registry(net).register(rnd):
@@ -206,6 +259,30 @@ async def lossy_all_reduce(
                                 nursery.start_soon(rnd.send_part, part)
                 outer.cancel_scope.cancel()
         return rnd.finish(timed_out=deadline.cancelled_caught)
+
+
+def _tune(sock: socket.socket) -> tuple[bool, bool]:
+    """Large buffers, segmentation offload and receive timestamps where the
+    kernel has them: ``(segmented, stamped)``. Each is an optimisation with
+    a fallback (a datagram per send call; the time the reader took it)."""
+    for force, option in ((_SO_RCVBUFFORCE, socket.SO_RCVBUF), (_SO_SNDBUFFORCE, socket.SO_SNDBUF)):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, force, SOCKET_BUFFER)
+        except OSError:  # not root: as much as net.core.*mem_max allows
+            with suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
+    if sys.platform != "linux":
+        return False, False
+    segmented = stamped = True
+    try:
+        sock.setsockopt(socket.IPPROTO_UDP, _UDP_SEGMENT, FULL_DATAGRAM)
+    except OSError:
+        segmented = False
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+    except OSError:
+        stamped = False
+    return segmented, stamped
 
 
 class _LossyRound:
@@ -238,6 +315,8 @@ class _LossyRound:
         self.stray = 0
         self._empty = trio.Event()
         self._idle = False  # the reader waits for the socket to become readable
+        self.segmented = False  # one send call may carry many datagrams (``_tune``)
+        self.stamped = False  # datagrams come with the kernel's receive time
         # Reducer role.
         self.reducer: PieceReducer | None = None
         self.reduced = trio.Event()
@@ -259,28 +338,37 @@ class _LossyRound:
     async def read_datagrams(self, faults: DatagramFilter | None) -> None:
         """Route every datagram to its pair's opener until cancelled."""
         batch = 0
+        sock = self.sock
+        ancillary = socket.CMSG_SPACE(_TIMESPEC.size) if self.stamped else 0
         while True:
             try:
-                data = self.sock.recv(2048)
+                data, cmsgs, _, _ = sock.recvmsg(2048, ancillary)
             except BlockingIOError:
                 self._empty.set()
                 self._empty = trio.Event()
                 self._idle = True
                 try:
-                    await trio.lowlevel.wait_readable(self.sock)
+                    await trio.lowlevel.wait_readable(sock)
                 finally:
                     self._idle = False
+                if self.stamped:
+                    await trio.sleep(GATHER)
                 continue
             except OSError:  # e.g. ICMP port unreachable from a round that ended
                 await trio.lowlevel.checkpoint()
                 continue
+            if cmsgs:
+                seconds, nanoseconds = _TIMESPEC.unpack_from(cmsgs[0][2])
+                when = seconds + nanoseconds * 1e-9
+            else:
+                when = trio.current_time()
             for datagram in faults(data) if faults is not None else (data,):
                 route = peek_route(datagram)
                 inbound = self.inbound.get(route) if route is not None else None
                 if inbound is None:
                     self.stray += 1
                 else:
-                    inbound.deliver(datagram)
+                    inbound.deliver(datagram, when)
             batch += 1
             if batch % 64 == 0:  # let the senders and the control streams run
                 await trio.lowlevel.checkpoint()
@@ -295,6 +383,29 @@ class _LossyRound:
         if readable or not self._idle:
             await self._empty.wait()
 
+    async def _end_of_sending(self, stream: _LossyStream, inbound: _Inbound, what: str) -> bool:
+        """Wait until the remote is done sending ``inbound``'s datagrams: its
+        end-of-sending marker arrived (consumed and checked: True), or the
+        last datagram it sends did (False: the marker is still to be read).
+
+        Why both: a marker is one small TCP segment, and one the link loses
+        waits for TCP's retransmission timer (200 ms at least); the last
+        datagram arriving says the same, as often as the link delivers.
+        ``ProtocolError`` for a malformed marker."""
+        seen = False
+        async with trio.open_nursery() as nursery:
+
+            async def by_datagram() -> None:
+                await inbound.ended.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(by_datagram)
+            # a cancelled receive loses nothing: the marker is read later
+            _check_marker(await stream.receive(), what)
+            seen = True
+            nursery.cancel_scope.cancel()
+        return seen
+
     async def _wait_for_pieces(self, inbound: _Inbound) -> None:
         """After the end-of-sending marker: all pieces, or ``DRAIN`` and then
         what had arrived by then."""
@@ -304,41 +415,86 @@ class _LossyRound:
             if not inbound.complete.is_set():
                 await self.settled()
 
-    async def _sendto(self, datagram: bytes, address: tuple[str, int]) -> None:
-        """Send one datagram; one the kernel refuses (ENOBUFS, unreachable)
-        is lost, like one dropped on the way."""
+    async def _send_burst(self, burst: list[bytes], address: tuple[str, int]) -> None:
+        """Send the datagrams of ``burst``, in one system call where the
+        kernel segments (every datagram but the last is ``FULL_DATAGRAM``
+        bytes: only a part's last piece is shorter). One the kernel refuses
+        (ENOBUFS, unreachable) is lost, like one dropped on the way."""
         while True:
             try:
-                self.sock.sendto(datagram, address)
+                if self.segmented and len(burst) > 1:
+                    self.sock.sendto(b"".join(burst), address)
+                else:
+                    for i, datagram in enumerate(burst):
+                        try:
+                            self.sock.sendto(datagram, address)
+                        except BlockingIOError:
+                            burst = burst[i:]
+                            raise
                 return
             except BlockingIOError:
                 # The send buffer is full. Several tasks send on this socket,
                 # and only one may wait for it to become writable: poll.
                 await trio.sleep(0.001)
             except OSError:
+                if self.segmented and len(burst) > 1:
+                    self.segmented = False  # a device without segmentation: one by one
+                    continue
                 return
 
-    async def _send_pieces(
-        self, sealer: DatagramSealer, values: torch.Tensor, address: tuple[str, int], pacer: Pacer
+    async def _send_datagrams(
+        self,
+        sealer: DatagramSealer,
+        values: np.ndarray,
+        pieces: Iterable[int],
+        address: tuple[str, int],
+        pacer: Pacer,
     ) -> float:
-        """Send every piece of ``values``, paced at ``pacer.rate``; return the
-        seconds it took. A datagram the kernel refuses counts as lost."""
-        start = trio.current_time()
-        sent_bytes = 0
+        """Seal and send ``pieces`` of ``values`` (the whole part), paced at
+        ``pacer.rate`` in bursts of ``BURST`` seconds; return the seconds the
+        sending took, counted as the receiver will see it (to the end of the
+        last burst at the paced rate). On cancellation, what was sent is sent."""
+        data = memoryview(np.ascontiguousarray(values, dtype="<f4").data).cast("B")
         rate = pacer.rate
-        array = values.numpy()
-        for piece in range(sealer.pair.num_pieces):
-            lo, hi = sealer.pair.piece_bounds(piece)
-            datagram = sealer.seal(piece, array[lo:hi])
-            due = start + sent_bytes / rate
+        per_burst = max(MIN_BURST, min(MAX_BURST, int(rate * BURST / FULL_DATAGRAM)))
+        part_bytes = 4 * values.size
+        first: float | None = None
+        start = last = 0.0
+        last_bytes = 0
+        sent_bytes = 0
+        burst: list[bytes] = []
+        burst_bytes = 0
+        pending = iter(pieces)
+        while True:
+            burst.clear()
+            burst_bytes = 0
+            for piece in pending:
+                lo = piece * 4 * PIECE_ELEMENTS
+                hi = min(lo + 4 * PIECE_ELEMENTS, part_bytes)
+                datagram = sealer.seal_bytes(piece, data[lo:hi])
+                burst.append(datagram)
+                burst_bytes += len(datagram)
+                if len(burst) == per_burst:
+                    break
+            if not burst:
+                break
             now = trio.current_time()
-            if due > now + 0.001:  # sleeping is coarse: below a millisecond, burst
+            if first is None:
+                first = start = now
+            due = start + sent_bytes / rate
+            if due > now:
                 await trio.sleep(due - now)
-            elif piece % 32 == 0:
+            else:
+                if due < now - MAX_LAG:  # behind schedule: catch up one lag at most
+                    start += now - MAX_LAG - due
                 await trio.lowlevel.checkpoint()
-            await self._sendto(datagram, address)
-            sent_bytes += len(datagram)
-        return trio.current_time() - start
+            await self._send_burst(burst, address)
+            last = trio.current_time()
+            last_bytes = burst_bytes
+            sent_bytes += burst_bytes
+        if first is None:
+            return 0.0
+        return last - first + last_bytes / rate
 
     # ----------------------------------------------------------------- reducer
 
@@ -429,11 +585,8 @@ class _LossyRound:
             self.inbound[route] = inbound
             self._all_inbound.append(inbound)
             await stream.send([self.sock.getsockname()[1], round_])
-            marker = expect_list(await stream.receive(), 3, "end of sending")
-            if expect_str(marker[0], "marker") != "sent":
-                raise ProtocolError("expected the end of sending")
-            expect_int(marker[1], "datagrams sent", lo=0)
-            expect_float(marker[2], "seconds sending")
+            inbound.expect_last(up.num_pieces - 1)  # every piece, in order
+            marker_read = await self._end_of_sending(stream, inbound, "end of sending")
             await self._wait_for_pieces(inbound)
             self._sender_done(sender)
             await self.reduced.wait()
@@ -450,14 +603,20 @@ class _LossyRound:
             result = reducer.result()
             address = (self.group.members[sender].host, port)
             pacer = self.pacers.pacer(stream.remote)
-            span = await self._send_results(sealer, result, address, pacer, reducer)
+            pieces = (p for p in range(down.num_pieces) if reducer.has_result(p))
+            span = await self._send_datagrams(sealer, result.numpy(), pieces, address, pacer)
             await stream.send(["sent", sealer.seq, span])
-            got = expect_list(await stream.receive(), 3, "results received")
-            if expect_str(got[0], "marker") != "got":
-                raise ProtocolError("expected the results received")
-            received = expect_int(got[1], "results received", lo=0, hi=sealer.seq)
-            arrival = expect_float(got[2], "seconds")
-            self.pacers.sender_report(stream.remote, sealer.seq, received, span, arrival)
+            # What the sender got back only feeds our pacer: wait for it
+            # briefly, not for a retransmission (``_end_of_sending``).
+            with trio.move_on_after(GOT_WAIT):
+                if not marker_read:
+                    _check_marker(await stream.receive(), "end of sending")
+                got = expect_list(await stream.receive(), 3, "results received")
+                if expect_str(got[0], "marker") != "got":
+                    raise ProtocolError("expected the results received")
+                received = expect_int(got[1], "results received", lo=0, hi=sealer.seq)
+                arrival = expect_float(got[2], "seconds")
+                self.pacers.sender_report(stream.remote, sealer.seq, received, span, arrival)
         except Exception as e:  # per-peer boundary: this sender only
             logger.info("lossy all-reduce: serving member %d failed: %r", sender, e)
             self._sender_done(sender, failed=not self.reduced.is_set())
@@ -472,34 +631,6 @@ class _LossyRound:
         self.reducer.add(sender, piece, values)
         if self.reducer.masks[sender].complete:
             self._sender_done(sender)
-
-    async def _send_results(
-        self,
-        sealer: DatagramSealer,
-        result: torch.Tensor,
-        address: tuple[str, int],
-        pacer: Pacer,
-        reducer: PieceReducer,
-    ) -> float:
-        """Send the pieces of ``result`` that have one; seconds it took."""
-        start = trio.current_time()
-        sent_bytes = 0
-        rate = pacer.rate
-        array = result.numpy()
-        for piece in range(sealer.pair.num_pieces):
-            if not reducer.has_result(piece):
-                continue
-            lo, hi = sealer.pair.piece_bounds(piece)
-            datagram = sealer.seal(piece, array[lo:hi])
-            due = start + sent_bytes / rate
-            now = trio.current_time()
-            if due > now + 0.001:
-                await trio.sleep(due - now)
-            elif piece % 32 == 0:
-                await trio.lowlevel.checkpoint()
-            await self._sendto(datagram, address)
-            sent_bytes += len(datagram)
-        return trio.current_time() - start
 
     # ------------------------------------------------------------------ sender
 
@@ -548,7 +679,11 @@ class _LossyRound:
                 up = Pair(Kind.PART, self.tag, round_, part, me, part_size)
                 sealer = DatagramSealer(stream.export_key(key_label(Kind.PART, gid, round_)), up)
                 pacer = self.pacers.pacer(member.peer_id)
-                span = await self._send_pieces(sealer, self.flat[lo:hi], (member.host, port), pacer)
+                values = self.flat[lo:hi].numpy()
+                address = (member.host, port)
+                span = await self._send_datagrams(
+                    sealer, values, range(up.num_pieces), address, pacer
+                )
                 await stream.send(["sent", sealer.seq, span])
                 report = expect_list(await stream.receive(), 4, "reducer report")
                 if expect_str(report[0], "marker") != "report":
@@ -558,17 +693,24 @@ class _LossyRound:
                     member.peer_id, sealer.seq, received, span, expect_float(report[2], "seconds")
                 )
                 masks = self._parse_masks(report[3], got.n)
-                marker = expect_list(await stream.receive(), 3, "end of results")
-                if expect_str(marker[0], "marker") != "sent":
-                    raise ProtocolError("expected the end of the results")
+                codes = contributor_codes(masks, got.n)
+                nonzero = np.flatnonzero(codes)
+                inbound.expect_last(int(nonzero[-1]) if nonzero.size else -1)
+                marker_read = await self._end_of_sending(stream, inbound, "end of results")
                 await self._wait_for_pieces(inbound)
                 # From here on nothing more is taken: the result is what arrived.
                 del self.inbound[(int(Kind.RESULT), part, me)]
                 self._results[part] = (buffer, got, masks)
                 await stream.send(["got", inbound.opener.received, inbound.span])
+                if not marker_read:
+                    # Read before leaving: a connection returns to the pool
+                    # only once nothing but the remote's EOF is left on it.
+                    with trio.move_on_after(GOT_WAIT):
+                        _check_marker(await stream.receive(), "end of results")
         except Exception as e:  # per-peer boundary: this reducer only
-            logger.info("lossy all-reduce: part %d from member %d failed: %r", part, part, e)
-            self._failed_reducers.add(part)
+            if part not in self._results:  # after them: the "got" only fed its pacer
+                logger.info("lossy all-reduce: part %d from member %d failed: %r", part, part, e)
+                self._failed_reducers.add(part)
 
     def _parse_masks(self, obj: Any, n: int) -> dict[int, PieceMask]:
         if not isinstance(obj, list) or len(obj) > self.group.size:
@@ -592,31 +734,36 @@ class _LossyRound:
         local = frozenset({me})
         contributors: list[tuple[frozenset[int], ...]] = []
         aux = self.group.local.mode is MemberMode.AUX
-        flat = self.flat.numpy()  # piece by piece: numpy's slicing is the cheaper
-        interned: dict[frozenset[int], frozenset[int]] = {}
+        flat = self.flat.numpy()
+        # Contributor sets are computed for whole parts at once (one integer
+        # per piece, a bit per sender): a round has thousands of pieces.
+        sets: dict[int, frozenset[int]] = {0: frozenset() if aux else local}
+
+        def as_set(code: int) -> frozenset[int]:
+            found = sets.get(code)
+            if found is None:
+                found = sets[code] = frozenset(s for s in range(code.bit_length()) if code >> s & 1)
+            return found
+
         for part, (lo, hi) in enumerate(self.partition.part_bounds):
             n = -(-(hi - lo) // PIECE_ELEMENTS)
-            pieces: list[frozenset[int]] = [frozenset() if aux else local] * n
+            codes: np.ndarray | None = None
+            values: np.ndarray | None = None
             if part == me and self.reducer is not None and self.reduced.is_set():
-                result = self.reducer.result().numpy()
-                for p in range(n):
-                    who = self.reducer.contributors(p)
-                    if who:
-                        a, b = p * PIECE_ELEMENTS, min((p + 1) * PIECE_ELEMENTS, hi - lo)
-                        if not aux:
-                            flat[lo + a : lo + b] = result[a:b]
-                        pieces[p] = interned.setdefault(who, who)
+                codes, values = self.reducer.contributor_codes(), self.reducer.result().numpy()
             elif part in self._results and not aux:
                 buffer, got, masks = self._results[part]
-                for p in got.pieces():
-                    who = frozenset(s for s, m in masks.items() if p in m)
-                    if who:  # a piece nobody contributed to cannot be a result
-                        a, b = p * PIECE_ELEMENTS, min((p + 1) * PIECE_ELEMENTS, hi - lo)
-                        flat[lo + a : lo + b] = buffer[a:b]
-                        pieces[p] = interned.setdefault(who, who)
+                # a piece nobody contributed to cannot be a result
+                codes, values = contributor_codes(masks, n) * got.array(), buffer
             elif part != me and hi > lo and not aux:
                 self._failed_reducers.add(part)
-            contributors.append(tuple(pieces))
+            if codes is None or values is None:
+                contributors.append((sets[0],) * n)
+                continue
+            if not aux:
+                keep = np.repeat(codes != 0, PIECE_ELEMENTS)[: hi - lo]
+                np.copyto(flat[lo:hi], values, where=keep)
+            contributors.append(tuple(as_set(code) for code in codes.tolist()))
         dropped: Counter[str] = Counter()
         for inbound in self._all_inbound:
             dropped.update(inbound.opener.dropped)
@@ -650,6 +797,15 @@ class _LossyRound:
             senders,
             f"; dropped datagrams: {dict(sorted(dropped.items()))}" if dropped else "",
         )
+
+
+def _check_marker(message: Any, what: str) -> None:
+    """An end-of-sending marker ``["sent", datagrams, seconds]``, else ``ProtocolError``."""
+    marker = expect_list(message, 3, what)
+    if expect_str(marker[0], "marker") != "sent":
+        raise ProtocolError(f"expected the {what}")
+    expect_int(marker[1], "datagrams sent", lo=0)
+    expect_float(marker[2], "seconds sending")
 
 
 # ---------------------------------------------------------------- the registry

@@ -114,6 +114,25 @@ class PieceMask:
     def pieces(self) -> list[int]:
         return [i for i in range(self.n) if i in self]
 
+    def array(self) -> np.ndarray:
+        """The mask as ``n`` booleans, piece i at index i."""
+        bits = np.unpackbits(np.frombuffer(bytes(self._bits), dtype=np.uint8), bitorder="little")
+        return bits[: self.n].astype(bool)
+
+
+def contributor_codes(masks: Mapping[int, PieceMask], n: int) -> np.ndarray:
+    """Per piece, the senders whose mask holds it as one integer (bit s for
+    sender s): the contributor sets of a whole part at once, vectorised."""
+    if any(sender >= 62 for sender in masks):  # beyond int64: Python integers
+        codes = np.zeros(n, dtype=object)
+        for sender, mask in masks.items():
+            codes |= mask.array().astype(object) * (1 << sender)
+        return codes
+    codes = np.zeros(n, dtype=np.int64)
+    for sender, mask in masks.items():
+        codes |= mask.array().astype(np.int64) << sender
+    return codes
+
 
 class PieceReducer:
     """The per-piece renormalised weighted mean of one part (module docstring).
@@ -156,19 +175,20 @@ class PieceReducer:
         """Add ``sender``'s ``piece``; False (and nothing added) if it already
         arrived or the phase is finished. ``ValueError`` for a piece out of
         range or of the wrong size: the caller checked both (``_datagrams``)."""
-        if self._finished or piece in self.masks[sender]:
+        mask = self.masks[sender]
+        if self._finished or piece in mask:
             return False
         start = piece * PIECE_ELEMENTS
         end = min(start + PIECE_ELEMENTS, self.part_size)
         array = values.detach().numpy() if isinstance(values, torch.Tensor) else values
         if array.size != end - start:
             raise ValueError(f"piece {piece} has {end - start} values, got {array.size}")
-        self.masks[sender].add(piece)
+        mask.add(piece)
         w = self._weights[sender]
         if w > 0:
             acc = self._acc_np[start:end]
             if w == 1.0:
-                acc += array.reshape(-1)
+                np.add(acc, array.reshape(-1), out=acc)
             else:
                 acc += np.float32(w) * array.reshape(-1)
             self._weight_sum[piece] += w
@@ -203,6 +223,14 @@ class PieceReducer:
 
     def has_result(self, piece: int) -> bool:
         return self._weight_sum[piece] > 0
+
+    def contributor_codes(self) -> np.ndarray:
+        """``contributors`` of every piece at once, as ``contributor_codes``
+        writes them (0 for a piece without result)."""
+        weighted = {s: m for s, m in self.masks.items() if self._weights[s] > 0}
+        codes = contributor_codes(weighted, self.num_pieces)
+        codes[np.asarray(self._weight_sum) <= 0] = 0
+        return codes
 
     def result(self) -> torch.Tensor:
         """The averaged part (pieces without result hold zeros: check

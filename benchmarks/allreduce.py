@@ -257,6 +257,8 @@ def worker(args: argparse.Namespace) -> None:
     logging.getLogger("averaging._allreduce").addFilter(
         lambda record: "senders in every part" not in record.msg
     )
+    if args.pacing_log:  # the lossy plane's rate timeline, one line per receiver report
+        logging.getLogger("averaging._pacing").setLevel(logging.DEBUG)
     torch.set_num_threads(args.threads)
     directory = Path(args.dir)
     if args.profile:
@@ -359,7 +361,8 @@ def launch(
                     + extra
                     + (["--profile", args.profile] if args.profile else [])
                     + (["--encrypt"] if encrypt else [])
-                    + (["--lossy-worker"] if lossy else []),
+                    + (["--lossy-worker"] if lossy else [])
+                    + (["--pacing-log"] if args.pacing_log else []),
                 ),
                 stdout=subprocess.PIPE,
                 text=True,
@@ -432,6 +435,11 @@ def main() -> None:
         "--lossy", action="store_true", help="with --link-rate: add the lossy data plane"
     )
     parser.add_argument("--lossy-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--pacing-log",
+        action="store_true",
+        help="with --lossy: log each receiver report and the send rate it set (stderr)",
+    )
     parser.add_argument(
         "--codecs",
         default=",".join(CODECS),

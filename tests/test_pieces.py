@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
 
 from averaging._datagrams import PIECE_ELEMENTS
-from averaging._pacing import GROWTH, INITIAL_RATE, MIN_SAMPLE, Pacer
-from averaging._pieces import PieceMask, PieceReducer
+from averaging._pacing import (
+    BACKOFF,
+    DATAGRAM_BYTES,
+    FAST_START,
+    INITIAL_RATE,
+    MIN_SAMPLE,
+    PROBE,
+    Pacer,
+)
+from averaging._pieces import PieceMask, PieceReducer, contributor_codes
 from swarm import ProtocolError
 
 N_PIECES = 4
@@ -33,6 +42,36 @@ def test_mask_round_trip_and_refusals() -> None:
         PieceMask.from_bytes(b"\x00\x08", 11)  # a bit beyond piece 10
     with pytest.raises(ValueError):
         mask.add(11)
+
+
+@pytest.mark.parametrize("senders", [(0, 1, 2, 3), (1, 5, 70)])  # 70: beyond int64 bits
+def test_contributor_codes_name_exactly_the_senders_of_each_piece(senders: tuple[int, ...]) -> None:
+    rng = random.Random(7)
+    n = 37
+    masks = {s: PieceMask(n) for s in senders}
+    for mask in masks.values():
+        for p in range(n):
+            if rng.random() < 0.6:
+                mask.add(p)
+    codes = contributor_codes(masks, n)
+    for p in range(n):
+        who = {s for s in senders if int(codes[p]) >> s & 1}
+        assert who == {s for s, m in masks.items() if p in m}
+    first = masks[senders[0]]
+    assert [bool(b) for b in first.array()] == [p in first for p in range(n)]
+
+
+def test_reducer_codes_agree_with_its_contributors() -> None:
+    reducer = PieceReducer(SIZE, {0: 1.0, 1: 0.0, 2: 2.0})
+    ones = torch.ones(PIECE_ELEMENTS)
+    reducer.add(0, 0, ones)
+    reducer.add(1, 1, ones)  # weight 0: in no piece's contributors
+    reducer.add(2, 2, ones)
+    reducer.add(0, 2, ones)
+    reducer.finish()
+    codes = reducer.contributor_codes()
+    for p in range(N_PIECES):
+        assert {s for s in range(3) if int(codes[p]) >> s & 1} == reducer.contributors(p)
 
 
 def test_each_piece_is_the_mean_over_what_arrived_weights_renormalised() -> None:
@@ -140,17 +179,52 @@ def test_unbiased_for_the_group_mean_with_equal_weights_exactly() -> None:
     assert torch.allclose(expectation / mass, group_mean, atol=1e-6, rtol=0)
 
 
-def test_pacer_probes_up_on_a_path_that_keeps_up_and_settles_under_a_bottleneck() -> None:
+def test_pacer_starts_fast_and_settles_under_a_bottleneck() -> None:
     pacer = Pacer()
-    pacer.report(100, 90, send_span=1.0, arrival_span=1.0)  # 10% random loss, no queue
-    assert pacer.rate == INITIAL_RATE * GROWTH
+    # The fast start doubles while the datagrams arrive as fast as they left.
+    rate = INITIAL_RATE
+    pacer.report(1000, 1000, send_span=1000 * DATAGRAM_BYTES / rate, arrival_span=0.5)
+    assert pacer.rate == INITIAL_RATE * FAST_START
     # A queue: 1000 datagrams sent in 0.1 s arrived over 0.2 s.
-    pacer.report(1000, 1000, send_span=0.1, arrival_span=0.2)
-    assert pacer.rate == pytest.approx(0.95 * 1000 * 1390 / 0.2)
+    assert pacer.report(1000, 1000, send_span=0.1, arrival_span=0.2)
+    assert pacer.rate == pytest.approx(BACKOFF * 1000 * DATAGRAM_BYTES / 0.2)
+    assert not pacer.fast_start
+    # After it, a path that keeps up is probed gently.
     before = pacer.rate
+    span = 1000 * DATAGRAM_BYTES / before
+    assert not pacer.report(1000, 1000, send_span=span, arrival_span=span)
+    assert pacer.rate == pytest.approx(before * PROBE)
+
+
+def test_pacer_learns_random_loss_as_the_base_and_backs_off_only_above_it() -> None:
+    pacer = Pacer()
+    span = 1000 * DATAGRAM_BYTES / INITIAL_RATE
+    # 10% random loss, no queue: the path's own loss, and the rate still grows.
+    assert not pacer.report(1000, 900, send_span=span, arrival_span=span)
+    assert pacer.base_loss == pytest.approx(0.1)
+    assert pacer.rate == INITIAL_RATE * FAST_START
+    # The same loss again: still no congestion.
+    span = 1000 * DATAGRAM_BYTES / pacer.rate
+    assert not pacer.report(1000, 905, send_span=span, arrival_span=span)
+    # 30% lost without a queue (a drop-tail queue that overflowed): congestion,
+    # and the rate drops to what came through, random loss added back.
+    before = pacer.rate
+    assert pacer.report(1000, 700, send_span=span, arrival_span=span)
+    base = pacer.base_loss
+    assert base is not None and base == pytest.approx(0.1 + 0.3 * (0.095 - 0.1))
+    assert pacer.rate == pytest.approx(BACKOFF * 700 * DATAGRAM_BYTES / span / (1 - base))
+    assert pacer.rate < before
+
+
+def test_pacer_ignores_small_or_nonsense_reports_and_a_sender_short_of_cpu() -> None:
+    pacer = Pacer()
     pacer.report(MIN_SAMPLE - 1, 0, send_span=1.0, arrival_span=0.0)  # too few: no change
-    assert pacer.rate == before
-    pacer.report(100, 0, send_span=1.0, arrival_span=0.0)  # nothing came through
-    assert pacer.rate == before / 2
     pacer.report(100, 101, send_span=1.0, arrival_span=1.0)  # nonsense: ignored
-    assert pacer.rate == before / 2
+    pacer.report(100, 100, send_span=float("nan"), arrival_span=1.0)
+    assert pacer.rate == INITIAL_RATE
+    # Sent at a tenth of its rate (its CPU was busy): the path was not tested.
+    span = 10 * 1000 * DATAGRAM_BYTES / INITIAL_RATE
+    assert not pacer.report(1000, 1000, send_span=span, arrival_span=span)
+    assert pacer.rate == INITIAL_RATE
+    pacer.report(100, 0, send_span=1.0, arrival_span=0.0)  # nothing came through
+    assert pacer.rate == INITIAL_RATE / 2
