@@ -84,6 +84,13 @@ _MAX_PENDING_PINGS = 64
 #: nodes still list it. Without this, every look-up in a swarm that just lost
 #: nodes waits a full RPC timeout on them, again and again.
 _FAILURE_MEMORY = 30.0
+#: A contact that misses this many requests in a row (the last one a ping sent
+#: to confirm) is removed from the routing table and left out of look-ups.
+#: kademlia removes it at the first miss: on a link that loses 10% of its
+#: packets a request and its reply are lost together one time in five, and a
+#: small swarm shed its live members (they came back only after a ping-back,
+#: at most once per ``_CONTACT_MEMORY``). A dead node costs one more ping.
+_MISSES_TO_EVICT = 2
 #: How long a sender pinged back is not pinged back again, and a newcomer sent
 #: our records is not sent them again (``_ping_back_if_new``, ``welcome_if_new``).
 _CONTACT_MEMORY = 60.0
@@ -297,6 +304,9 @@ class SwarmProtocol(KademliaProtocol):
         #: a request replayed from elsewhere, whose ping-back fails, must not
         #: hide the real node at its real address.
         self._failed: dict[tuple[bytes, str, int], float] = {}
+        #: contacts that missed their last request, with a confirming ping in
+        #: flight (at most ``_MAX_PENDING_PINGS``): -> misses in a row
+        self._missed: dict[tuple[bytes, str, int], int] = {}
         self._closed = False
         self._by_address = RateLimiter.for_requests(rate_limit, rate_clock)
         self._by_node = RateLimiter.for_requests(rate_limit, rate_clock)
@@ -821,15 +831,43 @@ class SwarmProtocol(KademliaProtocol):
     # -- routing table maintenance ---------------------------------------------
 
     def handle_call_response(self, result: Result, node: Node) -> Result:
+        """Keep the routing table by answers: an answer (re)admits its node; a
+        miss sends one confirming ping, and a contact that misses
+        ``_MISSES_TO_EVICT`` requests in a row is removed and left out of
+        look-ups for ``_FAILURE_MEMORY``. Returns ``result``."""
         now = asyncio.get_event_loop().time()
         contact = (node.id, node.ip, node.port)
         if result[0]:
             self._failed.pop(contact, None)
-        else:
-            self._failed[contact] = now
-            if len(self._failed) > 4096:
-                self._failed = {k: t for k, t in self._failed.items() if now - t < _FAILURE_MEMORY}
+            self._missed.pop(contact, None)
+            return super().handle_call_response(result, node)
+        misses = self._missed.get(contact, 0) + 1
+        if misses < _MISSES_TO_EVICT and self._confirm(node, contact, misses):
+            return result
+        self._missed.pop(contact, None)
+        self._failed[contact] = now
+        if len(self._failed) > 4096:
+            self._failed = {k: t for k, t in self._failed.items() if now - t < _FAILURE_MEMORY}
         return super().handle_call_response(result, node)
+
+    def _confirm(self, node: Node, contact: tuple[bytes, str, int], misses: int) -> bool:
+        """Ping a contact that missed a request; its answer, or its miss, comes
+        back through ``handle_call_response``. False (evict now) if the
+        protocol is closed or too many confirmations are in flight."""
+        if contact in self._missed:
+            return True  # a confirmation is already in flight
+        if self._closed or len(self._missed) >= _MAX_PENDING_PINGS:
+            return False
+        self._missed[contact] = misses
+
+        def on_reply(reply: Result) -> None:
+            if self._closed:
+                self._missed.pop(contact, None)
+            elif reply[0] or contact in self._missed:  # not evicted meanwhile
+                self.handle_call_response((reply[0], None), node)
+
+        self.request((node.ip, node.port), "ping", [], node.id, on_reply)
+        return True
 
     def _live(self, contacts: list[tuple[bytes, str, int]]) -> list[tuple[bytes, str, int]]:
         """Drop contacts that failed to answer us recently."""

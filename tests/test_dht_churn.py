@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import trio
 from dht_harness import TEST_CONFIG, open_swarm
+from kademlia.node import Node
 
 from dht import DHTConfig, DHTValue
+from dht._messages import Kind, decode
 from dht._rtt import RoundTrips
 from swarm import ConfigError, ManualClock
 
@@ -78,3 +81,48 @@ async def test_operations_never_wait_for_dead_nodes() -> None:
         # operation finished: none waited for a dead node's answer.
         assert all(node.stats().failed_requests == 0 for node in live)
         assert sum(node.stats().sent_requests for node in live) > 0
+
+
+async def test_a_lost_reply_keeps_a_live_contact_and_a_dead_one_is_evicted() -> None:
+    clock = ManualClock(NOW)
+    async with open_swarm(3, clock, seed=7) as swarm:
+        writer, live, dead = swarm.nodes
+        # ``live`` loses its next reply to ``writer`` (as a lossy link would)
+        proto = live._server.proto
+        sendto = proto._sendto
+        lost: list[object] = []
+
+        def lossy(data: bytes, addr: tuple[str, int]) -> None:
+            if addr[1] == writer.port and not lost and decode(data).kind is Kind.RESPONSE:
+                lost.append(addr)
+                return
+            sendto(data, addr)
+
+        proto._sendto = lossy  # type: ignore[method-assign]
+        # what the writer makes of its requests' answers and misses
+        table = writer._server.proto
+        handle = table.handle_call_response
+        confirmed, evicted = trio.Event(), trio.Event()
+
+        def observed(result: Any, node: Node) -> Any:
+            live_missed = (node.id, node.ip, node.port) in table._missed
+            out = handle(result, node)
+            if node.id == bytes(live.peer_id) and result[0] and live_missed:
+                confirmed.set()  # the confirming ping after its lost reply
+            if node.id == bytes(dead.peer_id) and not result[0] and not table._missed:
+                evicted.set()
+            return out
+
+        table.handle_call_response = observed  # type: ignore[method-assign]
+        await swarm.stop(dead)
+        await writer.store("lossy", 1, NOW + 60)
+        with trio.fail_after(10):
+            await confirmed.wait()
+            await evicted.wait()
+        assert lost, "the store reached the live node and its reply was lost"
+        contacts = {c[0] for c in writer.contacts()}
+        assert live.peer_id in contacts  # one lost reply and a confirming ping
+        assert dead.peer_id not in contacts  # missed the store and the ping
+        failed = {c[0] for c in writer._server.proto._failed}
+        assert dead.peer_id in failed and live.peer_id not in failed
+        assert await writer.get("lossy") == DHTValue(1, NOW + 60)
