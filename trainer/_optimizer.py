@@ -29,15 +29,7 @@ what of its state checkpoints, donors and newcomers carry.
 Rounds: each gradient round's Moshpit grid is the one agreed for its epoch
 in the DHT and read an epoch ahead (``averaging.GridSchedule``), so peers
 whose estimates of the swarm differ still meet and no round waits for the
-DHT; a state round uses the gradient round's grid. The matchmaking window and
-the all-reduce timeout follow measured rounds (``RoundTiming``;
-``adaptive_timing``): margin * (mean + 4 deviations) of the measured times,
-the window scaled by log2 of the swarm's size and doubled after a round that
-did not form whole, never above the configured ``matchmaking_time`` and
-``averaging_timeout`` (the upper bounds, and the values used before the first
-measured round or with ``adaptive_timing=False``), never below
-``matchmaking_lead + progress_interval`` (a peer begins matchmaking that
-early, and the others learn of the target a progress read later).
+DHT; a state round uses the gradient round's grid.
 
 Devices and precision: accumulators are float32 on the parameters' device;
 the all-reduce averages their host copy (``averaging.HostStaging``, one
@@ -114,7 +106,6 @@ from ._progress import (
     estimate,
 )
 from ._progress_tracker import ProgressTracker, Reading, TrackerConfig, expected_peers
-from ._round_timing import RoundTiming, RoundTimingConfig
 from ._strategy import (
     CompressedGradients,
     DenseGradients,
@@ -171,10 +162,6 @@ class CollaborativeConfig:
     #: measured loss, at most ``state_averaging_interval`` (``_drift``). Dense
     #: gradients only. A run setting every peer must share (``swarm train --lossy``).
     lossy: bool = False
-    #: adapt the matchmaking window and the averaging timeout to measured
-    #: rounds (``RoundTiming``); ``averaging.matchmaking.matchmaking_time`` and
-    #: ``averaging_timeout`` stay the upper bounds. False: always use those.
-    adaptive_timing: bool = True
 
     def __post_init__(self) -> None:
         bound = self.averaging.matchmaking.bound
@@ -227,9 +214,6 @@ class _Prematch:
     done: trio.Event = field(default_factory=trio.Event)
     group: Group | None = None
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
-    #: trio time matchmaking began, and how long the group took to form
-    started: float = 0.0
-    formed_after: float | None = None
 
 
 @dataclass(frozen=True)
@@ -397,28 +381,6 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._grids_ahead = trio.CancelScope()
         self._grids_busy = False
         self._grad_averager = self._make_grad_averager()
-        mm = self.config.averaging.matchmaking
-        #: the matchmaking window and averaging timeout from measured rounds
-        self._timing = RoundTiming(
-            RoundTimingConfig(
-                matchmaking_time=mm.matchmaking_time,
-                averaging_timeout=self.config.averaging_timeout,
-                request_timeout=mm.request_timeout,
-                adaptive=self.config.adaptive_timing,
-                # a peer begins matchmaking up to matchmaking_lead early, and
-                # the others learn of the target one progress read later: a
-                # shorter window closes before they come; and a window
-                # shorter than a poll would let followers miss it
-                floor=min(
-                    mm.matchmaking_time,
-                    max(
-                        0.5,
-                        mm.poll_interval,
-                        self.config.matchmaking_lead + self.config.progress_interval,
-                    ),
-                ),
-            )
-        )
         drop = self.config.drop_compute
         self._budget = None if drop is None else ComputeBudget(drop, compute_clock)
         #: this step's compute budget is spent (DropCompute): average now
@@ -878,8 +840,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 return
             previous.scope.cancel()
         self._grad_averager.set_grid(await self._agreed_grid(epoch))
-        self._grad_averager.set_matchmaking_time(self._timing.matchmaking_time(self._swarm_size()))
-        prematch = _Prematch(epoch, started=trio.current_time())
+        prematch = _Prematch(epoch)
         self._prematch = prematch
 
         async def find(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -888,7 +849,6 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 prematch.group = await self._grad_averager.find_group(
                     round=epoch, expected_peers=expected
                 )
-                prematch.formed_after = trio.current_time() - prematch.started
             except SwarmError as e:
                 log.info("epoch %d: matchmaking failed: %s", epoch, e)
             finally:
@@ -901,41 +861,16 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         await self._begin_matchmaking(self.epoch, expected)
         prematch = self._prematch
         assert prematch is not None
-        size = self._swarm_size()
-        with trio.move_on_after(self._grad_averager.config.matchmaking.bound + 1.0):
+        with trio.move_on_after(self.config.averaging.matchmaking.bound + 1.0):
             await prematch.done.wait()
         self._prematch = None
-        group = prematch.group
-        if group is None:
+        if prematch.group is None:
             prematch.scope.cancel()
             await prematch.done.wait()
-            self._timing.missed()
             return self._grad_averager.skip("no group formed in time")
-        result: StepResult | None = None
-        started = trio.current_time()
-        with trio.move_on_after(self._timing.averaging_timeout(size)):
-            result = await self._average_in_group(group, weight)
-        if result is None:
-            self._timing.missed()
-            return self._grad_averager.skip("timed out during the all-reduce")
-        # whole: everyone expected is in (a 1-D grid's one group; on a larger
-        # grid a group holds a share of the swarm nobody knows in advance)
-        wanted = min(expected, self._grad_averager.config.matchmaking.target_group_size)
-        whole = self._grad_averager.grid.dimensions > 1 or len(group.members) >= wanted
-        if whole and prematch.formed_after is not None and result.contributors:
-            self._timing.observe(
-                matchmaking=prematch.formed_after,
-                allreduce=trio.current_time() - started,
-                swarm_size=size,
-            )
-        elif not whole:
-            self._timing.missed()
-        return result
-
-    def _swarm_size(self) -> int:
-        """The live peers of the swarm at the last reading (at least 1)."""
-        reading = self._reading
-        return 1 if reading is None else max(1, reading.swarm.num_peers)
+        with trio.move_on_after(self.config.averaging_timeout):
+            return await self._average_in_group(prematch.group, weight)
+        return self._grad_averager.skip("timed out during the all-reduce")
 
     async def _average_in_group(self, group: Group, weight: float) -> StepResult:
         """The all-reduce itself, as the mode does it (see ``Strategy.average``)."""
@@ -1006,7 +941,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         grid = await self._grids.grid(dht, epoch, timeout=timeout)
         if not self._grids_busy:
             self._grids_busy = True
-            estimate = self._swarm_size()
+            estimate = 1 if self._reading is None else max(1, self._reading.swarm.num_peers)
 
             async def ahead(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
                 task_status.started()
@@ -1184,16 +1119,12 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         # the grid of the gradient round just done: the one its peers agreed on
         self._state_averager.set_grid(self._grad_averager.grid)
         staging.to_host()
-        # the gradient round's window and timeout (measured rounds, see ``RoundTiming``)
-        self._state_averager.set_matchmaking_time(
-            self._grad_averager.config.matchmaking.matchmaking_time
-        )
         try:
             result = self.peer.run(
                 partial(
                     self._state_averager.step,
                     1.0,
-                    timeout=self._timing.averaging_timeout(self._swarm_size()),
+                    timeout=self.config.averaging_timeout,
                     round=self.epoch,
                     expected_peers=expected,
                 )
