@@ -10,7 +10,8 @@ Modules, pure code first:
 - ``_robust``: CenteredClip, Byzantine-robust aggregation of a chunk
 - ``_faults``: fault plans, injected by composition into the real code
 - ``_moshpit``: the Moshpit grid, its key schedule and group placement
-- ``_grid``: ``GridAgreement``, one grid per epoch that every peer computes alike
+- ``_grid``: ``GridAgreement``, one grid per epoch that every peer computes alike,
+  proposed and read ahead of the rounds (``GridSchedule``)
 - ``_rounds``: the rounds a peer runs now, by group id, where a stream finds its round
 - ``_allreduce``: the fault-tolerant butterfly all-reduce over peer connections
 - ``_datagrams``: the lossy data plane's authenticated, frame-sized datagrams
@@ -38,7 +39,7 @@ from ._averager import (
 )
 from ._codecs import FLOAT16, NONE, UINT4, UINT8, Codec, CodecKind
 from ._faults import DatagramFaults, FaultPlan, InjectedFault, MemberFault
-from ._grid import GridAgreement, GridProposal
+from ._grid import GridAgreement, GridProposal, GridSchedule
 from ._group import Group, GroupMember, MemberMode
 from ._link_meter import LinkMeter
 from ._matchmaking import MatchmakingConfig
@@ -74,6 +75,7 @@ __all__ = [
     "FaultPlan",
     "GridAgreement",
     "GridProposal",
+    "GridSchedule",
     "Group",
     "GroupMember",
     "HostStaging",

@@ -1,11 +1,14 @@
 """Scale benchmark: N peers in one process on 127.0.0.1 run the progress protocol.
 
 Every peer is a real DHT node (real UDP, signed datagrams). In each step every
-peer refreshes its progress once (``ProgressTree.refresh``: reads its leaf and
-the summaries on its path, writes its record and summaries) and proposes or
-reads the next epoch's grid (``GridAgreement``), as the coordinator would per
-global step. Each peer's samples grow at its own rate from the start, so the
-true total at any moment is known.
+peer refreshes its progress once through the trainer's own ``ProgressTracker``
+(past ``directory_size`` peers: the aggregation tree for the totals, a sampled
+directory of records by name) and does what the trainer does for the grid as
+a round begins (``GridSchedule``: the grid of this epoch, known ahead; the
+proposal for a later epoch and the read of the next one). Each peer's samples
+grow at its own rate from the start, so the true total at any moment is known.
+"grid agreed" is the share of peers whose grid for the step is the most
+common one (100%: everyone computes the same group keys).
 
 Printed per swarm size, for the last step (after the tree has converged):
 the share of live peers and of samples that the *least informed* peer
@@ -35,11 +38,18 @@ from typing import Any
 
 import trio
 
-from averaging import GridAgreement
+from averaging import GridAgreement, GridSchedule
 from dht import DHTConfig, DHTNode, open_dht_node
 from dht._aio import open_asyncio_loop
 from swarm import Identity
-from trainer import PeerProgress, ProgressTree, estimate, parse_progress, progress_key
+from trainer import (
+    PeerProgress,
+    ProgressTracker,
+    TrackerConfig,
+    estimate,
+    parse_progress,
+    progress_key,
+)
 
 TTL = 600.0
 
@@ -91,8 +101,21 @@ async def _run(n: int, args: argparse.Namespace) -> list[Row]:
         print(f"{n} peers up in {time.perf_counter() - started:.0f}s", file=sys.stderr)
         rates = [rng.uniform(5.0, 50.0) for _ in range(n)]
         t0 = nodes[0].now()
-        tree = ProgressTree("scale")
-        grid = GridAgreement("scale", target_group_size=16)
+        config = TrackerConfig(progress_interval=1.0, progress_ttl=TTL)
+        trackers = []
+        for i, node in enumerate(nodes):
+
+            def record(node: DHTNode = node, rate: float = rates[i]) -> PeerProgress:
+                now = node.now()
+                return PeerProgress(node.peer_id, 0, int(rate * (now - t0)), rate, now)
+
+            trackers.append(
+                ProgressTracker(
+                    node, node.peer_id, "scale", record=record, target_batch_size=1, config=config
+                )
+            )
+        agreement = GridAgreement("scale", target_group_size=16)
+        schedules = [GridSchedule(agreement, node.peer_id) for node in nodes]
         limiter = trio.CapacityLimiter(args.concurrency)
         protocols = ["tree"] + (["single key"] if args.baseline else [])
         for protocol in protocols:
@@ -116,14 +139,13 @@ async def _run(n: int, args: argparse.Namespace) -> list[Row]:
                             node.peer_id, 0, int(rates[i] * (now - t0)), rates[i], now
                         )
                         if protocol == "tree":
-                            view = await tree.refresh(
-                                node, mine, now=now, ttl=TTL, stale_after=TTL, rng=random.Random(i)
-                            )
+                            reading = await trackers[i].refresh()
                             at = node.now()
-                            counted = view.progress(1, at).samples
-                            views[i] = (view.peers, counted / (sum(rates) * (at - t0)))
-                            await grid.propose(node, node.peer_id, step + 1, view.peers)
-                            agreed[i] = await grid.agree(node, step)
+                            counted = reading.swarm.samples
+                            views[i] = (reading.swarm.num_peers, counted / (sum(rates) * (at - t0)))
+                            schedule = schedules[i]
+                            agreed[i] = await schedule.grid(node, step, timeout=1.0)
+                            await schedule.prepare(node, step, reading.swarm.num_peers)
                         else:
                             await node.store(
                                 progress_key("scale"),
@@ -144,6 +166,7 @@ async def _run(n: int, args: argparse.Namespace) -> list[Row]:
                 seconds = time.perf_counter() - started
                 after = _traffic(nodes)
                 first = [g for g in agreed if g is not None]
+                common = max(first, key=first.count) if first else None
                 row = Row(
                     protocol,
                     n,
@@ -154,7 +177,7 @@ async def _run(n: int, args: argparse.Namespace) -> list[Row]:
                     (after[0] - before[0]) / n,
                     (after[1] - before[1]) / n,
                     seconds,
-                    (sum(g == first[0] for g in first) / n) if first else 0.0,
+                    (sum(g == common for g in first) / n) if first else 0.0,
                 )
                 print(
                     f"  [{protocol}] step {step + 1}: {row.min_peer_share:.1%} of peers counted "

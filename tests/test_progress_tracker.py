@@ -1,12 +1,14 @@
-"""The progress tracker over real DHT nodes: who is counted, and when."""
+"""The progress tracker over real DHT nodes: who is counted, and when; totals
+through the aggregation tree, names in a directory that stays small."""
 
 from __future__ import annotations
 
 import pytest
+import trio
 from dht_harness import open_swarm
 
 from swarm import ConfigError, ManualClock, PeerID
-from trainer import PeerProgress, ProgressTracker, TrackerConfig
+from trainer import PeerProgress, ProgressTracker, TrackerConfig, parse_progress, progress_key
 
 NOW = 1_700_000_000.0
 
@@ -57,3 +59,46 @@ def test_a_tracker_config_that_would_make_live_peers_look_gone_is_refused() -> N
         TrackerConfig(progress_interval=30.0, progress_ttl=30.0)
     with pytest.raises(ConfigError, match="fresh_within"):
         TrackerConfig(fresh_within=0.0)
+
+
+async def test_totals_come_from_the_tree_and_the_directory_holds_a_sample() -> None:
+    clock = ManualClock(NOW)
+    config = TrackerConfig(
+        progress_interval=1.0, progress_ttl=30.0, fresh_within=5.0, directory_size=2
+    )
+    async with open_swarm(8, clock, seed=4) as swarm:
+        nodes = swarm.nodes
+        trackers = []
+        for node in nodes:
+            tracker = _tracker(node, clock, [4])
+            tracker.config = config
+            trackers.append(tracker)
+        limiter = trio.CapacityLimiter(8)
+
+        async def refresh(tracker: ProgressTracker) -> None:
+            async with limiter:
+                await tracker.refresh()
+
+        async def everyone() -> None:
+            async with trio.open_nursery() as nursery:
+                for tracker in trackers:
+                    nursery.start_soon(refresh, tracker)
+
+        # a swarm four times the directory_size: the records everyone listed
+        # at first (each peer counted only itself) expire, and only the
+        # sampled peers write again (about 2 * directory_size of them)
+        for advance in (0.0, 0.0, 0.0, 16.0, 16.0, 0.0):
+            clock.advance(advance)
+            await everyone()
+        for tracker in trackers:
+            reading = tracker.reading
+            assert reading is not None
+            # every peer counts every peer and every sample, through the tree
+            assert (reading.swarm.num_peers, reading.swarm.reported) == (8, 8 * 32)
+            assert reading.expected == 8  # the tree's peers at the epoch
+        listed = parse_progress(await nodes[0].get(progress_key("run"), latest=True))
+        live = [r for r in listed if clock() - r.time <= config.progress_ttl]
+        assert len(live) < 8
+        sampled = {t.peer_id for t in trackers if t._rank < 2 * config.directory_size / 8}
+        # the sampled peers, and perhaps a peer that counted fewer a moment ago
+        assert sampled <= {r.peer_id for r in live}

@@ -46,6 +46,21 @@ def test_the_floor_holds_on_very_fast_links() -> None:
     assert timing.averaging_timeout(4) == pytest.approx(0.5 + 4.0 + 0.5)
 
 
+def test_a_missed_round_doubles_the_window_until_a_whole_round_is_measured() -> None:
+    timing = RoundTiming(CONFIG)
+    timing.missed()  # before any measurement: the configured values hold
+    assert timing.matchmaking_time(4) == 5.0
+    timing.observe(matchmaking=0.4, allreduce=2.0, swarm_size=4)
+    assert timing.matchmaking_time(4) == pytest.approx(1.8)
+    timing.missed()
+    assert timing.matchmaking_time(4) == pytest.approx(3.6)
+    timing.missed()
+    assert timing.matchmaking_time(4) == 5.0  # capped by the configured time
+    timing.observe(matchmaking=0.4, allreduce=2.0, swarm_size=4)
+    # mean 0.4, deviation 0.15: 1.5 * (0.4 + 0.6), no longer doubled
+    assert timing.matchmaking_time(4) == pytest.approx(1.5)
+
+
 def test_bad_input_is_refused() -> None:
     with pytest.raises(ConfigError, match="averaging_timeout"):
         RoundTimingConfig(matchmaking_time=5.0, averaging_timeout=9.0, request_timeout=2.0)

@@ -26,6 +26,11 @@ use. It asks the strategy what a batch adds, whether local steps or the swarm's
 target end the step, what the group averages, how the average is applied, and
 what of its state checkpoints, donors and newcomers carry.
 
+Rounds: each gradient round's Moshpit grid is the one agreed for its epoch
+in the DHT and read an epoch ahead (``averaging.GridSchedule``), so peers
+whose estimates of the swarm differ still meet and no round waits for the
+DHT; a state round uses the gradient round's grid.
+
 Devices and precision: accumulators are float32 on the parameters' device;
 the all-reduce averages their host copy (``averaging.HostStaging``, one
 device-to-host and one host-to-device copy per global step, none for a CPU
@@ -66,6 +71,8 @@ from averaging import (
     Averager,
     AveragerConfig,
     ChunkedStaging,
+    GridAgreement,
+    GridSchedule,
     Group,
     HostStaging,
     LoadedState,
@@ -386,6 +393,17 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._checkpoint_failures: set[str] = set()
         #: the epoch of the last checkpoint written (None: none yet)
         self._checkpointed_epoch: int | None = None
+        #: each epoch's Moshpit grid, agreed through the DHT (see ``_agreed_grid``)
+        self._grids = GridSchedule(
+            GridAgreement(
+                prefix=run_id,
+                target_group_size=max(2, self.config.averaging.matchmaking.target_group_size),
+            ),
+            peer.peer_id,
+        )
+        #: the background proposal and read of later grids (one at a time)
+        self._grids_ahead = trio.CancelScope()
+        self._grids_busy = False
         self._grad_averager = self._make_grad_averager()
         drop = self.config.drop_compute
         self._budget = None if drop is None else ComputeBudget(drop, compute_clock)
@@ -853,7 +871,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             if previous.epoch == epoch:
                 return
             previous.scope.cancel()
-        self._grad_averager.set_grid(self._grid(expected))
+        self._grad_averager.set_grid(await self._agreed_grid(epoch))
         prematch = _Prematch(epoch)
         self._prematch = prematch
 
@@ -941,12 +959,32 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     async def _start_tracker(self) -> trio.CancelScope:
         return await self.peer.async_peer.start_service(self._progress.serve)
 
-    def _grid(self, peers: int) -> MoshpitGrid:
-        # Peers must agree on the grid to meet, but count the swarm a little
-        # differently: round up to a power of two so that they mostly agree.
-        rounded = 1 << max(0, math.ceil(math.log2(max(1, peers))))
-        target = self.config.averaging.matchmaking.target_group_size
-        return MoshpitGrid.for_swarm(rounded, max(2, target))
+    async def _agreed_grid(self, epoch: int) -> MoshpitGrid:
+        """On the trio thread: ``epoch``'s Moshpit grid, the same for every peer
+        of its round (``averaging.GridSchedule``), so peers whose estimates of
+        the swarm differ still compute the same group keys. It was read an
+        epoch ahead, so a round normally does not wait for the DHT (a peer that
+        did not, e.g. after catching up, reads it within a request timeout).
+        Also starts, in the background, this peer's proposal for a later epoch
+        and the read of the next epoch's grid (at most one such task at a
+        time, bounded by ``averaging_timeout``). Never raises ``SwarmError``."""
+        dht = self.peer.async_peer.dht
+        timeout = self.config.averaging.matchmaking.request_timeout
+        grid = await self._grids.grid(dht, epoch, timeout=timeout)
+        if not self._grids_busy:
+            self._grids_busy = True
+            estimate = 1 if self._reading is None else max(1, self._reading.swarm.num_peers)
+
+            async def ahead(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+                task_status.started()
+                try:
+                    with trio.move_on_after(self.config.averaging_timeout):
+                        await self._grids.prepare(dht, epoch, estimate)
+                finally:
+                    self._grids_busy = False
+
+            self._grids_ahead = await self.peer.async_peer.start_service(ahead)
+        return grid
 
     # -- the global step ----------------------------------------------------------
 
@@ -1038,7 +1076,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self._staging.host,
             prefix=f"{self.run_id}.{self._strategy.prefix_suffix}",
             config=self._strategy.averager_config(self.config.averaging),
-            grid=self._grid(1),
+            grid=self._grids.agreement.default,
         )
 
     def _average_gradients(self, samples: int, expected: int | None) -> StepResult | None:
@@ -1110,10 +1148,12 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                     self.config.averaging,
                     allreduce=replace(self.config.averaging.allreduce, lossy=False),
                 ),
-                grid=self._grid(self.swarm_progress().num_peers),
+                grid=self._grad_averager.grid,
             )
         averager = self._state_averager
         averager.tensors = [staging.buffer]
+        # the grid of the gradient round just done: the one its peers agreed on
+        averager.set_grid(self._grad_averager.grid)
 
         async def average() -> list[StepResult] | StepResult:
             with trio.move_on_after(self.config.averaging_timeout):
@@ -1188,6 +1228,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         if self._prematch is not None:
             self._prematch.scope.cancel()
             self._prematch = None
+        self._grids_ahead.cancel()
 
     async def _leave_prematch(self) -> None:
         """On the trio thread, before catching up: a group already formed for

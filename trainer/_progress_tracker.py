@@ -8,27 +8,61 @@ run). ``serve`` runs it on the peer's trio thread: one refresh every
 ``progress_interval``, or when woken.
 
 It depends on what it needs of a DHT node (``dht.RecordDHT``), not on the peer.
-Layout: every peer writes its record under one key (``progress_key``), which
-is what ``swarm status`` reads today. The aggregation tree
-(``_progress.ProgressTree``), which scales to thousands of peers, plugs in
-here: ``refresh`` would read the root's summary instead of every record; it
-is not wired yet because ``swarm status`` and ``expected_peers`` read the
-single key's records.
+
+Layout, and why (issue 19). Two records per peer, for two kinds of reader:
+
+- The *directory*, the single key ``progress_key`` that every peer used to
+  write: records by name, which ``swarm status`` lists and ``expected_peers``
+  (how many peers a 1-D round waits for) counts. A peer writes it while its
+  rank (a hash of its peer id, uniform in [0, 1)) is below ``2 *
+  directory_size / N``: in a swarm up to twice ``directory_size`` that is
+  every peer, so the directory is the whole swarm, as before the tree;
+  beyond, a uniform sample of about ``2 * directory_size`` peers, so the key
+  stays small however large the swarm.
+- The aggregation tree (``_progress.ProgressTree``) for the totals (epoch,
+  samples toward the target, samples per second, live peers) of a larger
+  swarm: each refresh writes this peer's record to its leaf and reads the
+  root's partial sums, ``depth + 1`` keys of at most ``fanout`` entries, so a
+  reader's traffic grows with log N (the DHT hops), not with N, and counts
+  are exact once every peer has refreshed since the last change (no sampling
+  error, unlike scaling up a sample).
+
+Which a peer uses follows its last count N, with a margin of 2x on each side
+so that peers whose counts differ still read a complete source: up to
+``directory_size`` it reads the directory (exact: everyone writes it up to
+twice that) and nothing else, as cheap as before the tree (a tree refresh
+costs about three times the datagrams); above ``directory_size / 2`` it also
+writes the tree, and above ``directory_size`` it reads the totals from the
+tree (everyone writes it from half that) and ``expected`` is the tree's
+count of peers at the swarm's epoch (a swarm that large averages on a grid of
+more than one axis, whose rounds do not wait for a count). If the tree cannot
+be read, the directory's records are the reading, and the log says so.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import trio
 
 from dht import RecordDHT, owner_marker
 from swarm import ConfigError, PeerID, SwarmError
 
-from ._progress import PeerProgress, SwarmProgress, estimate, parse_progress, progress_key
+from ._progress import (
+    PeerProgress,
+    ProgressSummary,
+    ProgressTree,
+    SwarmProgress,
+    estimate,
+    parse_progress,
+    progress_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +98,10 @@ class TrackerConfig:
     #: a peer one epoch behind is expected in a round while its record is
     #: younger than this (it is still finishing the last step)
     fresh_within: float = 5.0
+    #: peers listed by name under ``progress_key`` (``swarm status``,
+    #: ``expected_peers``): every peer of a swarm up to this size, a sample of
+    #: about this many beyond (see the module docstring)
+    directory_size: int = 64
 
     def __post_init__(self) -> None:
         if not 0 < self.progress_interval < self.progress_ttl:
@@ -73,6 +111,8 @@ class TrackerConfig:
             )
         if not self.fresh_within > 0:
             raise ConfigError(f"fresh_within ({self.fresh_within}s) must be positive")
+        if self.directory_size < 1:
+            raise ConfigError(f"directory_size ({self.directory_size}) must be at least 1")
 
 
 class ProgressTracker:
@@ -102,41 +142,93 @@ class ProgressTracker:
         self._clock = clock
         self.reading: Reading | None = None
         self._wake: trio.Event | None = None
+        #: the swarm's totals (see the module docstring)
+        self.tree = ProgressTree(run_id)
+        #: which summaries this peer writes (``ProgressTree.refresh``)
+        self._rng = random.Random(bytes(peer_id))
+        #: this peer's place in the directory's sample, uniform in [0, 1)
+        digest = hashlib.blake2b(bytes(peer_id), digest_size=8, person=b"swarm.progress.d")
+        self._rank = int.from_bytes(digest.digest(), "big") / 2**64
+        #: live peers at the last reading
+        self._peers = 1
 
     async def refresh(self, *, publish: bool = True) -> Reading:
-        """Publish this peer's record (unless not ``publish``) and read everyone's;
-        returns the new ``reading``. A DHT failure is logged, and the reading
-        then counts this peer alone; raises nothing else. Cancellation
-        propagates (the reading is then not replaced)."""
+        """Publish this peer's record (unless not ``publish``) and read the
+        swarm's progress (see the module docstring); returns the new
+        ``reading``. A DHT failure is logged, and the reading then counts what
+        was read (this peer alone if nothing); raises nothing else.
+        Cancellation propagates (the reading is then not replaced)."""
         dht, config = self.dht, self.config
         mine = self.record()
-        try:
-            if publish:
-                await dht.store(
-                    progress_key(self.run_id),
-                    mine.to_value(),
-                    dht.now() + config.progress_ttl,
-                    subkey=owner_marker(self.peer_id),
-                )
-            records = parse_progress(await dht.get(progress_key(self.run_id)))
-        except SwarmError as e:
-            log.warning("progress tracking failed: %s", e)
-            records = []
+        now = dht.now()
+        ttl = config.progress_ttl
+        summary: ProgressSummary | None = None
+        records: list[PeerProgress] = []
+        # see the module docstring: the directory is exact up to 2 * directory_size
+        small = self._peers <= config.directory_size
+        tree = self._peers > config.directory_size / 2
+        listed = self._rank < 2 * config.directory_size / self._peers
+
+        async def totals() -> None:
+            nonlocal summary
+            try:
+                if publish and tree:
+                    summary = await self.tree.refresh(
+                        dht, mine, now=now, ttl=ttl, stale_after=ttl, rng=self._rng
+                    )
+                elif not small:
+                    summary = await self.tree.read(dht, now=now, stale_after=ttl)
+            except* SwarmError as failed:  # the tree reads and writes in parallel
+                log.warning("progress tracking (tree) failed: %s", failed.exceptions[0])
+
+        async def directory(*, read: bool) -> None:
+            nonlocal records
+            try:
+                if publish and listed:
+                    await dht.store(
+                        progress_key(self.run_id),
+                        mine.to_value(),
+                        now + ttl,
+                        subkey=owner_marker(self.peer_id),
+                    )
+                if read:
+                    records = parse_progress(await dht.get(progress_key(self.run_id)))
+            except SwarmError as e:
+                log.warning("progress tracking failed: %s", e)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(totals)
+            nursery.start_soon(partial(directory, read=small))
+        if small:
+            summary = None  # the directory is whole: exact, and holds the names
+        elif summary is None:
+            log.warning("progress tracking: the tree could not be read; counting a sample")
+            await directory(read=True)
         records = [r for r in records if r.peer_id != mine.peer_id] + [mine]
         now = dht.now()
-        swarm = estimate(
-            records,
-            now=now,
-            target_batch_size=self.target_batch_size,
-            stale_after=config.progress_ttl,
-        )
-        expected = expected_peers(
-            records,
-            now=now,
-            epoch=swarm.epoch,
-            stale_after=config.progress_ttl,
-            fresh_within=config.fresh_within,
-        )
+        if summary is not None and not publish:
+            # a read-only refresh counts this peer too (it is not in the tree)
+            own = ProgressSummary.of_records([mine], now=now, stale_after=ttl)
+            summary = ProgressSummary.combine(
+                [summary] + ([own] if own else []), now=now, stale_after=ttl
+            )
+        if summary is not None:
+            swarm = summary.progress(self.target_batch_size, now)
+        else:
+            swarm = estimate(
+                records, now=now, target_batch_size=self.target_batch_size, stale_after=ttl
+            )
+        if summary is None:
+            expected = expected_peers(
+                records,
+                now=now,
+                epoch=swarm.epoch,
+                stale_after=ttl,
+                fresh_within=config.fresh_within,
+            )
+        else:
+            expected = max(1, swarm.num_peers_at_epoch)
+        self._peers = max(1, swarm.num_peers)
         self.reading = Reading(swarm, mine.epoch, mine.samples, self._clock(), expected)
         return self.reading
 
@@ -156,16 +248,23 @@ class ProgressTracker:
             await self.refresh()
 
     async def withdraw(self) -> None:
-        """Leave the run: publish a record whose time is already stale, so
-        readers stop counting this peer at once. Raises what the DHT raises
-        (``SwarmError``)."""
+        """Leave the run: replace this peer's record (in the directory, and in
+        the tree if it writes there) with one whose time is already stale, so readers stop
+        counting this peer at once. Raises what the DHT raises (``SwarmError``)."""
         dht, ttl = self.dht, self.config.progress_ttl
-        value = self.record().to_value() | {"time": dht.now() - 2 * ttl}
+        mine = self.record()
+        value = mine.to_value() | {"time": dht.now() - 2 * ttl}
         # It must expire after the last live record, or the merge (latest
         # expiration wins) would keep that one.
         await dht.store(
             progress_key(self.run_id), value, dht.now() + 2 * ttl, subkey=owner_marker(self.peer_id)
         )
+        if self._peers <= self.config.directory_size / 2:
+            return  # it never wrote the tree (see ``refresh``)
+        try:
+            await self.tree.withdraw(dht, mine, now=dht.now(), ttl=ttl, stale_after=ttl)
+        except* SwarmError as failed:  # the tree writes in parallel
+            raise failed.exceptions[0] from None
 
 
 def expected_peers(

@@ -18,6 +18,12 @@ The rule, the same shape as TCP's retransmission timer (RFC 6298):
   configured)`` and ``averaging_timeout = clamp(matchmaking_time + 2 *
   request_timeout + margin * (mean + 4 deviation of the all-reduce), floor,
   configured)``.
+- A round whose group did not form whole (none formed, or fewer members
+  than the peers expected) or whose all-reduce timed out says the bounds were
+  too short: ``missed`` doubles both (up to the configured values), like
+  TCP's timer after a loss, until a whole round is measured again. Without it a window that
+  shrank below the spread of the peers' arrival times would stay there: the
+  late peers miss every round, and their misses are never measured.
 - Before the first measurement, and whenever ``adaptive`` is off, the
   configured values are used as they are: they are the upper bounds and the
   overrides.
@@ -91,10 +97,12 @@ class RoundTiming:
         self._matchmaking: _Smoothed | None = None
         self._allreduce: _Smoothed | None = None
         self._measured_peers = 1
+        #: doubled by each ``missed`` round, reset by each whole one
+        self._backoff = 1.0
 
     def observe(self, *, matchmaking: float, allreduce: float, swarm_size: int) -> None:
-        """Record a round whose group formed after ``matchmaking`` seconds and
-        whose all-reduce took ``allreduce`` seconds, in a swarm of
+        """Record a round whose group formed whole after ``matchmaking`` seconds
+        and whose all-reduce took ``allreduce`` seconds, in a swarm of
         ``swarm_size`` peers. Raises ``ValueError`` for negative or non-finite
         times or a size below 1."""
         for value in (matchmaking, allreduce):
@@ -108,6 +116,14 @@ class RoundTiming:
             self._matchmaking.update(matchmaking)
             self._allreduce.update(allreduce)
         self._measured_peers = swarm_size
+        self._backoff = 1.0
+
+    def missed(self) -> None:
+        """Record a round whose group did not form whole within the window, or
+        whose all-reduce timed out: the matchmaking time and the all-reduce's
+        share of the timeout double (up to the configured values) until
+        ``observe``."""
+        self._backoff = min(2 * self._backoff, 2.0**16)
 
     def matchmaking_time(self, swarm_size: int) -> float:
         """How long a leader waits for its group, in a swarm of ``swarm_size``."""
@@ -115,7 +131,7 @@ class RoundTiming:
         if not config.adaptive or self._matchmaking is None:
             return config.matchmaking_time
         scale = max(1.0, math.log2(swarm_size + 1) / math.log2(self._measured_peers + 1))
-        wanted = config.margin * self._matchmaking.high * scale
+        wanted = config.margin * self._matchmaking.high * scale * self._backoff
         return min(config.matchmaking_time, max(config.floor, wanted))
 
     def averaging_timeout(self, swarm_size: int) -> float:
@@ -124,5 +140,5 @@ class RoundTiming:
         if not config.adaptive or self._allreduce is None:
             return config.averaging_timeout
         bound = self.matchmaking_time(swarm_size) + 2 * config.request_timeout
-        wanted = bound + config.margin * self._allreduce.high
+        wanted = bound + config.margin * self._allreduce.high * self._backoff
         return min(config.averaging_timeout, max(bound + config.floor, wanted))
