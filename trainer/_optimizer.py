@@ -7,7 +7,9 @@ The user's loop is an ordinary PyTorch loop::
 
 ``step()`` adds this batch's gradients (times its size) to an accumulator and
 reports progress to the DHT. When the swarm as a whole has accumulated
-``target_batch_size`` samples, every live peer averages its accumulated mean
+``target_batch_size`` samples (give or take one local batch per peer: each
+peer estimates the others' count from their records and rates without
+waiting for news, see ``_global_batch``), every live peer averages its accumulated mean
 gradient with a Moshpit group, weighted by its sample count, then takes the
 inner optimizer's step: the epoch advances. A peer that finds no group applies
 its own gradients and says so in its log; none waits longer than
@@ -352,6 +354,12 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         )
         self._last_poke = -math.inf
         self._refresh_seconds = 0.0
+        #: this peer adds nothing to its epoch now: from the moment it stops
+        #: adding to a step until the step (with any state averaging and
+        #: checkpoint after it) is over
+        self._frozen = False
+        #: monotonic time this peer began adding to its epoch's step
+        self._epoch_began = -math.inf
         self._next_catch_up = -math.inf
         #: matchmaking begun ahead of the global step (trio thread), and the
         #: epoch it was begun for (training thread)
@@ -536,7 +544,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         now = self._account(size, loss)
         left = strategy.local_steps_left()
         ready = (
-            self._target_reached(now) if left is None else self._local_steps_done(left, size, now)
+            self._target_reached(size, now)
+            if left is None
+            else self._local_steps_done(left, size, now)
         )
         if ready is None:
             return False
@@ -544,18 +554,18 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._global_step(alone=alone, expected=expected)
         return True
 
-    def _target_reached(self, now: float) -> tuple[bool, int] | None:
+    def _target_reached(self, size: int, now: float) -> tuple[bool, int] | None:
         """Has the swarm reached the target batch (or this peer its compute
         budget)? (alone, peers to expect) if the global step is due now, None
         if not (or after catching up with a swarm that is ahead)."""
         reading = self._reading
-        if reading is None or reading.epoch != self.epoch:
-            # the tracker has not read the swarm since this epoch began: read now,
-            # rather than compute blind past the target
-            if not self._refresh_now(now, force=self._out_of_time):
+        if reading is None or reading.epoch not in (self.epoch, self.epoch - 1):
+            # no reading from this epoch or the step before it (the first step,
+            # or a download jumped epochs): read now rather than compute blind
+            if not self._refresh_now(now, force=True):
                 return None
             reading = self._reading
-            if reading is None or reading.epoch != self.epoch:
+            if reading is None or reading.epoch not in (self.epoch, self.epoch - 1):
                 return None
         swarm = reading.swarm
         if swarm.epoch > self.epoch and now >= self._next_catch_up:
@@ -566,15 +576,21 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 # nobody could send that epoch: train on, try again later
                 self._next_catch_up = now + self.config.progress_ttl / 2
             return None
-        if self._ready(reading):
+        if self._ready(reading, size, now):
             self._out_of_time = False  # the swarm's target ended this step, not the threshold
         elif not self._out_of_time:
-            self._maybe_begin_matchmaking(reading, now)
-            if not self._near_target(reading, now) or not self._refresh_now(now):
-                return None
+            if reading.epoch == self.epoch:
+                self._maybe_begin_matchmaking(reading, now)
+            if reading.epoch != self.epoch or self._near_target(reading, now):
+                # a fresher reading sharpens the estimate (the others' exact
+                # counts once they stopped); the tracker reads in the
+                # background while this peer computes
+                self._hurry(now)
+            return None
+        if reading.epoch != self.epoch:
+            self._refresh_now(now, force=True)  # who is in this epoch's round
             reading = self._reading
-            if reading is None or reading.epoch != self.epoch or not self._ready(reading):
-                return None
+            assert reading is not None
             swarm = reading.swarm
         if swarm.num_peers <= 1 and self._refresh_now(now, force=True):
             # about to train alone: make sure nobody joined since the last reading
@@ -671,6 +687,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     def _begin_compute(self) -> None:
         self._out_of_time = False
+        self._frozen = False  # adding to the step again: the others may count our rate
+        self._epoch_began = time.monotonic()
         if self._budget is not None:
             self._budget.begin()
 
@@ -785,18 +803,52 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     # -- progress ---------------------------------------------------------------
 
-    def _ready(self, reading: Reading) -> bool:
-        """Has the swarm reached the target batch? What the others reported at the
-        last reading, plus everything this peer has now. Other peers' rates are
-        not extrapolated: a peer busy averaging or loading state computes nothing,
-        and counting samples nobody computed would shrink the global batch."""
-        others = reading.swarm.reported - reading.samples
-        return others + self._samples >= self.target_batch_size
+    def _ready(self, reading: Reading, size: int, now: float) -> bool:
+        """Has the swarm reached the target batch (within half of what it adds
+        during this peer's next batch of ``size``)? The others' records at the
+        last reading, each extrapolated at its rate to now, plus everything this
+        peer has (``_global_batch``). Waiting for a reading that shows the
+        target made every peer compute a whole refresh past it. A peer busy
+        averaging says so (``_frozen``): its count is final. A record too old
+        to be a live peer's is not extrapolated: samples nobody computed are
+        not counted."""
+        if reading.epoch == self.epoch:
+            others, elapsed = reading.others, now - reading.time
+        else:
+            # read before this peer's last step ended: the others toward the
+            # next epoch, counted from when this one began
+            others, elapsed = reading.ahead, now - max(reading.time, self._epoch_began)
+        if others is None or others.epoch != self.epoch:  # a reading without them
+            reported = reading.swarm.reported - reading.samples
+            return reported + self._samples >= self.target_batch_size
+        # a peer whose rate is not measured yet (the first step) computes about
+        # as fast as this one: counted as nothing, each filled the target alone
+        mine = self._rate.rate
+        total = others.total(self._samples, elapsed, prior=mine)
+        if not (others.rates or others.unmeasured):  # nobody else adds: exact
+            return total >= self.target_batch_size
+        # Stop where the total lands nearest the target: every peer stops right
+        # after a batch, so stopping only past the target overshot by about a
+        # batch per peer. One more batch of ours adds what the swarm computes
+        # meanwhile; stop now if that would overshoot more than we fall short.
+        swarm_rate = others.rate + len(others.unmeasured) * mine + mine
+        during = size * swarm_rate / mine if mine > 0 else size
+        return total + during / 2 >= self.target_batch_size
+
+    def _hurry(self, now: float) -> None:
+        """Near the target: ask the tracker to refresh now (it reads in the
+        background). Rate-limited like ``_refresh_now``."""
+        pause = max(self.config.progress_interval / 10, 4 * self._refresh_seconds)
+        if now - self._last_poke < pause:
+            return
+        self._last_poke = now
+        self._poke()
 
     def _near_target(self, reading: Reading, now: float) -> bool:
-        """Would the swarm have reached the target if everyone kept computing?"""
+        """Would the swarm reach the target within a progress interval?"""
         swarm = reading.swarm
-        extrapolated = swarm.samples + swarm.samples_per_second * (now - reading.time)
+        ahead = now - reading.time + self.config.progress_interval
+        extrapolated = swarm.samples + swarm.samples_per_second * ahead
         return extrapolated - reading.samples + self._samples >= self.target_batch_size
 
     def _maybe_begin_matchmaking(self, reading: Reading, now: float) -> None:
@@ -840,6 +892,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     async def _finish_averaging(self, weight: float, expected: int) -> StepResult:
         """On the trio thread: wait for this epoch's group, then all-reduce."""
+        # tell the others now that this peer's count is final (``_frozen``)
+        self._progress.wake()
         await self._begin_matchmaking(self.epoch, expected)
         prematch = self._prematch
         assert prematch is not None
@@ -904,6 +958,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self.peer.async_peer.client_mode,
             reachability=self.peer.async_peer.reachability.value,
             device=PeerProgress.device_of(self.params),
+            # its count is final: the others count it exactly (``_global_batch``)
+            stopped=self._frozen,
         )
 
     async def _start_tracker(self) -> trio.CancelScope:
@@ -923,6 +979,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         and apply the result, as the mode does (see ``Strategy``)."""
         strategy = self._strategy
         samples = self._samples
+        self._frozen = True  # published with the round's first crossing
         compute, early = self._end_compute()
         started = time.monotonic()
         self._read_losses()

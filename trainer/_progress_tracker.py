@@ -29,6 +29,7 @@ import trio
 from dht import DHTValue, owner_marker
 from swarm import ConfigError, PeerID, SwarmError
 
+from ._global_batch import Others, others_progress
 from ._progress import PeerProgress, SwarmProgress, estimate, parse_progress, progress_key
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,11 @@ class Reading:
     #: peers at the swarm's epoch, and those one behind that are still
     #: publishing (finishing the last step), not a peer that went silent
     expected: int = 1
+    #: the other peers' samples toward this peer's epoch, and toward the next
+    #: (for a step taken before the next reading), for deciding between
+    #: readings whether the swarm has its target batch (``_global_batch``)
+    others: Others | None = None
+    ahead: Others | None = None
 
 
 @dataclass(frozen=True)
@@ -150,7 +156,23 @@ class ProgressTracker:
             stale_after=config.progress_ttl,
             fresh_within=config.fresh_within,
         )
-        self.reading = Reading(swarm, mine.epoch, mine.samples, self._clock(), expected)
+        # a live peer publishes every interval, and is expected in rounds while
+        # its record is younger than fresh_within: an older record is a peer
+        # that stalled or died, whose rate would count samples nobody computed
+        others, ahead = (
+            others_progress(
+                records,
+                me=mine.peer_id,
+                epoch=epoch,
+                now=now,
+                stale_after=config.progress_ttl,
+                horizon=config.fresh_within,
+            )
+            for epoch in (mine.epoch, mine.epoch + 1)
+        )
+        self.reading = Reading(
+            swarm, mine.epoch, mine.samples, self._clock(), expected, others, ahead
+        )
         return self.reading
 
     def wake(self) -> None:
