@@ -36,7 +36,13 @@ updates them; the model holds them rounded). A model's buffers (``model=``)
 travel with the state. ``GradScaler`` accepts the optimizer (see ``_amp``).
 
 Threads: the training loop calls ``step()`` from its own thread. All network
-work runs on the peer's trio thread (``Peer.run``). Tensor work (the inner
+work runs on the peer's trio thread (``Peer.run``). A ``step()`` that does not
+end a global step never waits on that thread: it decides from the tracker's
+latest reading (``_global_batch``) and posts what the trio side should do
+(wake the tracker, begin matchmaking ahead of the step) without waiting
+(``_post``: ``TrioToken.run_sync_soon`` into the coordinator's inbox). Only
+a step that ends an epoch (or downloads the state of a swarm that is ahead)
+waits on the trio thread. Tensor work (the inner
 optimizer step, EF21M and DiLoCo arithmetic, staging copies, checkpoint
 capture) runs in the training thread under ``_state_lock``, never on the trio
 thread: the event loop does not wait on compute or on a device. A donor
@@ -54,7 +60,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -365,6 +371,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         #: epoch it was begun for (training thread)
         self._prematch: _Prematch | None = None
         self._prematch_epoch = -1
+        #: the latest epoch whose matchmaking began (trio thread)
+        self._matchmaking_epoch = -1
         self._checkpoints = CheckpointDir(Path(checkpoint_dir)) if checkpoint_dir else None
         #: kinds of checkpoint write failures already warned about (see _save_checkpoint)
         self._checkpoint_failures: set[str] = set()
@@ -383,6 +391,14 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._closed = False
         #: held while the state changes (see the module doc); donors try it
         self._state_lock = threading.Lock()
+        #: the trio side's own work that the training thread posts without
+        #: waiting (``_post``): a step that does not end an epoch never waits
+        #: on the trio thread
+        self._token = peer.run_sync(trio.lowlevel.current_trio_token)
+        self._inbox, inbox = trio.open_memory_channel[Callable[[], Awaitable[None]]](math.inf)
+        self._coordinator = peer.run(
+            partial(peer.async_peer.start_service, self._serve_inbox, inbox)
+        )
         self._donor = peer.run(self._start_donor)
         if self._checkpoints is not None:
             self._resume_from_checkpoint()
@@ -622,8 +638,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             ):
                 # the group is ready when the last local step is
                 self._prematch_epoch = self.epoch
-                with contextlib.suppress(SwarmError):
-                    self.peer.run(self._begin_matchmaking, self.epoch, reading.expected)
+                self._post(
+                    partial(self._begin_matchmaking, self.epoch, reading.expected, early=True)
+                )
             return None
         self._refresh_now(now, force=True)  # who is live now, and how far they are
         reading = self._reading
@@ -790,6 +807,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         try:
             self.peer.run_sync(self._donor.cancel)
             self.peer.run_sync(self._tracker.cancel)
+            self.peer.run_sync(self._coordinator.cancel)
             self.peer.run_sync(self._cancel_matchmaking)
             self.peer.run(self._progress.withdraw)
         except SwarmError as e:
@@ -863,11 +881,17 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         if missing > 0 and (rate <= 0 or missing / rate > self.config.matchmaking_lead):
             return
         self._prematch_epoch = self.epoch
-        with contextlib.suppress(SwarmError):
-            self.peer.run(self._begin_matchmaking, self.epoch, reading.expected)
+        self._post(partial(self._begin_matchmaking, self.epoch, reading.expected, early=True))
 
-    async def _begin_matchmaking(self, epoch: int, expected: int) -> None:
-        """On the trio thread: find this epoch's group as a service of the peer."""
+    async def _begin_matchmaking(self, epoch: int, expected: int, *, early: bool = False) -> None:
+        """On the trio thread: find this epoch's group as a service of the peer.
+
+        ``early``: matchmaking ahead of the step, posted by the training thread
+        (``_post``); it may arrive after the step it was for, and then does
+        nothing."""
+        if early and epoch <= self._matchmaking_epoch:
+            return
+        self._matchmaking_epoch = max(self._matchmaking_epoch, epoch)
         previous = self._prematch
         if previous is not None:
             if previous.epoch == epoch:
@@ -942,9 +966,36 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         return self._progress.reading
 
     def _poke(self) -> None:
-        """Ask the tracker to publish and read now rather than at its next interval."""
-        with contextlib.suppress(SwarmError):
-            self.peer.run_sync(self._progress.wake)
+        """Ask the tracker to publish and read now rather than at its next
+        interval. Does not wait (no thread crossing)."""
+        self._post_sync(self._progress.wake)
+
+    def _post_sync(self, fn: Callable[[], object]) -> None:
+        """Run ``fn()`` on the trio thread soon; returns at once. A peer that
+        stopped runs nothing (the next call that waits raises ``ClosedError``)."""
+        with contextlib.suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(fn)
+
+    def _post(self, job: Callable[[], Awaitable[None]]) -> None:
+        """Run ``await job()`` on the trio thread soon, in the order posted, as
+        the coordinator's work; returns at once. A ``SwarmError`` of the job is
+        logged (it concerns matchmaking ahead of time, which the global step
+        does again if it has to)."""
+        self._post_sync(partial(self._inbox.send_nowait, job))
+
+    async def _serve_inbox(
+        self,
+        inbox: trio.MemoryReceiveChannel[Callable[[], Awaitable[None]]],
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """The trio side's work posted by the training thread (``_post``),
+        until cancelled."""
+        task_status.started()
+        async for job in inbox:
+            try:
+                await job()
+            except SwarmError as e:
+                log.info("epoch %d: %s", self.epoch, e)
 
     def _record(self) -> PeerProgress:
         return PeerProgress(
