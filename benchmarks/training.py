@@ -88,6 +88,12 @@ def _worker(args: argparse.Namespace) -> None:
                 eval_every=0,
                 data_seed=args.index,
                 optimizer=config,
+                # start together: a peer that began before the others joined
+                # trained its first steps alone (each a whole target batch),
+                # which at a few epochs was most of what was measured
+                min_peers=args.peers,
+                min_peers_timeout=60.0,
+                load_state=False,  # every peer starts from the same weights
             ),
             on_epoch=on_epoch,
         )

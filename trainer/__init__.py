@@ -10,6 +10,8 @@ Modules:
   ``ProgressTree``, the aggregation tree that scales it to thousands of peers
 - ``_progress_tracker``: ``ProgressTracker``, the service that publishes this
   peer's progress and reads the swarm's; ``expected_peers``
+- ``_global_batch``: whether the swarm has its target batch, estimated between
+  readings from the others' records and rates (``Others``)
 - ``_round_timing``: ``RoundTiming``, matchmaking time and averaging timeout from measured rounds
 - ``_ef21m``: ``ArcTopK`` gradient compression with EF21M error feedback
 - ``_diloco``: DiLoCo mode: local inner steps, then an outer Nesterov step
@@ -30,6 +32,7 @@ from ._drift import ResyncSchedule, lost_fraction
 from ._dropcompute import DropCompute, choose_threshold
 from ._ef21m import ArcTopK
 from ._export import ExportedModel, export_model
+from ._global_batch import Others, others_progress
 from ._optimizer import CollaborativeConfig, CollaborativeOptimizer, GlobalStep, GradHook
 from ._progress import (
     MAX_DEVICE_LABEL,
@@ -78,6 +81,7 @@ __all__ = [
     "GlobalStep",
     "GradHook",
     "LocalSGD",
+    "Others",
     "PeerProgress",
     "ProgressSummary",
     "ProgressTracker",
@@ -107,6 +111,7 @@ __all__ = [
     "model_buffers",
     "model_device",
     "model_dtype",
+    "others_progress",
     "parse_progress",
     "plain_state_dict",
     "progress_key",

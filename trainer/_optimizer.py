@@ -7,7 +7,9 @@ The user's loop is an ordinary PyTorch loop::
 
 ``step()`` adds this batch's gradients (times its size) to an accumulator and
 reports progress to the DHT. When the swarm as a whole has accumulated
-``target_batch_size`` samples, every live peer averages its accumulated mean
+``target_batch_size`` samples (give or take one local batch per peer: each
+peer estimates the others' count from their records and rates without
+waiting for news, see ``_global_batch``), every live peer averages its accumulated mean
 gradient with a Moshpit group, weighted by its sample count, then takes the
 inner optimizer's step: the epoch advances. A peer that finds no group applies
 its own gradients and says so in its log; none waits longer than
@@ -39,7 +41,13 @@ updates them; the model holds them rounded). A model's buffers (``model=``)
 travel with the state. ``GradScaler`` accepts the optimizer (see ``_amp``).
 
 Threads: the training loop calls ``step()`` from its own thread. All network
-work runs on the peer's trio thread (``Peer.run``). Tensor work (the inner
+work runs on the peer's trio thread (``Peer.run``). A ``step()`` that does not
+end a global step never waits on that thread: it decides from the tracker's
+latest reading (``_global_batch``) and posts what the trio side should do
+(wake the tracker, begin matchmaking ahead of the step) without waiting
+(``_post``: ``TrioToken.run_sync_soon`` into the coordinator's inbox). Only
+a step that ends an epoch (or downloads the state of a swarm that is ahead)
+waits on the trio thread. Tensor work (the inner
 optimizer step, EF21M and DiLoCo arithmetic, staging copies, checkpoint
 capture) runs in the training thread under ``_state_lock``, never on the trio
 thread: the event loop does not wait on compute or on a device. A donor
@@ -57,7 +65,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -383,11 +391,19 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         )
         self._last_poke = -math.inf
         self._refresh_seconds = 0.0
+        #: this peer adds nothing to its epoch now: from the moment it stops
+        #: adding to a step until the step (with any state averaging and
+        #: checkpoint after it) is over
+        self._frozen = False
+        #: monotonic time this peer began adding to its epoch's step
+        self._epoch_began = -math.inf
         self._next_catch_up = -math.inf
         #: matchmaking begun ahead of the global step (trio thread), and the
         #: epoch it was begun for (training thread)
         self._prematch: _Prematch | None = None
         self._prematch_epoch = -1
+        #: the latest epoch whose matchmaking began (trio thread)
+        self._matchmaking_epoch = -1
         self._checkpoints = CheckpointDir(Path(checkpoint_dir)) if checkpoint_dir else None
         #: kinds of checkpoint write failures already warned about (see _save_checkpoint)
         self._checkpoint_failures: set[str] = set()
@@ -417,6 +433,14 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._closed = False
         #: held while the state changes (see the module doc); donors try it
         self._state_lock = threading.Lock()
+        #: the trio side's own work that the training thread posts without
+        #: waiting (``_post``): a step that does not end an epoch never waits
+        #: on the trio thread
+        self._token = peer.run_sync(trio.lowlevel.current_trio_token)
+        self._inbox, inbox = trio.open_memory_channel[Callable[[], Awaitable[None]]](math.inf)
+        self._coordinator = peer.run(
+            partial(peer.async_peer.start_service, self._serve_inbox, inbox)
+        )
         self._donor = peer.run(self._start_donor)
         if self._checkpoints is not None:
             self._resume_from_checkpoint()
@@ -586,7 +610,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         now = self._account(size, loss)
         left = strategy.local_steps_left()
         ready = (
-            self._target_reached(now) if left is None else self._local_steps_done(left, size, now)
+            self._target_reached(size, now)
+            if left is None
+            else self._local_steps_done(left, size, now)
         )
         if ready is None:
             return False
@@ -594,18 +620,18 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._global_step(alone=alone, expected=expected)
         return True
 
-    def _target_reached(self, now: float) -> tuple[bool, int] | None:
+    def _target_reached(self, size: int, now: float) -> tuple[bool, int] | None:
         """Has the swarm reached the target batch (or this peer its compute
         budget)? (alone, peers to expect) if the global step is due now, None
         if not (or after catching up with a swarm that is ahead)."""
         reading = self._reading
-        if reading is None or reading.epoch != self.epoch:
-            # the tracker has not read the swarm since this epoch began: read now,
-            # rather than compute blind past the target
-            if not self._refresh_now(now, force=self._out_of_time):
+        if reading is None or reading.epoch not in (self.epoch, self.epoch - 1):
+            # no reading from this epoch or the step before it (the first step,
+            # or a download jumped epochs): read now rather than compute blind
+            if not self._refresh_now(now, force=True):
                 return None
             reading = self._reading
-            if reading is None or reading.epoch != self.epoch:
+            if reading is None or reading.epoch not in (self.epoch, self.epoch - 1):
                 return None
         swarm = reading.swarm
         if swarm.epoch > self.epoch and now >= self._next_catch_up:
@@ -616,15 +642,21 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 # nobody could send that epoch: train on, try again later
                 self._next_catch_up = now + self.config.progress_ttl / 2
             return None
-        if self._ready(reading):
+        if self._ready(reading, size, now):
             self._out_of_time = False  # the swarm's target ended this step, not the threshold
         elif not self._out_of_time:
-            self._maybe_begin_matchmaking(reading, now)
-            if not self._near_target(reading, now) or not self._refresh_now(now):
-                return None
+            if reading.epoch == self.epoch:
+                self._maybe_begin_matchmaking(reading, now)
+            if reading.epoch != self.epoch or self._near_target(reading, now):
+                # a fresher reading sharpens the estimate (the others' exact
+                # counts once they stopped); the tracker reads in the
+                # background while this peer computes
+                self._hurry(now)
+            return None
+        if reading.epoch != self.epoch:
+            self._refresh_now(now, force=True)  # who is in this epoch's round
             reading = self._reading
-            if reading is None or reading.epoch != self.epoch or not self._ready(reading):
-                return None
+            assert reading is not None
             swarm = reading.swarm
         if swarm.num_peers <= 1 and self._refresh_now(now, force=True):
             # about to train alone: make sure nobody joined since the last reading
@@ -656,8 +688,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             ):
                 # the group is ready when the last local step is
                 self._prematch_epoch = self.epoch
-                with contextlib.suppress(SwarmError):
-                    self.peer.run(self._begin_matchmaking, self.epoch, reading.expected)
+                self._post(
+                    partial(self._begin_matchmaking, self.epoch, reading.expected, early=True)
+                )
             return None
         self._refresh_now(now, force=True)  # who is live now, and how far they are
         reading = self._reading
@@ -721,6 +754,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     def _begin_compute(self) -> None:
         self._out_of_time = False
+        self._frozen = False  # adding to the step again: the others may count our rate
+        self._epoch_began = time.monotonic()
         if self._budget is not None:
             self._budget.begin()
 
@@ -822,6 +857,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         try:
             self.peer.run_sync(self._donor.cancel)
             self.peer.run_sync(self._tracker.cancel)
+            self.peer.run_sync(self._coordinator.cancel)
             self.peer.run_sync(self._cancel_matchmaking)
             self.peer.run(self._progress.withdraw)
         except SwarmError as e:
@@ -835,18 +871,52 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     # -- progress ---------------------------------------------------------------
 
-    def _ready(self, reading: Reading) -> bool:
-        """Has the swarm reached the target batch? What the others reported at the
-        last reading, plus everything this peer has now. Other peers' rates are
-        not extrapolated: a peer busy averaging or loading state computes nothing,
-        and counting samples nobody computed would shrink the global batch."""
-        others = reading.swarm.reported - reading.samples
-        return others + self._samples >= self.target_batch_size
+    def _ready(self, reading: Reading, size: int, now: float) -> bool:
+        """Has the swarm reached the target batch (within half of what it adds
+        during this peer's next batch of ``size``)? The others' records at the
+        last reading, each extrapolated at its rate to now, plus everything this
+        peer has (``_global_batch``). Waiting for a reading that shows the
+        target made every peer compute a whole refresh past it. A peer busy
+        averaging says so (``_frozen``): its count is final. A record too old
+        to be a live peer's is not extrapolated: samples nobody computed are
+        not counted."""
+        if reading.epoch == self.epoch:
+            others, elapsed = reading.others, now - reading.time
+        else:
+            # read before this peer's last step ended: the others toward the
+            # next epoch, counted from when this one began
+            others, elapsed = reading.ahead, now - max(reading.time, self._epoch_began)
+        if others is None or others.epoch != self.epoch:  # a reading without them
+            reported = reading.swarm.reported - reading.samples
+            return reported + self._samples >= self.target_batch_size
+        # a peer whose rate is not measured yet (the first step) computes about
+        # as fast as this one: counted as nothing, each filled the target alone
+        mine = self._rate.rate
+        total = others.total(self._samples, elapsed, prior=mine)
+        if not (others.rates or others.unmeasured):  # nobody else adds: exact
+            return total >= self.target_batch_size
+        # Stop where the total lands nearest the target: every peer stops right
+        # after a batch, so stopping only past the target overshot by about a
+        # batch per peer. One more batch of ours adds what the swarm computes
+        # meanwhile; stop now if that would overshoot more than we fall short.
+        swarm_rate = others.rate + len(others.unmeasured) * mine + mine
+        during = size * swarm_rate / mine if mine > 0 else size
+        return total + during / 2 >= self.target_batch_size
+
+    def _hurry(self, now: float) -> None:
+        """Near the target: ask the tracker to refresh now (it reads in the
+        background). Rate-limited like ``_refresh_now``."""
+        pause = max(self.config.progress_interval / 10, 4 * self._refresh_seconds)
+        if now - self._last_poke < pause:
+            return
+        self._last_poke = now
+        self._poke()
 
     def _near_target(self, reading: Reading, now: float) -> bool:
-        """Would the swarm have reached the target if everyone kept computing?"""
+        """Would the swarm reach the target within a progress interval?"""
         swarm = reading.swarm
-        extrapolated = swarm.samples + swarm.samples_per_second * (now - reading.time)
+        ahead = now - reading.time + self.config.progress_interval
+        extrapolated = swarm.samples + swarm.samples_per_second * ahead
         return extrapolated - reading.samples + self._samples >= self.target_batch_size
 
     def _maybe_begin_matchmaking(self, reading: Reading, now: float) -> None:
@@ -861,11 +931,17 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         if missing > 0 and (rate <= 0 or missing / rate > self.config.matchmaking_lead):
             return
         self._prematch_epoch = self.epoch
-        with contextlib.suppress(SwarmError):
-            self.peer.run(self._begin_matchmaking, self.epoch, reading.expected)
+        self._post(partial(self._begin_matchmaking, self.epoch, reading.expected, early=True))
 
-    async def _begin_matchmaking(self, epoch: int, expected: int) -> None:
-        """On the trio thread: find this epoch's group as a service of the peer."""
+    async def _begin_matchmaking(self, epoch: int, expected: int, *, early: bool = False) -> None:
+        """On the trio thread: find this epoch's group as a service of the peer.
+
+        ``early``: matchmaking ahead of the step, posted by the training thread
+        (``_post``); it may arrive after the step it was for, and then does
+        nothing."""
+        if early and epoch <= self._matchmaking_epoch:
+            return
+        self._matchmaking_epoch = max(self._matchmaking_epoch, epoch)
         previous = self._prematch
         if previous is not None:
             if previous.epoch == epoch:
@@ -890,6 +966,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     async def _finish_averaging(self, weight: float, expected: int) -> StepResult:
         """On the trio thread: wait for this epoch's group, then all-reduce."""
+        # tell the others now that this peer's count is final (``_frozen``)
+        self._progress.wake()
         await self._begin_matchmaking(self.epoch, expected)
         prematch = self._prematch
         assert prematch is not None
@@ -938,9 +1016,36 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         return self._progress.reading
 
     def _poke(self) -> None:
-        """Ask the tracker to publish and read now rather than at its next interval."""
-        with contextlib.suppress(SwarmError):
-            self.peer.run_sync(self._progress.wake)
+        """Ask the tracker to publish and read now rather than at its next
+        interval. Does not wait (no thread crossing)."""
+        self._post_sync(self._progress.wake)
+
+    def _post_sync(self, fn: Callable[[], object]) -> None:
+        """Run ``fn()`` on the trio thread soon; returns at once. A peer that
+        stopped runs nothing (the next call that waits raises ``ClosedError``)."""
+        with contextlib.suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(fn)
+
+    def _post(self, job: Callable[[], Awaitable[None]]) -> None:
+        """Run ``await job()`` on the trio thread soon, in the order posted, as
+        the coordinator's work; returns at once. A ``SwarmError`` of the job is
+        logged (it concerns matchmaking ahead of time, which the global step
+        does again if it has to)."""
+        self._post_sync(partial(self._inbox.send_nowait, job))
+
+    async def _serve_inbox(
+        self,
+        inbox: trio.MemoryReceiveChannel[Callable[[], Awaitable[None]]],
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """The trio side's work posted by the training thread (``_post``),
+        until cancelled."""
+        task_status.started()
+        async for job in inbox:
+            try:
+                await job()
+            except SwarmError as e:
+                log.info("epoch %d: %s", self.epoch, e)
 
     def _record(self) -> PeerProgress:
         return PeerProgress(
@@ -954,6 +1059,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self.peer.async_peer.client_mode,
             reachability=self.peer.async_peer.reachability.value,
             device=PeerProgress.device_of(self.params),
+            # its count is final: the others count it exactly (``_global_batch``)
+            stopped=self._frozen,
         )
 
     async def _start_tracker(self) -> trio.CancelScope:
@@ -993,6 +1100,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         and apply the result, as the mode does (see ``Strategy``)."""
         strategy = self._strategy
         samples = self._samples
+        self._frozen = True  # published with the round's first crossing
         compute, early = self._end_compute()
         started = time.monotonic()
         self._read_losses()

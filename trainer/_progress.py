@@ -130,6 +130,9 @@ class PeerProgress:
     device: str = UNKNOWN_DEVICE
     #: ``swarm.Reachability`` value: whether others can dial this peer
     reachability: str | None = None
+    #: the peer stopped adding to ``epoch`` (it is averaging it): ``samples``
+    #: is final, and it starts the next epoch at ``samples_per_second`` soon
+    stopped: bool = False
 
     @staticmethod
     def device_of(tensors: Sequence[torch.Tensor]) -> str:
@@ -147,6 +150,7 @@ class PeerProgress:
             "client": self.client,
             "device": self.device,
             "reachability": self.reachability,
+            "stopped": self.stopped,
         }
 
     @classmethod
@@ -180,6 +184,7 @@ class PeerProgress:
             bool(value.get("client", False)),
             device,
             reachability if (reachability := value.get("reachability")) in _REACHABILITY else None,
+            value.get("stopped", False) is True,
         )
 
 

@@ -54,6 +54,7 @@ import trio
 from dht import RecordDHT, owner_marker
 from swarm import ConfigError, PeerID, SwarmError
 
+from ._global_batch import Others, others_progress
 from ._progress import (
     PeerProgress,
     ProgressSummary,
@@ -81,6 +82,11 @@ class Reading:
     #: peers at the swarm's epoch, and those one behind that are still
     #: publishing (finishing the last step), not a peer that went silent
     expected: int = 1
+    #: the other peers' samples toward this peer's epoch, and toward the next
+    #: (for a step taken before the next reading), for deciding between
+    #: readings whether the swarm has its target batch (``_global_batch``)
+    others: Others | None = None
+    ahead: Others | None = None
 
 
 @dataclass(frozen=True)
@@ -212,13 +218,17 @@ class ProgressTracker:
             summary = ProgressSummary.combine(
                 [summary] + ([own] if own else []), now=now, stale_after=ttl
             )
+        others: Others | None = None
+        ahead: Others | None = None
         if summary is not None:
             swarm = summary.progress(self.target_batch_size, now)
+            # the directory holds a sample only: the optimizer then goes by the
+            # totals (``Reading.others`` None)
+            expected = max(1, swarm.num_peers_at_epoch)
         else:
             swarm = estimate(
                 records, now=now, target_batch_size=self.target_batch_size, stale_after=ttl
             )
-        if summary is None:
             expected = expected_peers(
                 records,
                 now=now,
@@ -226,10 +236,24 @@ class ProgressTracker:
                 stale_after=ttl,
                 fresh_within=config.fresh_within,
             )
-        else:
-            expected = max(1, swarm.num_peers_at_epoch)
+            # a live peer publishes every interval, and is expected in rounds while
+            # its record is younger than fresh_within: an older record is a peer
+            # that stalled or died, whose rate would count samples nobody computed
+            others, ahead = (
+                others_progress(
+                    records,
+                    me=mine.peer_id,
+                    epoch=epoch,
+                    now=now,
+                    stale_after=ttl,
+                    horizon=config.fresh_within,
+                )
+                for epoch in (mine.epoch, mine.epoch + 1)
+            )
         self._peers = max(1, swarm.num_peers)
-        self.reading = Reading(swarm, mine.epoch, mine.samples, self._clock(), expected)
+        self.reading = Reading(
+            swarm, mine.epoch, mine.samples, self._clock(), expected, others, ahead
+        )
         return self.reading
 
     def wake(self) -> None:
