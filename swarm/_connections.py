@@ -19,6 +19,12 @@ cancellation, a reset) closes its connection. Only the dialer opens streams on
 a connection; the listener serves them, and when a handler fails it sends a
 RESET with a one-line reason before closing.
 
+Bulk frames (a batch of 128 KiB or more to send, or a frame with 128 KiB or
+more of payload still to receive) move in worker threads (``_bulk_io``):
+the thread seals or opens them and makes the system calls, so the trio
+thread does not wait on the socket or the cryptography meanwhile; the
+promises about cancellation below hold for them as for the rest.
+
 Limits:
 
 - ``max_frame_size``: a frame announcing more is a ``ProtocolError`` for the
