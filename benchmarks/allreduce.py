@@ -60,6 +60,10 @@ with bytes unsent (TCP held them), and the last round's upload per 50 ms.
 every connection the sampler finds, gloo's too (the namespaces' sysctl is
 read-only here).
 
+``--compare-chunks 32,64`` (with ``--link-rate``) adds runs of ours in
+plaintext with parts cut into at least that many chunks
+(``AllReduceConfig.min_chunks_per_part``), on the same bed in the same run.
+
 ``--split N`` hands our all-reduce the vector as N tensors of their own, as a
 model's parameters are, which it copies into one vector and back every round;
 by default it gets one vector, as it gets tensors from ``flat_zeros_like``
@@ -640,6 +644,12 @@ def main() -> None:
     )
     parser.add_argument("--lossy-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
+        "--compare-chunks",
+        type=lambda text: [int(x) for x in text.split(",")],
+        default=[],
+        help="with --link-rate: also run ours (plaintext) with each min_chunks_per_part",
+    )
+    parser.add_argument(
         "--codecs",
         default=",".join(CODECS),
         help="with --link-rate: our codecs to run (comma-separated: none,float16,uint8)",
@@ -765,6 +775,12 @@ def link_main(args: argparse.Namespace) -> None:
             result = launch(args, impl, encrypt, codec, bed, bandwidths, measured)
             bound = link_bound(wire_bytes(args.size, codec), up, down)
             rows.append((name, result, bound))
+        for chunks in args.compare_chunks:
+            # the same run with parts cut into at least this many chunks
+            variant = argparse.Namespace(**{**vars(args), "min_chunks_per_part": chunks})
+            result = launch(variant, "ours", False, "none", bed)
+            bound = link_bound(wire_bytes(args.size, "none"), up, down)
+            rows.append((f"ours, plaintext, {chunks} chunks/part", result, bound))
         if args.lossy:
             result = launch(args, "ours", True, "none", bed, None, lossy=True)
             rows.append(("ours, lossy datagrams", result, link_bound(4 * args.size, up, down)))
