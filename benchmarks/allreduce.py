@@ -49,6 +49,21 @@ so run several rounds (the median is printed, and every round's time).
     sudo python benchmarks/allreduce.py --link-rate 50mbit --size 2000000 --rounds 6 \
         --codecs none --lossy [--loss 0.01]
 
+``--timeline`` makes every worker sample its TCP connections every 10 ms
+(``TCP_INFO``: bytes acknowledged and received, bytes not yet sent, time
+limited by the receive window or the send buffer, retransmissions, rtt,
+cwnd) and prints per peer how busy its upload and download were, in how
+many 10 ms steps the upload idled (below 80% of the link) with nothing the
+application had handed over left unsent (the application starved it) or
+with bytes unsent (TCP held them), and the last round's upload per 50 ms.
+``--congestion cubic`` (with ``--timeline``) sets that congestion control on
+every connection the sampler finds, gloo's too (the namespaces' sysctl is
+read-only here).
+
+``--compare-chunks 32,64`` (with ``--link-rate``) adds runs of ours in
+plaintext with parts cut into at least that many chunks
+(``AllReduceConfig.min_chunks_per_part``), on the same bed in the same run.
+
 ``--split N`` hands our all-reduce the vector as N tensors of their own, as a
 model's parameters are, which it copies into one vector and back every round;
 by default it gets one vector, as it gets tensors from ``flat_zeros_like``
@@ -111,6 +126,167 @@ def file_barrier(directory: Path, name: str, rank: int, peers: int) -> None:
         time.sleep(0.001)
 
 
+#: ``--timeline``: how often each worker samples its connections (seconds)
+TIMELINE_STEP = 0.01
+
+
+class Timeline:
+    """Per-connection traffic of one worker, sampled every ``TIMELINE_STEP``.
+
+    A thread of its own reads each TCP connection's ``TCP_INFO`` (bytes the
+    remote acknowledged, bytes received) and its send queue (``SIOCOUTQ``:
+    bytes handed to the kernel and not yet acknowledged). From these the
+    driver tells, per 10 ms, whether an upload idled with nothing queued (the
+    application starved it) or with data queued (TCP or the link held it).
+    """
+
+    def __init__(self, congestion: str | None = None) -> None:
+        import threading
+
+        #: an experiment: this congestion control on every connection found
+        self.congestion = congestion
+        self._dups: dict[str, Any] = {}  # socket inode -> a dup of it (None: not TCP)
+        self.samples: list[tuple[float, list[tuple[int, ...]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> list[Any]:
+        self._stop.set()
+        self._thread.join()
+        return [[t, rows] for t, rows in self.samples]
+
+    def _run(self) -> None:
+        import socket
+        import struct
+
+        while not self._stop.wait(TIMELINE_STEP):
+            rows = []
+            for sock in self._sockets():
+                try:
+                    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 192)
+                except (OSError, ValueError):
+                    continue
+                # struct tcp_info: bytes_acked, bytes_received; notsent_bytes;
+                # busy_time, rwnd_limited, sndbuf_limited (microseconds)
+                acked, received = struct.unpack_from("<QQ", info, 120)
+                (notsent,) = struct.unpack_from("<I", info, 144)
+                busy, rwnd, sndbuf = struct.unpack_from("<QQQ", info, 168)
+                # total_retrans (segments), rtt (us), snd_cwnd (segments)
+                (retrans,) = struct.unpack_from("<I", info, 100)
+                (rtt,) = struct.unpack_from("<I", info, 68)
+                (cwnd,) = struct.unpack_from("<I", info, 80)
+                fd = sock.fileno()
+                rows.append((fd, acked, received, notsent, busy, rwnd, sndbuf, retrans, rtt, cwnd))
+            self.samples.append((time.perf_counter(), rows))
+
+    def _sockets(self) -> list[Any]:
+        """Every TCP socket this process has open (gloo's too), as dups."""
+        import socket
+
+        found = {}  # by inode: a socket's duplicates (ours too) are one connection
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if not target.startswith("socket:"):
+                continue
+            if target not in self._dups:
+                try:
+                    sock = socket.fromfd(int(fd), socket.AF_INET, socket.SOCK_STREAM)
+                    sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 192)
+                    if self.congestion:
+                        sock.setsockopt(
+                            socket.IPPROTO_TCP, socket.TCP_CONGESTION, self.congestion.encode()
+                        )
+                except OSError:
+                    sock = None
+                self._dups[target] = sock
+            if self._dups[target] is not None:
+                found[target] = self._dups[target]
+        return list(found.values())
+
+
+def timeline_summary(timelines: list[Any], marks: list[Any], rate_bits: float) -> list[str]:
+    """Lines that say, per peer over the timed rounds, how busy its upload and
+    download were per ``TIMELINE_STEP`` and why its upload idled.
+
+    ``timelines[r]``: worker r's samples; ``marks[r]``: its rounds' (start,
+    end). A step is idle below 80% of the link rate: "starved" if no
+    connection had bytes the application handed over and TCP had not sent yet
+    (``notsent``), else "TCP held" them; of those, the share of connection
+    time TCP counted as limited by the receiver's window or the send buffer.
+    """
+    lines = []
+    full = rate_bits / 8 * TIMELINE_STEP
+    for rank, (samples, rounds) in enumerate(zip(timelines, marks, strict=True)):
+        up_steps: list[float] = []
+        down_steps: list[float] = []
+        starved = held = 0
+        busy = rwnd = sndbuf = 0.0
+        retrans = 0
+        rtts: list[int] = []  # of connections with bytes unsent, per sample
+        cwnds: list[int] = []
+        for (t0, rows0), (t1, rows1) in itertools.pairwise(samples):
+            if not any(a <= t0 and t1 <= b for a, b in rounds):
+                continue
+            before = {row[0]: row for row in rows0}
+            up = down = notsent = 0
+            for fd, acked, received, unsent, b, r, sb, re, rtt, cwnd in rows1:
+                if unsent:
+                    rtts.append(rtt)
+                    cwnds.append(cwnd)
+                if fd in before:
+                    _, acked0, received0, _, b0, r0, sb0, re0, _, _ = before[fd]
+                    retrans += re - re0
+                    up += max(0, acked - acked0)
+                    down += max(0, received - received0)
+                    busy += (b - b0) / 1e6
+                    rwnd += (r - r0) / 1e6
+                    sndbuf += (sb - sb0) / 1e6
+                notsent += unsent
+            scale = TIMELINE_STEP / max(t1 - t0, 1e-6)
+            up_steps.append(up * scale / full)
+            down_steps.append(down * scale / full)
+            if up * scale < 0.8 * full:
+                if notsent == 0:
+                    starved += 1
+                else:
+                    held += 1
+        steps = max(1, len(up_steps))
+        # the last round, 50 ms a character: upload share 0-9 (9: 90% and more)
+        last = [
+            (
+                t1,
+                sum(r[1] for r in rows1)
+                - sum(r[1] for r in rows0 if r[0] in {x[0] for x in rows1}),
+            )
+            for (t0, rows0), (t1, rows1) in itertools.pairwise(samples)
+            if rounds and rounds[-1][0] <= t0 and t1 <= rounds[-1][1]
+        ]
+        if last:
+            start = rounds[-1][0]
+            bins = [0] * (int((rounds[-1][1] - start) / 0.05) + 1)
+            for t, up in last:
+                bins[int((t - start) / 0.05)] += up
+            shares = "".join(str(min(9, int(10 * b / (5 * full)))) for b in bins)
+            lines.append(f"    peer {rank} last round, upload per 50 ms (0-9): {shares}")
+        lines.append(
+            f"    peer {rank}: upload {statistics.mean(up_steps or [0]):5.1%} of the link,"
+            f" download {statistics.mean(down_steps or [0]):5.1%}; of 10 ms steps,"
+            f" {starved / steps:5.1%} idle (< 80%) with nothing unsent,"
+            f" {held / steps:5.1%} idle with bytes unsent; connections busy {busy:.2f} s,"
+            f" of it rwnd-limited {rwnd:.2f} s, sndbuf-limited {sndbuf:.2f} s;"
+            f" {retrans} segments retransmitted; sending: median rtt"
+            f" {statistics.median(rtts or [0]) / 1000:.1f} ms,"
+            f" cwnd {statistics.median(cwnds or [0])} segments"
+        )
+    return lines
+
+
 # ------------------------------------------------------------------- workers
 
 
@@ -126,6 +302,10 @@ def run_gloo(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     x = torch.empty(args.size, dtype=torch.float32)
     times: list[float] = []
     cpu_times: list[float] = []
+    marks: list[tuple[float, float]] = []
+    timeline = Timeline(args.congestion) if args.timeline else None
+    if timeline is not None:
+        timeline.start()
     for _ in range(args.rounds):
         fill(x, args.rank)
         dist.barrier()
@@ -134,10 +314,18 @@ def run_gloo(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         x.div_(args.peers)
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu)
+        marks.append((start, start + times[-1]))
     error = max_error(x, args.peers)
     dist.barrier()
     dist.destroy_process_group()
-    return {"times": times, "cpu": cpu_times, "error": error, "rss_mb": peak_rss_mb()}
+    return {
+        "times": times,
+        "cpu": cpu_times,
+        "error": error,
+        "rss_mb": peak_rss_mb(),
+        "timeline": timeline.stop() if timeline is not None else None,
+        "marks": marks,
+    }
 
 
 def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
@@ -167,6 +355,8 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     tensors = [x] if args.split == 1 else [torch.empty(b - a) for a, b in pieces]
     times: list[float] = []
     cpu_times: list[float] = []
+    marks: list[tuple[float, float]] = []  # (start, end) of each timed round
+    timeline: Timeline | None = None
     contributors_ok = True
     held: list[float] = []  # lossy: the share of the senders' data in our result
 
@@ -179,7 +369,7 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     warmup = 1 if args.measured else 0
 
     async def main() -> None:
-        nonlocal contributors_ok
+        nonlocal contributors_ok, timeline
         net_config = ConnectionConfig(encrypt=args.encrypt)
         async with open_connections(
             identities[args.rank], host=hosts[args.rank], config=net_config
@@ -193,6 +383,9 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
                 file_barrier, directory, "listening", args.rank, args.peers
             )
             ports = [int((directory / f"port.{r}").read_text()) for r in range(args.peers)]
+            if args.timeline:
+                timeline = Timeline(args.congestion)
+                timeline.start()
             for round_ in range(-warmup, args.rounds):
                 fill(x, args.rank)
                 if args.split > 1:
@@ -224,6 +417,7 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
                     continue
                 times.append(time.perf_counter() - start)
                 cpu_times.append(time.process_time() - cpu)
+                marks.append((start, start + times[-1]))
                 if args.split > 1:
                     for t, (a, b) in zip(tensors, pieces, strict=True):
                         x[a:b].copy_(t)
@@ -240,6 +434,8 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
 
     trio.run(main)
     return {
+        "timeline": timeline.stop() if timeline is not None else None,
+        "marks": marks,
         "times": times,
         "cpu": cpu_times,
         "error": max_error(x, args.peers),
@@ -360,6 +556,8 @@ def launch(
                     ]
                     + extra
                     + (["--profile", args.profile] if args.profile else [])
+                    + (["--timeline"] if args.timeline else [])
+                    + (["--congestion", args.congestion] if args.congestion else [])
                     + (["--encrypt"] if encrypt else [])
                     + (["--lossy-worker"] if lossy else [])
                     + (["--pacing-log"] if args.pacing_log else []),
@@ -387,7 +585,14 @@ def launch(
     cpu = statistics.median(
         statistics.mean(o["cpu"][i] for o in outputs) for i in range(args.rounds)
     )
+    timeline = None
+    if args.timeline:
+        rate = rate_of(args)
+        timeline = timeline_summary(
+            [o["timeline"] for o in outputs], [o["marks"] for o in outputs], rate
+        )
     return {
+        "timeline": timeline,
         "cpu_s": cpu,
         "median_s": statistics.median(per_round),
         "rounds_s": per_round,
@@ -408,9 +613,7 @@ def main() -> None:
         default=None,
         help="elements per all-reduce chunk (default: AllReduceConfig's)",
     )
-    parser.add_argument(
-        "--window-bytes", type=int, default=None, help="default: AllReduceConfig's"
-    )
+    parser.add_argument("--window-bytes", type=int, default=None, help="default: AllReduceConfig's")
     parser.add_argument(
         "--min-chunks-per-part", type=int, default=None, help="default: AllReduceConfig's"
     )
@@ -428,6 +631,14 @@ def main() -> None:
     parser.add_argument(
         "--profile", help="write cProfile stats of each worker to PROFILE.IMPL.RANK"
     )
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="sample every connection each 10 ms; say how busy uploads were and why not",
+    )
+    parser.add_argument(
+        "--congestion", help="with --timeline: set this TCP congestion control on every connection"
+    )
     parser.add_argument("--link-rate", help="emulated links: tc rate each way, e.g. 100mbit")
     parser.add_argument("--loss", type=float, default=0.0, help="with --link-rate: loss rate")
     parser.add_argument("--slow-peer", help="with --link-rate: peer 0's upload rate")
@@ -439,6 +650,12 @@ def main() -> None:
         "--pacing-log",
         action="store_true",
         help="with --lossy: log each receiver report and the send rate it set (stderr)",
+    )
+    parser.add_argument(
+        "--compare-chunks",
+        type=lambda text: [int(x) for x in text.split(",")],
+        default=[],
+        help="with --link-rate: also run ours (plaintext) with each min_chunks_per_part",
     )
     parser.add_argument(
         "--codecs",
@@ -515,6 +732,15 @@ def main() -> None:
     assert math.isfinite(report["ratio"])
 
 
+def rate_of(args: argparse.Namespace) -> float:
+    """The link rate in bit/s the timeline compares with (loopback: 10 Gbit/s)."""
+    if not args.link_rate:
+        return 10e9
+    from netbed import rate_bits
+
+    return rate_bits(args.link_rate)
+
+
 def link_main(args: argparse.Namespace) -> None:
     """``--link-rate``: gloo and ours on one bed of emulated links (module docstring)."""
     from netbed import Link, NetBed, rate_bits
@@ -528,11 +754,16 @@ def link_main(args: argparse.Namespace) -> None:
         links[0] = Link(args.slow_peer, args.link_rate)
     up = [rate_bits(link.up or args.link_rate) for link in links]
     down = [rate] * args.peers
-    congestion = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
     rows: list[tuple[str, dict[str, Any], float]] = []
     if args.lossy and "none" not in codecs:
         raise SystemExit("--lossy sends raw float32: --codecs must include none")
     with NetBed(links) as bed:
+        congestion = subprocess.run(
+            bed.exec(0, ["cat", "/proc/sys/net/ipv4/tcp_congestion_control"]),
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         if args.loss:
             for peer in range(args.peers):
                 bed.drop_arriving(peer, args.loss)
@@ -552,6 +783,12 @@ def link_main(args: argparse.Namespace) -> None:
             result = launch(args, impl, encrypt, codec, bed, bandwidths, measured)
             bound = link_bound(wire_bytes(args.size, codec), up, down)
             rows.append((name, result, bound))
+        for chunks in args.compare_chunks:
+            # the same run with parts cut into at least this many chunks
+            variant = argparse.Namespace(**{**vars(args), "min_chunks_per_part": chunks})
+            result = launch(variant, "ours", False, "none", bed)
+            bound = link_bound(wire_bytes(args.size, "none"), up, down)
+            rows.append((f"ours, plaintext, {chunks} chunks/part", result, bound))
         if args.lossy:
             result = launch(args, "ours", True, "none", bed, None, lossy=True)
             rows.append(("ours, lossy datagrams", result, link_bound(4 * args.size, up, down)))
@@ -574,6 +811,8 @@ def link_main(args: argparse.Namespace) -> None:
             f" {bound / result['median_s']:6.1%} {result['cpu_s']:8.2f}s"
             + (f"   held {statistics.median(held):.1%} (rounds: {per_round})" if held else "")
         )
+        for line in result.get("timeline") or []:
+            print(line)
     if args.json:
         print(json.dumps([{"run": n, "bound_s": b, **r} for n, r, b in rows]))
 

@@ -12,7 +12,9 @@ application on top of them:
 - secret files (``_secret_file``): created 0600, refused if others can read them
 - private swarms (``create_swarm_key``/``load_swarm_key``): the pre-shared key file
 - bans (``BanList``, ``BanConfig``): local bans of misbehaving peers, growing backoff
-- connections (``open_connections``): authenticated, encrypted peer streams over TCP
+- connections (``open_connections``): authenticated, encrypted peer streams over TCP;
+  their bulk frames are sealed, written, read and opened by worker threads
+  (``_bulk_io``), off the trio thread
 - counters (``_counters``): the figures a layer keeps (bytes, connections, DHT
   contacts), as ``prometheus_client`` objects a peer's registry exposes as they are
 - reachability (``Reachability``, ``ReachabilityConfig``): whether others can

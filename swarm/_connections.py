@@ -19,6 +19,12 @@ cancellation, a reset) closes its connection. Only the dialer opens streams on
 a connection; the listener serves them, and when a handler fails it sends a
 RESET with a one-line reason before closing.
 
+Bulk frames (a batch of 128 KiB or more to send, or a frame with 128 KiB or
+more of payload still to receive) move in worker threads (``_bulk_io``):
+the thread seals or opens them and makes the system calls, so the trio
+thread does not wait on the socket or the cryptography meanwhile; the
+promises about cancellation below hold for them as for the rest.
+
 Limits:
 
 - ``max_frame_size``: a frame announcing more is a ``ProtocolError`` for the
@@ -60,6 +66,7 @@ import functools
 import logging
 import math
 import os
+import select
 import socket
 import struct
 import termios
@@ -73,6 +80,7 @@ import trio
 from prometheus_client import Counter
 
 from ._bans import BanList
+from ._bulk_io import Stopped, Stopper, duplicate, run_in_thread
 from ._counters import count_of, new_counter
 from ._errors import (
     AuthenticationError,
@@ -129,6 +137,12 @@ _RECEIVE_SLICE = 512 * 1024
 _RECEIVE_LOW_WATER = 256 * 1024
 #: Most buffers one gathering send passes to the kernel (IOV_MAX is 1024).
 _MAX_GATHER = 512
+#: Sends of at least this many payload bytes, and the rest of a frame whose
+#: payload still owes at least this many, move in a worker thread
+#: (``_bulk_io``): above it the thread's hand-over (tens of microseconds)
+#: costs less than what the trio thread would spend on the bytes, and the
+#: link no longer waits for the trio thread.
+_BULK = 128 * 1024
 #: How long a listener spends telling a dialer why its stream was reset.
 _RESET_GRACE = 1.0
 
@@ -213,6 +227,30 @@ class ConnectionConfig:
             raise ConfigError("swarm_key must be at least 16 bytes (use 32 random bytes)")
 
 
+def _write_all(
+    fd: int, buffers: list[bytes | memoryview], stopper: Stopper, count: Callable[[int], None]
+) -> None:
+    """Write ``buffers`` in order to the non-blocking ``fd`` from a worker
+    thread, waiting with ``poll`` while the send buffer is full; ``count``
+    gets the bytes of each write. Raises ``OSError``, ``Stopped``."""
+    pending: list[bytes | memoryview] = [b for b in buffers if len(b)]
+    while pending:
+        stopper.check()
+        try:
+            sent = os.writev(fd, pending)
+        except BlockingIOError:
+            stopper.wait(fd, select.POLLOUT)
+            continue
+        count(sent)
+        done = 0
+        while done < len(pending) and sent >= len(pending[done]):
+            sent -= len(pending[done])
+            done += 1
+        del pending[:done]
+        if sent:
+            pending[0] = memoryview(pending[0]).cast("B")[sent:]
+
+
 class _Traffic:
     """Bytes a ``Connections`` object moved over TCP, both ways (handshakes,
     frame headers, tags and payloads: what the kernel accepted or delivered),
@@ -284,6 +322,7 @@ class _Connection:
         self.closed = False
         self._send_lock = trio.StrictFIFOLock()
         self._receiving = False
+        self._workers: set[Stopper] = set()  # bulk transfers in worker threads now
         self._low_water = 1  # the socket's SO_RCVLOWAT (the kernel's default)
         if config.socket_buffer is not None:  # disables autotuning: see ConnectionConfig
             for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
@@ -293,9 +332,13 @@ class _Connection:
     def close(self) -> None:
         """Close the socket now (synchronous, so it is safe in any cleanup path).
 
-        A task blocked in a send or receive on it gets ``ClosedError``.
+        A task blocked in a send or receive on it gets ``ClosedError``; a
+        worker thread moving a bulk payload (``_bulk_io``) stops before its
+        next system call, and the connection ends when it has.
         """
         self.closed = True
+        for stopper in list(self._workers):
+            stopper.stop()
         self.socket.close()
 
     def export_key(self, label: bytes) -> bytes:
@@ -325,6 +368,10 @@ class _Connection:
             await self._send_lock.acquire()
         completed = False
         try:
+            if sum(memoryview(payload).nbytes for _, payload in frames) >= _BULK:
+                await self._send_in_thread(frames)
+                completed = True
+                return
             gathered: list[bytes | memoryview] = []
             for kind, payload in frames:
                 for batch in self._encoder.encode_batches(kind, payload):
@@ -339,6 +386,10 @@ class _Connection:
             completed = True
         except trio.ClosedResourceError as e:
             raise ClosedError("the connection was closed") from e
+        except Stopped as e:
+            if not self.closed:  # stopped for a cancellation, which this raises
+                await trio.lowlevel.checkpoint()
+            raise ClosedError("the connection was closed") from e
         except OSError as e:
             if self.closed:
                 raise ClosedError("the connection was closed") from e
@@ -347,7 +398,36 @@ class _Connection:
             self._send_lock.release()
             if not completed:
                 self.broken = self.send_broken = True
-        await trio.lowlevel.cancel_shielded_checkpoint()
+            else:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+
+    async def _send_in_thread(
+        self, frames: list[tuple[FrameKind, bytes | bytearray | memoryview]]
+    ) -> None:
+        """Seal and write ``frames`` in a worker thread (``_bulk_io``): the
+        trio thread neither encrypts nor waits on this socket meanwhile.
+        Raises ``OSError``, or ``Stopped`` if cancelled or closed meanwhile."""
+        if self.closed:
+            raise trio.ClosedResourceError("the connection was closed")
+        sock = duplicate(self.socket)
+        encoder, count = self._encoder, self._traffic.sent.inc
+
+        def send(stopper: Stopper) -> None:
+            fd = sock.fileno()
+            gathered: list[bytes | memoryview] = []
+            for kind, payload in frames:
+                for batch in encoder.encode_batches(kind, payload):
+                    gathered += batch
+                    if len(gathered) >= _MAX_GATHER or any(len(b) > _COALESCE for b in batch):
+                        _write_all(fd, gathered, stopper, count)
+                        gathered = []
+            if gathered:
+                _write_all(fd, gathered, stopper, count)
+
+        try:
+            await run_in_thread(send, self._workers)
+        finally:
+            sock.close()
 
     async def _send_gathered(self, buffers: list[bytes | memoryview]) -> None:
         """Send ``buffers`` in order with as few (gathering) system calls as the
@@ -494,6 +574,13 @@ class _Connection:
                     # has authenticated them (``FrameDecoder.advance``).
                     whole, buffer = buffer, buffer[:_RECEIVE_SLICE]
                     whole.release()
+                if not read_ahead and buffer.nbytes >= _BULK:
+                    buffer.release()
+                    frame = await self._receive_in_thread(into, progress)
+                    if frame is not None:
+                        return frame
+                    await trio.lowlevel.checkpoint()  # cancelled: raises here
+                    continue
                 # every byte of a payload's buffer is owed: sleep until many came
                 low_water = 1 if read_ahead else min(buffer.nbytes, _RECEIVE_LOW_WATER)
                 try:
@@ -523,6 +610,64 @@ class _Connection:
             self._receiving = False
             if into is not None:
                 self._decoder.release(into)
+
+    async def _receive_in_thread(
+        self, into: memoryview | None, progress: Progress | None
+    ) -> Frame | None:
+        """Receive and open the rest of the current frame in a worker thread
+        (``_bulk_io``); None if cancelled first (the decoder keeps what came,
+        and the next call resumes). Raises what ``receive_frame`` raises."""
+        if self.closed:
+            raise ClosedError("the connection was closed")
+        sock = duplicate(self.socket)
+        decoder, count = self._decoder, self._traffic.received.inc
+        low_water = [self._low_water]  # the socket's SO_RCVLOWAT, shared with the dup
+
+        def receive(stopper: Stopper) -> Frame | None:
+            fd = sock.fileno()
+            while not stopper.stopped:
+                buffer = decoder.next_buffer(into, progress)
+                if buffer.nbytes > _RECEIVE_SLICE:
+                    buffer = buffer[:_RECEIVE_SLICE]
+                try:
+                    received = os.readv(fd, [buffer])
+                except BlockingIOError:
+                    want = min(buffer.nbytes, _RECEIVE_LOW_WATER)
+                    if want != low_water[0]:
+                        with suppress(OSError):
+                            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                            low_water[0] = want
+                    stopper.wait(fd, select.POLLIN)
+                    continue
+                finally:
+                    buffer.release()
+                count(received)
+                if received == 0:
+                    raise PeerUnreachableError(f"{self.remote.short()} closed the connection")
+                frame = decoder.advance(received)
+                if frame is not None:
+                    return frame
+            return None
+
+        try:
+            frame = await run_in_thread(receive, self._workers)
+            if self.closed:
+                raise ClosedError("the connection was closed")
+            return frame
+        except ProtocolError as e:
+            self.fail_receive(e)
+            raise
+        except PeerUnreachableError:
+            self.broken = True
+            raise
+        except OSError as e:
+            if self.closed:
+                raise ClosedError("the connection was closed") from e
+            self.broken = True
+            raise PeerUnreachableError(f"connection to {self.remote.short()} lost: {e}") from e
+        finally:
+            self._low_water = low_water[0]
+            sock.close()
 
     def _decode(self, step: Callable[[], _T]) -> _T:
         try:

@@ -694,9 +694,11 @@ async def test_receive_into_and_send_bytes_batch(config: ConnectionConfig) -> No
                 await stream.receive_into(buffer)
 
 
-async def test_cancelled_receive_into_loses_nothing() -> None:
-    """A ``receive_into`` cancelled halfway through a payload moves what
-    arrived out of the caller's buffer; the next receive gets the whole frame."""
+@pytest.mark.parametrize("config", MODES)
+async def test_cancelled_receive_into_loses_nothing(config: ConnectionConfig) -> None:
+    """A ``receive_into`` cancelled halfway through a payload (in a worker
+    thread: ``_bulk_io``) moves what arrived out of the caller's buffer; the
+    next receive gets the whole frame."""
     payload = random.Random(6).randbytes(2**20 + 5)
     sent_half = trio.Event()
     go_on = trio.Event()
@@ -713,7 +715,7 @@ async def test_cancelled_receive_into_loses_nothing() -> None:
         await connection._send_gathered([wire[half:]])
         await stream.send_eof()
 
-    async with two_peers(PLAIN, PLAIN) as (a, b):
+    async with two_peers(config, config) as (a, b):
         b.set_handler("slow", slow)
         async with a.open_stream(B.peer_id, address(b), "slow") as stream:
             buffer = bytearray(2**21)
@@ -733,3 +735,98 @@ async def test_cancelled_receive_into_loses_nothing() -> None:
             assert await stream.receive() == payload
             with pytest.raises(EndOfStreamError):
                 await stream.receive()
+
+
+async def _blocked_bulk_send(
+    a: Connections, b: Connections, body: Any
+) -> tuple[list[BaseException], trio.Event]:
+    """Open a stream from ``a`` to a handler of ``b`` that never reads, send
+    more bulk frames than the two kernels buffer (so the send blocks in its
+    worker thread), and run ``body(stream, sending)`` meanwhile: what the
+    send raised, and an event set when the handler saw its connection end."""
+    lost = trio.Event()
+    release = trio.Event()
+
+    async def deaf(stream: Stream) -> None:
+        await release.wait()  # reads nothing until the dialer's send is over
+        with trio.move_on_after(30):
+            try:
+                for _ in range(16):  # what the kernel had buffered, then the end
+                    await stream.receive()
+            except (PeerUnreachableError, ClosedError, EndOfStreamError):
+                lost.set()
+
+    b.set_handler("deaf", deaf)
+    raised: list[BaseException] = []
+    frame = bytes(8 * 2**20 - 64)
+    async with a.open_stream(B.peer_id, address(b), "deaf") as stream:
+        sending = trio.Event()
+
+        sent = trio.Event()
+
+        async def send() -> None:
+            sending.set()
+            try:
+                for _ in range(8):  # 64 MiB: more than both kernels' buffers hold
+                    await stream.send_bytes(frame)
+            except BaseException as e:
+                raised.append(e)
+                if isinstance(e, trio.Cancelled):
+                    raise
+            finally:
+                sent.set()
+
+        with trio.move_on_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send)
+                await body(stream, nursery, sending)
+                await sent.wait()
+        release.set()
+        with pytest.raises(ClosedError):
+            await stream.send(b"more")
+    return raised, lost
+
+
+async def _until_blocked(stream: Stream) -> None:
+    """Until the stream's connection has bytes the remote kernel has not
+    acknowledged and no more go out (bounded): the sender waits in its thread."""
+    before = -1
+    for _ in range(3000):
+        await trio.sleep(0.01)
+        now = stream.unacknowledged_bytes()
+        if now and now == before:
+            return
+        before = now
+    raise AssertionError("the bulk send never blocked")
+
+
+@pytest.mark.parametrize("config", MODES)
+async def test_cancelling_a_bulk_send_stops_its_thread(config: ConnectionConfig) -> None:
+    """A send blocked in its worker thread ends at once when its caller is
+    cancelled (``Cancelled``, not an error of ours); the stream is then
+    unusable, as after any cancelled send."""
+    async with two_peers(config, config) as (a, b):
+
+        async def cancel(stream: Stream, nursery: trio.Nursery, sending: trio.Event) -> None:
+            await sending.wait()
+            await _until_blocked(stream)
+            nursery.cancel_scope.cancel()
+
+        raised, _ = await _blocked_bulk_send(a, b, cancel)
+        assert [type(e) for e in raised] == [trio.Cancelled]
+
+
+async def test_closing_a_connection_stops_a_bulk_send() -> None:
+    """Closing the stream while a send waits in its worker thread fails that
+    send with ``ClosedError`` and ends the connection for the remote too."""
+    async with two_peers() as (a, b):
+
+        async def close(stream: Stream, nursery: trio.Nursery, sending: trio.Event) -> None:
+            await sending.wait()
+            await _until_blocked(stream)
+            await stream.aclose()
+
+        raised, lost = await _blocked_bulk_send(a, b, close)
+        assert [type(e) for e in raised] == [ClosedError]
+        with trio.fail_after(30):
+            await lost.wait()
