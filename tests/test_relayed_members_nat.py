@@ -5,7 +5,7 @@ average like reachable peers, and move to another relay when theirs leaves.
 Every peer runs in a namespace of its own with a user's defaults (``--host
 0.0.0.0``, nothing announced), finds out by dial-back whether it is reachable,
 and, if not, registers with a reachable peer by itself. Nobody is told who is
-behind a NAT or who relays for whom. NAT behaviours covered: port-preserving
+behind a NAT or who relays for whom, nor asked to punch. NAT behaviours covered: port-preserving
 MASQUERADE with address-and-port-dependent filtering, and symmetric
 (``--random-fully``); a relayed peer only dials out (to its relay), which both
 allow. Its circuits are new TCP connections from the peer to the relay port.
@@ -34,8 +34,11 @@ from netbed import Link, Nat, NetBed
 #: argv: index, initial peer ("" for the founder), port. Identities come from
 #: the index. Prints "relayed HOST" whenever its relay changes (hosts of the
 #: public peers), then per round: "round R members=I,J,.. contributors=N
-#: mine=SIZE relays=I:HOST,.." (the members' indices, the size of its own
-#: part, and through which host each relayed member was announced).
+#: mine=SIZE relays=I:HOST,.. relayed=S punched=P failed=F" (the members'
+#: indices, the size of its own part, through which host each relayed member
+#: was announced, the streams it opened over relays' circuits so far, and the
+#: punches it made by itself so far that made a direct connection, and that
+#: failed).
 PEER = """
 import sys, time, torch, trio
 from averaging import AllReduceConfig, Averager, AveragerConfig, MatchmakingConfig, MoshpitGrid
@@ -81,7 +84,8 @@ async def main():
             relays = ",".join(f"{IDS[bytes(m.peer_id)]}:{m.relay[0]}" for m in members if m.relay)
             print("round", r, "members=" + ",".join(str(IDS[bytes(m.peer_id)]) for m in members),
                   f"contributors={len(result.contributors)}", f"mine={hi - lo}",
-                  f"relays={relays}", flush=True)
+                  f"relays={relays}", f"relayed={peer.connections.relayed_streams}",
+                  f"punched={peer.puncher.punched}", f"failed={peer.puncher.failed}", flush=True)
 
 trio.run(main)
 """
@@ -339,3 +343,36 @@ async def test_natted_peers_punch_a_connection_that_outlives_their_relay(
                 assert line.startswith("after the relay left: failed"), line
             else:
                 assert line == "after the relay left: here", line
+
+
+#: Rounds of the punching scenario: the first relayed stream between the
+#: NATed peers makes each punch (in round 1), so their streams to each other
+#: go direct from round 2 on; round 3 checks that nothing went relayed again.
+PUNCH_ROUNDS = 3
+
+
+@pytest.mark.slow
+async def test_natted_peers_punch_by_themselves_and_their_streams_go_direct() -> None:
+    """One public peer and two behind port-preserving NATs that drop
+    unsolicited packets: the NATed peers average through the relay, punch
+    direct connections to each other by themselves after their first relayed
+    exchange, and from then on open no more streams over the relay (their
+    relayed-stream counters stop growing) while every round still holds all
+    three peers' data."""
+    nats = [None, Nat(stealth=True), Nat(stealth=True)]
+    with NetBed([Link()] * 3, nats=nats) as bed:
+        async with AsyncExitStack() as stack, _peers(bed, stack) as peers:
+            for i in (1, 2):
+                await peers[i].read_line_containing("relayed", timeout=60)
+            first = _next_round()
+            for i in (1, 2):
+                lines = await _rounds(peers[i], first, PUNCH_ROUNDS)
+                for line in lines:
+                    fields = _parse(line)
+                    assert fields.get("members") == "0,1,2", line
+                    assert fields["contributors"] == "3", line
+                # the other NATed peer was reached through the relay at first
+                assert int(_parse(lines[0])["relayed"]) > 0, lines
+                last, before = _parse(lines[-1]), _parse(lines[-2])
+                assert int(last["punched"]) >= 1, lines
+                assert last["relayed"] == before["relayed"], lines
