@@ -26,7 +26,9 @@ application on top of them:
   behind NATs that reach each other through a relay coordinate a TCP
   simultaneous open over it, for a direct connection that outlives the relay;
   an unreachable peer punches by itself after its first relayed stream to
-  another peer (``AutoPuncher``, ``PunchConfig``, ``AsyncPeer.puncher``)
+  another peer (``AutoPuncher``, ``PunchConfig``, ``AsyncPeer.puncher``), and
+  peers that punched to each other average on when their relay leaves
+  (``AsyncPeer.punched_peers``)
 - the peer facade (``open_peer``, ``Peer``, ``PeerConfig``): identity, DHT node
   and connections on one port; ``Peer`` runs trio in a background thread for
   synchronous training loops

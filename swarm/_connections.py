@@ -257,6 +257,9 @@ class _Connection:
         #: carried by a relay's circuit (``_relay``): an authentication failure
         #: may be the relay's doing, so it closes the connection without a ban
         self.relayed = relayed
+        #: punched through NATs (``_punch``; ``Connections.adopt_outbound``): it
+        #: cannot be dialed again, so a stream waits for it a little
+        self.punched = False
         self._traffic = traffic or _Traffic()
         self._dialer = dialer
         self.socket = stream.socket
@@ -811,6 +814,8 @@ class _Pooled:
     ready: bool  # the listener's handler returned (DONE arrived): reusable now
     scope: trio.CancelScope  # the idle watcher's, cancelled to take the connection
     done: trio.Event  # the idle watcher has exited
+    #: set once ready, or once the idle watcher exited (the connection is gone)
+    settled: trio.Event = field(default_factory=trio.Event)
 
 
 class Connections:
@@ -1121,6 +1126,7 @@ class Connections:
         except BaseException:
             socket_stream.socket.close()
             raise
+        connection.punched = True
         self._pool_connection(connection, eof=True, ready=True)
 
     async def aclose(self) -> None:
@@ -1178,13 +1184,27 @@ class Connections:
 
     async def _pooled(self, peer_id: PeerID) -> _Connection | None:
         """Take the most recently used ready connection to ``peer_id``, if any,
-        direct ones (punched, ``_punch``) before a relay's circuits."""
+        direct ones (punched, ``_punch``) before a relay's circuits. A punched
+        connection whose last stream's handler has not ended yet is waited
+        for, at most ``connect_timeout`` seconds, unless another direct one is
+        ready."""
+        waited = False
         while True:
             entries = self._pool.get(peer_id, [])
             ready = [entry for entry in entries if entry.ready]
+            direct = [entry for entry in ready if not entry.connection.relayed]
+            settling = [e for e in entries if not e.ready and e.connection.punched]
+            if not direct and settling and not waited:
+                # A punched connection cannot be dialed again, and without a
+                # relay it is the only way to the peer: wait for the DONE of
+                # its last stream (one round trip, usually), but not longer
+                # than a dial could take, in case that handler waits for us.
+                waited = True
+                with trio.move_on_after(self._config.connect_timeout):
+                    await settling[-1].settled.wait()
+                continue
             if not ready:
                 return None
-            direct = [entry for entry in ready if not entry.connection.relayed]
             entry = (direct or ready)[-1]
             self._unpool(entry)
             entry.scope.cancel()
@@ -1219,6 +1239,7 @@ class Connections:
                 self._unpool(entry)
                 self._drop(entry.connection)
         finally:
+            entry.settled.set()
             entry.done.set()
 
     async def _until_unusable(self, entry: _Pooled) -> None:
@@ -1229,6 +1250,7 @@ class Connections:
                 entry.eof = True
             elif entry.eof and frame.kind is FrameKind.DONE:
                 entry.ready = True
+                entry.settled.set()
             else:  # the stream was not over, or the handler failed (RESET)
                 return
         if not entry.connection.closed:  # a closed socket has no file descriptor to wait on

@@ -389,6 +389,12 @@ class AsyncPeer:
             return None
         return self.relayed_by[1]
 
+    def punched_peers(self) -> frozenset[PeerID]:
+        """The peers this peer reaches over connections it punched
+        (``swarm._punch``), which outlive its relay: an unreachable peer whose
+        relay left still averages with them (``averaging._matchmaking``)."""
+        return self.puncher.direct_peers()
+
     def can_relay(self) -> bool:
         """Whether this peer may relay for others: not while it is a client or
         unreachable itself (its relay port would be no easier to reach than

@@ -48,9 +48,16 @@ of the peer that asked for the punch only, since only the dialer opens
 streams on a connection. The other peer's streams go through the relay until
 its own first relayed stream makes it punch, one round later.
 
+A punched connection is preferred to a relay's circuit for every stream
+(``Connections``), and waited for briefly when its last stream's handler has
+not ended yet: it cannot be dialed again. When the relay (and with it the
+DHT's only reachable node) leaves, peers that punched to each other go on
+averaging over their punched connections (``AsyncPeer.punched_peers``;
+``averaging._matchmaking``, "Without the DHT").
+
 Not done yet: punching UDP for the DHT (a relayed peer's DHT node stays a
-client, so two NATed peers still need a reachable DHT node to find each
-other), and keepalives on an idle punched connection (a router that forgets
+client, so a NATed peer still needs a reachable DHT node to find peers it
+has not averaged with), and keepalives on an idle punched connection (a router that forgets
 idle TCP mappings drops it; ``ConnectionConfig.idle_timeout`` closes it first
 by default, and the next relayed stream punches anew).
 """
@@ -301,6 +308,7 @@ class AutoPuncher:
         self._running: set[PeerID] = set()
         self._failures: dict[PeerID, int] = {}
         self._retry_at: dict[PeerID, float] = {}
+        self._punched_peers: set[PeerID] = set()
         # one entry per peer at most (``_running``), so it never holds more
         # than the peers this peer talks to through relays
         self._send, self._receive = trio.open_memory_channel[tuple[PeerID, Address, str]](
@@ -323,6 +331,13 @@ class AutoPuncher:
     def metrics(self) -> tuple[Counter, ...]:
         """The counters behind ``punched`` and ``failed`` (``_counters``)."""
         return (self._punched, self._failed)
+
+    def direct_peers(self) -> frozenset[PeerID]:
+        """The peers this peer punched a connection to that is still open: it
+        reaches them without a relay (until that connection closes)."""
+        gone = {p for p in self._punched_peers if not self._connections.direct_connections(p)}
+        self._punched_peers -= gone
+        return frozenset(self._punched_peers)
 
     def relayed_stream(self, peer_id: PeerID, address: Address) -> None:
         """A stream to ``peer_id`` went through a relay: punch, unless one
@@ -362,6 +377,7 @@ class AutoPuncher:
         else:
             self._failures.pop(peer_id, None)
             self._retry_at.pop(peer_id, None)
+            self._punched_peers.add(peer_id)
             self._punched.inc()
         finally:
             self._running.discard(peer_id)

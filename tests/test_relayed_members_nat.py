@@ -34,7 +34,7 @@ from netbed import Link, Nat, NetBed
 #: argv: index, initial peer ("" for the founder), port. Identities come from
 #: the index. Prints "relayed HOST" whenever its relay changes (hosts of the
 #: public peers), then per round: "round R members=I,J,.. contributors=N
-#: mine=SIZE relays=I:HOST,.. relayed=S punched=P failed=F" (the members'
+#: mine=SIZE relays=I:HOST,.. via_relay=S punched=P failed=F" (the members'
 #: indices, the size of its own part, through which host each relayed member
 #: was announced, the streams it opened over relays' circuits so far, and the
 #: punches it made by itself so far that made a direct connection, and that
@@ -84,7 +84,7 @@ async def main():
             relays = ",".join(f"{IDS[bytes(m.peer_id)]}:{m.relay[0]}" for m in members if m.relay)
             print("round", r, "members=" + ",".join(str(IDS[bytes(m.peer_id)]) for m in members),
                   f"contributors={len(result.contributors)}", f"mine={hi - lo}",
-                  f"relays={relays}", f"relayed={peer.connections.relayed_streams}",
+                  f"relays={relays}", f"via_relay={peer.connections.relayed_streams}",
                   f"punched={peer.puncher.punched}", f"failed={peer.puncher.failed}", flush=True)
 
 trio.run(main)
@@ -352,13 +352,16 @@ PUNCH_ROUNDS = 3
 
 
 @pytest.mark.slow
-async def test_natted_peers_punch_by_themselves_and_their_streams_go_direct() -> None:
+async def test_natted_peers_punch_by_themselves_and_average_after_the_public_peer_left() -> None:
     """One public peer and two behind port-preserving NATs that drop
-    unsolicited packets: the NATed peers average through the relay, punch
+    unsolicited packets. The NATed peers average through the relay, punch
     direct connections to each other by themselves after their first relayed
     exchange, and from then on open no more streams over the relay (their
     relayed-stream counters stop growing) while every round still holds all
-    three peers' data."""
+    three peers' data. Then the public peer (their relay, and their DHT's
+    only contact) is killed: the two form their groups over the punched
+    connections (``averaging._matchmaking``, "Without the DHT") and every
+    round holds both peers' data, each reducing a part."""
     nats = [None, Nat(stealth=True), Nat(stealth=True)]
     with NetBed([Link()] * 3, nats=nats) as bed:
         async with AsyncExitStack() as stack, _peers(bed, stack) as peers:
@@ -372,7 +375,18 @@ async def test_natted_peers_punch_by_themselves_and_their_streams_go_direct() ->
                     assert fields.get("members") == "0,1,2", line
                     assert fields["contributors"] == "3", line
                 # the other NATed peer was reached through the relay at first
-                assert int(_parse(lines[0])["relayed"]) > 0, lines
+                assert int(_parse(lines[0])["via_relay"]) > 0, lines
                 last, before = _parse(lines[-1]), _parse(lines[-2])
                 assert int(last["punched"]) >= 1, lines
-                assert last["relayed"] == before["relayed"], lines
+                assert last["via_relay"] == before["via_relay"], lines
+            peers[0].process.kill()
+            # the registrations end within 3 s (keepalives), well before the
+            # next round: from then on every round has both NATed peers' data
+            first = _next_round()
+            for i in (1, 2):
+                for line in await _rounds(peers[i], first, ROUNDS):
+                    fields = _parse(line)
+                    assert fields.get("members") == "1,2", line
+                    assert fields["contributors"] == "2", line
+                    assert fields["relays"] == "", line
+                    assert int(fields["mine"]) > 0, line
