@@ -18,7 +18,8 @@ no ``--initial-peer``, the others with the join command it prints. Layouts:
   Reported per NATed peer: the share of rounds before the departure with
   all four peers' data, the share of the ``--rounds-after`` rounds after it
   with all three NATed peers' data, and its counters (streams it opened
-  through the relay, punches made and failed)
+  through the relay, punches made and failed). ``--no-auto-punch`` is the
+  control: the peers do not punch by themselves (``PunchConfig(auto=False)``)
 
 For each it reports the wall time from the first peer's start until the last
 one finished, each peer's final accuracy, per peer the all-reduce rounds that
@@ -33,6 +34,7 @@ interval of the end is missing).
     python benchmarks/nat.py                          # nat, relay and public, 30 epochs
     python benchmarks/nat.py --layouts nat --swarm-root /tmp/base   # older code
     python benchmarks/nat.py --layouts leaves --rounds-before 4 --rounds-after 6
+    python benchmarks/nat.py --layouts leaves --no-auto-punch   # the control
 
 ``--swarm-root DIR`` runs the peers from another source tree (e.g. ``git
 archive`` of the commit before issue 21 into DIR), put first on PYTHONPATH
@@ -302,7 +304,9 @@ def _round_lines(reader: _Reader) -> dict[int, str]:
     return {int(line.split()[1]): line for line in lines if line.startswith("round ")}
 
 
-def run_public_leaves(before: int, after: int, logs: Path) -> list[LeavesPeer]:
+def run_public_leaves(
+    before: int, after: int, logs: Path, *, auto_punch: bool = True
+) -> list[LeavesPeer]:
     """The ``leaves`` layout (module docstring): per NATed peer, what it
     printed for its rounds before and after peer 0 was killed."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -313,10 +317,9 @@ def run_public_leaves(before: int, after: int, logs: Path) -> list[LeavesPeer]:
         try:
             for i in range(PEERS):
                 argv = [sys.executable, "-c", ROUNDS_PEER, str(i), founder if i else ""]
+                argv += [str(LEAVES_PORT)] + ([] if auto_punch else ["no-auto-punch"])
                 with (logs / f"leaves-peer{i}.log").open("wb") as log:
-                    process = bed.popen(
-                        i, [*argv, str(LEAVES_PORT)], stdout=subprocess.PIPE, stderr=log, env=env
-                    )
+                    process = bed.popen(i, argv, stdout=subprocess.PIPE, stderr=log, env=env)
                 processes.append(process)
                 readers.append(_Reader(process))
                 readers[i].wait_for("address", 60)
@@ -357,7 +360,9 @@ def run_public_leaves(before: int, after: int, logs: Path) -> list[LeavesPeer]:
                 and _fields(x)["contributors"] == str(PEERS - 1)
                 for x in behind
             )
-            last = _fields(rounds[max(rounds)]) if rounds else {}
+            # the counters of its latest round that formed a group ("none" lines have none)
+            counted = [r for r in sorted(rounds) if "via_relay=" in rounds[r]]
+            last = _fields(rounds[counted[-1]]) if counted else {}
             results.append(
                 LeavesPeer(
                     before=f"{full_before}/{before}",
@@ -380,6 +385,9 @@ def main() -> None:
     )
     parser.add_argument("--rounds-before", type=int, default=4, help="leaves: before peer 0 goes")
     parser.add_argument("--rounds-after", type=int, default=6, help="leaves: after peer 0 went")
+    parser.add_argument(
+        "--no-auto-punch", action="store_true", help="leaves: the peers punch only when asked"
+    )
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--swarm-root", default=None, help="run the peers from this source tree")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per layout")
@@ -390,7 +398,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="nat-bench-") as directory:
         for name in args.layouts:
             if name == "leaves":
-                leaves = run_public_leaves(args.rounds_before, args.rounds_after, Path(directory))
+                leaves = run_public_leaves(
+                    args.rounds_before,
+                    args.rounds_after,
+                    Path(directory),
+                    auto_punch=not args.no_auto_punch,
+                )
                 continue
             results.append(
                 run_layout(name, args.epochs, args.swarm_root, args.timeout, Path(directory))
@@ -399,7 +412,8 @@ def main() -> None:
         print(json.dumps([asdict(r) for r in results] + [asdict(p) for p in leaves], indent=2))
         return
     if leaves:
-        print(f"leaves: peer 0 public, 1-{PEERS - 1} behind NATs; peer 0 killed")
+        punching = "no auto punch (control)" if args.no_auto_punch else "auto punch"
+        print(f"leaves: peer 0 public, 1-{PEERS - 1} behind NATs, {punching}; peer 0 killed")
         for i, p in enumerate(leaves, start=1):
             print(
                 f"  peer {i}: rounds with all {PEERS} before: {p.before}, with all {PEERS - 1} "

@@ -31,7 +31,8 @@ import pytest
 from cli_harness import CLIProcess, run_command
 from netbed import Link, Nat, NetBed
 
-#: argv: index, initial peer ("" for the founder), port. Identities come from
+#: argv: index, initial peer ("" for the founder), port, and optionally
+#: "no-auto-punch" (a control: ``PunchConfig(auto=False)``). Identities come from
 #: the index. Prints "relayed HOST" whenever its relay changes (hosts of the
 #: public peers), then per round: "round R members=I,J,.. contributors=N
 #: mine=SIZE relays=I:HOST,.. via_relay=S punched=P failed=F" (the members'
@@ -42,7 +43,7 @@ from netbed import Link, Nat, NetBed
 PEER = """
 import sys, time, torch, trio
 from averaging import AllReduceConfig, Averager, AveragerConfig, MatchmakingConfig, MoshpitGrid
-from swarm import Identity, PeerConfig, RelayConfig, open_peer
+from swarm import Identity, PeerConfig, PunchConfig, RelayConfig, open_peer
 
 PERIOD = {PERIOD}
 IDS = {bytes(Identity.from_seed(bytes([i + 1]) * 32).peer_id): i for i in range(8)}
@@ -64,8 +65,10 @@ async def watch_relay(peer, task_status):
 
 async def main():
     index, initial, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    auto_punch = sys.argv[4:] != ["no-auto-punch"]
     config = PeerConfig(host="0.0.0.0", port=port, initial_peers=(initial,) if initial else (),
-                        relay=RelayConfig(keepalive_interval=1.0))
+                        relay=RelayConfig(keepalive_interval=1.0),
+                        punch=PunchConfig(auto=auto_punch))
     async with open_peer(Identity.from_seed(bytes([index + 1]) * 32), config) as peer:
         print("address", peer.address, flush=True)
         await peer.start_service(watch_relay, peer)
