@@ -832,9 +832,11 @@ class SwarmProtocol(KademliaProtocol):
 
     def handle_call_response(self, result: Result, node: Node) -> Result:
         """Keep the routing table by answers: an answer (re)admits its node; a
-        miss sends one confirming ping, and a contact that misses
-        ``_MISSES_TO_EVICT`` requests in a row is removed and left out of
-        look-ups for ``_FAILURE_MEMORY``. Returns ``result``."""
+        contact of the table that misses a request gets one confirming ping,
+        and one that misses ``_MISSES_TO_EVICT`` requests in a row is removed
+        and left out of look-ups for ``_FAILURE_MEMORY`` (a node not in the
+        table, such as a sender pinged back, at its first miss). Returns
+        ``result``."""
         now = asyncio.get_event_loop().time()
         contact = (node.id, node.ip, node.port)
         if result[0]:
@@ -842,7 +844,8 @@ class SwarmProtocol(KademliaProtocol):
             self._missed.pop(contact, None)
             return super().handle_call_response(result, node)
         misses = self._missed.get(contact, 0) + 1
-        if misses < _MISSES_TO_EVICT and self._confirm(node, contact, misses):
+        known = not self.router.is_new_node(node)  # a contact, not a sender pinged back
+        if known and misses < _MISSES_TO_EVICT and self._confirm(node, contact, misses):
             return result
         self._missed.pop(contact, None)
         self._failed[contact] = now
