@@ -947,13 +947,15 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             if previous.epoch == epoch:
                 return
             previous.scope.cancel()
-        self._grad_averager.set_grid(await self._agreed_grid(epoch))
+        # no await between the check above and this: the step's own call and
+        # one posted ahead by the training thread may run side by side
         prematch = _Prematch(epoch)
         self._prematch = prematch
 
         async def find(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
             task_status.started()
             try:
+                self._grad_averager.set_grid(await self._agreed_grid(epoch))
                 prematch.group = await self._grad_averager.find_group(
                     round=epoch, expected_peers=expected
                 )
@@ -1338,26 +1340,14 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self._prematch = None
         self._grids_ahead.cancel()
 
-    async def _leave_prematch(self) -> None:
-        """On the trio thread, before catching up: a group already formed for
-        this epoch gets this peer with weight 0 (``Strategy.join_without_data``)
-        rather than losing a member it waits for; matchmaking under way stops."""
-        prematch, self._prematch = self._prematch, None
-        if prematch is None:
-            return
-        if prematch.done.is_set() and prematch.group is not None:
-            with trio.move_on_after(self.config.averaging_timeout):
-                joined = await self._strategy.join_without_data(
-                    self._grad_averager, prematch.group
-                )
-                if joined is not None:
-                    return
-        prematch.scope.cancel()
-
     def _catch_up(self, *, initial: bool, min_epoch: int | None = None) -> bool:
         """Download the swarm's state (of at least ``min_epoch``); True if loaded."""
+        # Leaving the group formed ahead costs its members a timeout; joining
+        # it with weight 0 (``Strategy.join_without_data``) would not, but it
+        # races the matchmaking the training thread posts ahead of the next
+        # step on the same averager: it waits for the coordinator to own both.
         with contextlib.suppress(SwarmError):
-            self.peer.run(self._leave_prematch)
+            self.peer.run_sync(self._cancel_matchmaking)
         template: dict[str, Any] = {
             "params": [p.detach() for p in self._trained],
             "optimizer": UNCHECKED,
