@@ -231,6 +231,17 @@ class ConnectionConfig:
             raise ConfigError("swarm_key must be at least 16 bytes (use 32 random bytes)")
 
 
+def _consume(pending: list[bytes | memoryview], sent: int) -> None:
+    """Drop the first ``sent`` bytes of ``pending`` (what a ``writev`` wrote)."""
+    done = 0
+    while done < len(pending) and sent >= len(pending[done]):
+        sent -= len(pending[done])
+        done += 1
+    del pending[:done]
+    if sent:
+        pending[0] = memoryview(pending[0]).cast("B")[sent:]
+
+
 def _write_all(
     fd: int, buffers: list[bytes | memoryview], stopper: Stopper, count: Callable[[int], None]
 ) -> None:
@@ -246,13 +257,7 @@ def _write_all(
             stopper.wait(fd, select.POLLOUT)
             continue
         count(sent)
-        done = 0
-        while done < len(pending) and sent >= len(pending[done]):
-            sent -= len(pending[done])
-            done += 1
-        del pending[:done]
-        if sent:
-            pending[0] = memoryview(pending[0]).cast("B")[sent:]
+        _consume(pending, sent)
 
 
 class _Traffic:
@@ -458,13 +463,7 @@ class _Connection:
                 await trio.lowlevel.wait_writable(self.socket)
                 continue
             self._traffic.sent.inc(sent)
-            done = 0
-            while done < len(pending) and sent >= len(pending[done]):
-                sent -= len(pending[done])
-                done += 1
-            del pending[:done]
-            if sent:
-                pending[0] = memoryview(pending[0]).cast("B")[sent:]
+            _consume(pending, sent)
 
     async def _receive_into(self, buffer: memoryview, low_water: int = 1) -> int:
         """Receive at least one byte into ``buffer`` (0: the remote closed).

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import trio
 
+from averaging import AllReduceConfig, AveragerConfig
+from averaging._matchmaking import MatchmakingConfig
 from dht import DHTConfig
 from dht._aio import open_asyncio_loop
 from swarm import AsyncPeer, Identity, PeerConfig, WallClock, open_peer, system_clock
@@ -92,3 +94,32 @@ async def open_peers(
             await peers.add()
         yield peers
         nursery.cancel_scope.cancel()
+
+
+def averager_config(
+    *,
+    group_size: int = 4,
+    min_group_size: int = 2,
+    matchmaking_time: float = 2.0,
+    request_timeout: float = 1.0,
+    poll_interval: float | None = 0.2,
+    sender_timeout: float = 1.0,
+    round_timeout: float = 6.0,
+) -> AveragerConfig:
+    """Averaging for peers on 127.0.0.1: short matchmaking, a reducer timeout
+    twice the sender's (``poll_interval`` None: the default)."""
+    polling = {} if poll_interval is None else {"poll_interval": poll_interval}
+    return AveragerConfig(
+        matchmaking=MatchmakingConfig(
+            target_group_size=group_size,
+            min_group_size=min_group_size,
+            matchmaking_time=matchmaking_time,
+            request_timeout=request_timeout,
+            **polling,
+        ),
+        allreduce=AllReduceConfig(
+            sender_timeout=sender_timeout,
+            reducer_timeout=2 * sender_timeout,
+            round_timeout=round_timeout,
+        ),
+    )

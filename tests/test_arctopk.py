@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import trio
-from peer_harness import open_peers
+from peer_harness import averager_config, open_peers
 
 from averaging import (
     FLOAT16,
@@ -15,7 +15,6 @@ from averaging import (
     UINT8,
     ArcTopKRound,
     Averager,
-    AveragerConfig,
     Codec,
     Group,
     GroupMember,
@@ -24,7 +23,6 @@ from averaging import (
     contraction_bound,
     select_rows,
 )
-from averaging._allreduce import AllReduceConfig
 from averaging._arctopk import (
     as_matrix,
     exact_group_round,
@@ -37,7 +35,6 @@ from averaging._arctopk import (
     sketch,
     sketch_rank,
 )
-from averaging._matchmaking import MatchmakingConfig
 from averaging._moshpit import MoshpitGrid
 from swarm import ConfigError, PeerID
 
@@ -237,16 +234,7 @@ def test_selection_bookkeeping_rejects_what_does_not_fit() -> None:
 
 # -- a real group ---------------------------------------------------------------
 
-CONFIG = AveragerConfig(
-    matchmaking=MatchmakingConfig(
-        target_group_size=3,
-        min_group_size=2,
-        matchmaking_time=2.0,
-        request_timeout=1.0,
-        poll_interval=0.2,
-    ),
-    allreduce=AllReduceConfig(sender_timeout=1.0, reducer_timeout=2.0, round_timeout=6.0),
-)
+CONFIG = averager_config(group_size=3)
 
 
 async def _groups(averagers: list[Averager]) -> list[Group]:

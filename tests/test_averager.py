@@ -12,25 +12,14 @@ import torch
 import trio
 import trio.lowlevel
 import trio.testing
-from peer_harness import open_peers, trio_wall_clock
+from peer_harness import averager_config, open_peers, trio_wall_clock
 
-from averaging._allreduce import AllReduceConfig
-from averaging._averager import Averager, AveragerConfig, StepInProgressError, StepResult
+from averaging._averager import Averager, StepInProgressError, StepResult
 from averaging._faults import FaultPlan, MemberFault
-from averaging._matchmaking import MatchmakingConfig
 from averaging._moshpit import MoshpitGrid
 from swarm import SwarmError
 
-CONFIG = AveragerConfig(
-    matchmaking=MatchmakingConfig(
-        target_group_size=4,
-        min_group_size=2,
-        matchmaking_time=2.0,
-        request_timeout=1.0,
-        poll_interval=0.2,
-    ),
-    allreduce=AllReduceConfig(sender_timeout=1.0, reducer_timeout=2.0, round_timeout=6.0),
-)
+CONFIG = averager_config()
 #: a step never takes longer than this (matchmaking bound + all-reduce deadline)
 STEP_BOUND = CONFIG.step_bound + 1.0
 

@@ -11,32 +11,20 @@ import pytest
 import torch
 import trio
 import trio.testing
-from peer_harness import open_peers, trio_wall_clock
+from peer_harness import averager_config, open_peers, trio_wall_clock
 from trainer_harness import FAST, TrainingPeer, training_config, training_peers, whole_group
 
 from averaging import (
-    AllReduceConfig,
     Averager,
-    AveragerConfig,
     ChunkedStaging,
     HostStaging,
-    MatchmakingConfig,
     MoshpitGrid,
     StepResult,
     chunked_contributors,
 )
 from trainer import CollaborativeOptimizer
 
-CONFIG = AveragerConfig(
-    matchmaking=MatchmakingConfig(
-        target_group_size=4,
-        min_group_size=2,
-        matchmaking_time=2.0,
-        request_timeout=1.0,
-        poll_interval=0.2,
-    ),
-    allreduce=AllReduceConfig(sender_timeout=2.0, reducer_timeout=4.0, round_timeout=20.0),
-)
+CONFIG = averager_config(sender_timeout=2.0, round_timeout=20.0)
 
 
 @pytest.fixture

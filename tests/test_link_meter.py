@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import trio
-from peer_harness import open_peers
+from peer_harness import averager_config, open_peers
 
 from averaging import (
-    AllReduceConfig,
     Averager,
     AveragerConfig,
     Group,
@@ -22,7 +21,6 @@ from averaging import (
 from averaging._link_meter import MIN_SAMPLE_BYTES
 from averaging._matchmaking import (
     Candidate,
-    MatchmakingConfig,
     announcement,
     member_from_wire,
     member_to_wire,
@@ -204,11 +202,13 @@ def test_averager_bandwidth_is_a_positive_number_or_measured() -> None:
             AveragerConfig(bandwidth=bad)
 
 
-CONFIG = AveragerConfig(
-    matchmaking=MatchmakingConfig(
-        target_group_size=3, min_group_size=3, matchmaking_time=3.0, request_timeout=1.0
-    ),
-    allreduce=AllReduceConfig(sender_timeout=10.0, reducer_timeout=20.0, round_timeout=60.0),
+CONFIG = averager_config(
+    group_size=3,
+    min_group_size=3,
+    matchmaking_time=3.0,
+    poll_interval=None,
+    sender_timeout=10.0,
+    round_timeout=60.0,
 )
 
 

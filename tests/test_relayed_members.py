@@ -16,12 +16,11 @@ from dataclasses import replace
 import pytest
 import torch
 import trio
+from peer_harness import averager_config
 
-from averaging import Averager, AveragerConfig, GroupMember, MemberMode, StepResult
-from averaging._allreduce import AllReduceConfig
+from averaging import Averager, GroupMember, MemberMode, StepResult
 from averaging._matchmaking import (
     Candidate,
-    MatchmakingConfig,
     announcement,
     member_from_wire,
     member_to_wire,
@@ -83,11 +82,14 @@ def test_a_member_s_relay_is_validated(relay: tuple[str, int]) -> None:
         _member(relay=relay)
 
 
-CONFIG = AveragerConfig(
-    matchmaking=MatchmakingConfig(
-        target_group_size=3, min_group_size=3, matchmaking_time=3.0, request_timeout=2.0
-    ),
-    allreduce=AllReduceConfig(sender_timeout=10.0, reducer_timeout=20.0, round_timeout=40.0),
+CONFIG = averager_config(
+    group_size=3,
+    min_group_size=3,
+    matchmaking_time=3.0,
+    request_timeout=2.0,
+    poll_interval=None,
+    sender_timeout=10.0,
+    round_timeout=40.0,
 )
 VALUES = 30_000
 

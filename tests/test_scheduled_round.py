@@ -7,13 +7,10 @@ import pytest
 import torch
 import trio
 import trio.testing
-from peer_harness import open_peers, trio_wall_clock
+from peer_harness import averager_config, open_peers, trio_wall_clock
 
 from averaging import (
-    AllReduceConfig,
     Averager,
-    AveragerConfig,
-    MatchmakingConfig,
     MoshpitGrid,
     RoundClosedError,
     ScheduledRound,
@@ -24,18 +21,7 @@ from swarm import ConfigError
 from trainer import DenseGradients, Trainee
 
 SENDER_TIMEOUT = 5.0
-CONFIG = AveragerConfig(
-    matchmaking=MatchmakingConfig(
-        target_group_size=4,
-        min_group_size=2,
-        matchmaking_time=2.0,
-        request_timeout=1.0,
-        poll_interval=0.2,
-    ),
-    allreduce=AllReduceConfig(
-        sender_timeout=SENDER_TIMEOUT, reducer_timeout=2 * SENDER_TIMEOUT, round_timeout=30.0
-    ),
-)
+CONFIG = averager_config(sender_timeout=SENDER_TIMEOUT, round_timeout=30.0)
 SIZE = 3000
 
 
