@@ -190,14 +190,11 @@ class Averager:
     @property
     def mode(self) -> MemberMode:
         """CLIENT while the peer is one, unless others reach it through a relay
-        (``AsyncPeer.relay_route``) or over connections they punched to it
-        (``AsyncPeer.punched_peers``: this peer punched to them, and each side
-        punches for itself); else the configured mode. The lossy data plane
-        sends datagrams straight to a reducer's address, which neither a relay
-        nor a punched TCP connection carries: there such a peer stays a client."""
-        punched = getattr(self.peer, "punched_peers", None)
-        reached = self.peer.relay_route is not None or bool(punched and punched())
-        if self.peer.client_mode and not (reached and not self.config.allreduce.lossy):
+        (``AsyncPeer.relay_route``); else the configured mode. The lossy data
+        plane sends datagrams straight to a reducer's address, which a relay
+        does not carry: there a relayed peer stays a client."""
+        relayed = self.peer.relay_route is not None and not self.config.allreduce.lossy
+        if self.peer.client_mode and not relayed:
             return MemberMode.CLIENT
         return self.config.mode
 

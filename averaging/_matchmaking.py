@@ -36,23 +36,6 @@ name the relay, and every peer that reads one dials that member through the
 relay from then on (``Connections.set_relay_route``), so it leads, follows and
 reduces a part like anyone else.
 
-Without the DHT: peers behind NATs whose only reachable peer left (their
-relay, and their DHT's only contact) can no longer announce or find each
-other, but the direct connections they punched (``swarm._punch``) outlive it.
-When the DHT yields no candidate and the peer has no relay left, it falls
-back to the members of its earlier groups that it punched a connection to
-that is still open (``AsyncPeer.punched_peers``): they become candidates with this
-peer's own ``join_by``, so seniority among them is the peer id alone, which
-every one of them sees alike; the most senior leads, the others join it over
-their punched connections, and the round goes on as usual (a punched peer
-is no client, ``Averager.mode``). This is the smaller of the two ways out: the
-other, keeping the DHT alive through UDP hole punching, would need the DHT's
-transport to route through punched ports. It only keeps together peers that
-averaged before and punched to each other; a newcomer still needs a DHT node
-to find them. A peer that has a relay, or punched nobody, never falls back, so
-a swarm with a DHT matchmakes as before (a fallback next to DHT seniority
-could let two peers each wait on the other).
-
 Wire messages on the stream ``mm.<prefix>`` (msgpack), follower -> leader:
 ``["join", key, member]``; leader -> follower: ``["accepted"]``,
 ``["refused", reason]`` (final for this round), ``["busy", reason]`` (ask again
@@ -70,7 +53,7 @@ import logging
 import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import trio
@@ -86,8 +69,6 @@ log = logging.getLogger(__name__)
 _GROUP_ID_DOMAIN = b"swarm.moshpit.group.v1\x00"
 #: A redirect may point to a leader that redirects again; follow a few hops only.
 MAX_REDIRECTS = 4
-#: Members of earlier groups a matchmaker remembers (for matchmaking without the DHT).
-_MAX_KNOWN = 256
 #: ``_join``'s answer for "ask this leader again a little later".
 _RETRY = object()
 
@@ -445,9 +426,6 @@ class Matchmaker:
         self.stream_name = f"mm.{prefix}"
         self._lobby: Lobby | None = None
         self._lobby_opened = trio.Event()
-        #: members of this peer's earlier groups, for matchmaking without the
-        #: DHT (module docstring); at most ``_MAX_KNOWN``, the latest kept
-        self._known: dict[PeerID, GroupMember] = {}
 
     # serving
 
@@ -538,34 +516,7 @@ class Matchmaker:
             finally:
                 if not lobby.closed:
                     lobby.disband("the leader stopped looking")
-        group = outcome[0] if outcome else None
-        if group is not None:
-            self._remember(group.members)
-        return group
-
-    def _remember(self, members: Iterable[GroupMember]) -> None:
-        for member in members:
-            if member.peer_id != self.peer.peer_id:
-                self._known.pop(member.peer_id, None)
-                self._known[member.peer_id] = member
-        while len(self._known) > _MAX_KNOWN:
-            del self._known[next(iter(self._known))]
-
-    def direct_candidates(self, me: Candidate) -> list[Candidate]:
-        """While this peer has no relay (``AsyncPeer.relay_route``), the
-        members of its earlier groups that it punched a connection to that is
-        still open (``AsyncPeer.punched_peers``), as candidates ranked by peer
-        id against ``me`` (module docstring, "Without the DHT"); else none.
-        A peer without these attributes (not a ``swarm.AsyncPeer``) has none."""
-        punched = getattr(self.peer, "punched_peers", None)
-        if punched is None or getattr(self.peer, "relay_route", None) is not None:
-            return []
-        peers = punched()
-        return [
-            Candidate(replace(member, relay=None), me.join_by)
-            for member in self._known.values()
-            if member.peer_id in peers
-        ]
+        return outcome[0] if outcome else None
 
     async def wait_lobby(self) -> Lobby:
         """Wait until this peer looks for a group; its lobby (for observers and tests)."""
@@ -627,10 +578,7 @@ class Matchmaker:
                 found = None
             now = trio.current_time()
             candidates = parse_candidates(found, self.peer.peer_id)
-            if candidates:
-                self._learn_routes(c.member for c in candidates)
-            else:  # streams take the direct connections: no route to learn
-                candidates = self.direct_candidates(me)
+            self._learn_routes(c.member for c in candidates)
             queue = [
                 c
                 for c in leaders_to_try(candidates, me)

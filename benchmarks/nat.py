@@ -9,17 +9,6 @@ no ``--initial-peer``, the others with the join command it prints. Layouts:
 - ``relay``: peer 0 public, peers 1-3 each behind its own NAT: everything that
   reaches a NATed peer goes through peer 0's relay
 - ``public``: all four public, the baseline measured in the same run
-- ``leaves``: peer 0 public, peers 1-3 each behind its own port-preserving
-  NAT that drops unsolicited packets (``Nat(stealth=True)``); the peers run
-  averaging rounds only (``tests/test_relayed_members_nat.py``'s ``PEER``: a
-  round every ``PERIOD`` seconds of the shared clock, no training, no
-  progress tracking, which needs the DHT), the NATed peers punch to each
-  other by themselves, and peer 0 is killed after ``--rounds-before`` rounds.
-  Reported per NATed peer: the share of rounds before the departure with
-  all four peers' data, the share of the ``--rounds-after`` rounds after it
-  with all three NATed peers' data, and its counters (streams it opened
-  through the relay, punches made and failed). ``--no-auto-punch`` is the
-  control: the peers do not punch by themselves (``PunchConfig(auto=False)``)
 
 For each it reports the wall time from the first peer's start until the last
 one finished, each peer's final accuracy, per peer the all-reduce rounds that
@@ -33,8 +22,6 @@ interval of the end is missing).
 
     python benchmarks/nat.py                          # nat, relay and public, 30 epochs
     python benchmarks/nat.py --layouts nat --swarm-root /tmp/base   # older code
-    python benchmarks/nat.py --layouts leaves --rounds-before 4 --rounds-after 6
-    python benchmarks/nat.py --layouts leaves --no-auto-punch   # the control
 
 ``--swarm-root DIR`` runs the peers from another source tree (e.g. ``git
 archive`` of the commit before issue 21 into DIR), put first on PYTHONPATH
@@ -66,8 +53,6 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.append(str(_HERE.parent / "tests"))
 
 from netbed import Link, Nat, NetBed  # noqa: E402
-from test_relayed_members_nat import PEER as ROUNDS_PEER  # noqa: E402
-from test_relayed_members_nat import PERIOD  # noqa: E402
 
 PEERS = 4
 HOME = Link("20mbit", "20mbit")
@@ -76,9 +61,6 @@ LAYOUTS: dict[str, list[Nat | None]] = {
     "relay": [None, Nat(), Nat(), Nat()],
     "public": [None] * PEERS,
 }
-#: Not run through ``swarm train``: see the module docstring.
-LEAVES: list[Nat | None] = [None, Nat(stealth=True), Nat(stealth=True), Nat(stealth=True)]
-LEAVES_PORT = 7000
 _JOIN = re.compile(r"join with: ((?:\S*/)?swarm \S+ --initial-peer \S+.*)$")
 _ROUND = re.compile(r"all-reduce [0-9a-f]+: data of (\d+) of (\d+) senders in every part")
 _FINISHED = re.compile(r"finished at epoch (\d+): accuracy ([0-9.]+)")
@@ -283,110 +265,10 @@ def run_layout(
     return result
 
 
-@dataclass
-class LeavesPeer:
-    #: rounds before the departure with all four peers' data / rounds stepped
-    before: str
-    #: rounds after it with all three NATed peers' data / rounds stepped
-    after: str
-    relayed_streams: int
-    punched: int
-    punch_failed: int
-
-
-def _fields(line: str) -> dict[str, str]:
-    return dict(f.split("=", 1) for f in line.split()[2:] if "=" in f)
-
-
-def _round_lines(reader: _Reader) -> dict[int, str]:
-    with reader._cond:
-        lines = list(reader.lines)
-    return {int(line.split()[1]): line for line in lines if line.startswith("round ")}
-
-
-def run_public_leaves(
-    before: int, after: int, logs: Path, *, auto_punch: bool = True
-) -> list[LeavesPeer]:
-    """The ``leaves`` layout (module docstring): per NATed peer, what it
-    printed for its rounds before and after peer 0 was killed."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with NetBed([HOME] * PEERS, nats=LEAVES) as bed:
-        founder = f"{bed.addresses[0]}:{LEAVES_PORT}"
-        readers: list[_Reader] = []
-        processes: list[subprocess.Popen[bytes]] = []
-        try:
-            for i in range(PEERS):
-                argv = [sys.executable, "-c", ROUNDS_PEER, str(i), founder if i else ""]
-                argv += [str(LEAVES_PORT)] + ([] if auto_punch else ["no-auto-punch"])
-                with (logs / f"leaves-peer{i}.log").open("wb") as log:
-                    process = bed.popen(i, argv, stdout=subprocess.PIPE, stderr=log, env=env)
-                processes.append(process)
-                readers.append(_Reader(process))
-                readers[i].wait_for("address", 60)
-            for reader in readers[1:]:
-                reader.wait_for("relayed", 60)
-            first = int(time.time() // PERIOD) + 2  # every peer is in from then on
-            deadline = time.monotonic() + (before + 3) * PERIOD + 60
-            while any(max(_round_lines(r), default=0) < first + before - 1 for r in readers):
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the peers did not step their rounds before the departure")
-                time.sleep(0.5)
-            processes[0].kill()
-            processes[0].wait()
-            left = int(time.time() // PERIOD) + 1  # the first round that began without it
-            deadline = time.monotonic() + (after + 3) * PERIOD + 60
-            while any(max(_round_lines(r), default=0) < left + after - 1 for r in readers[1:]):
-                if time.monotonic() > deadline:
-                    break  # report what they stepped
-                time.sleep(0.5)
-        finally:
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
-        results = []
-        everyone = ",".join(str(i) for i in range(PEERS))
-        natted = ",".join(str(i) for i in range(1, PEERS))
-        for reader in readers[1:]:
-            rounds = _round_lines(reader)
-            ahead = [rounds.get(r, "") for r in range(first, first + before)]
-            behind = [rounds.get(r, "") for r in range(left, left + after)]
-            full_before = sum(
-                _fields(x).get("members") == everyone and _fields(x)["contributors"] == str(PEERS)
-                for x in ahead
-            )
-            full_after = sum(
-                _fields(x).get("members") == natted
-                and _fields(x)["contributors"] == str(PEERS - 1)
-                for x in behind
-            )
-            # the counters of its latest round that formed a group ("none" lines have none)
-            counted = [r for r in sorted(rounds) if "via_relay=" in rounds[r]]
-            last = _fields(rounds[counted[-1]]) if counted else {}
-            results.append(
-                LeavesPeer(
-                    before=f"{full_before}/{before}",
-                    after=f"{full_after}/{after}",
-                    relayed_streams=int(last.get("via_relay", -1)),
-                    punched=int(last.get("punched", -1)),
-                    punch_failed=int(last.get("failed", -1)),
-                )
-            )
-        return results
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument(
-        "--layouts",
-        nargs="+",
-        choices=[*sorted(LAYOUTS), "leaves"],
-        default=["nat", "relay", "public"],
-    )
-    parser.add_argument("--rounds-before", type=int, default=4, help="leaves: before peer 0 goes")
-    parser.add_argument("--rounds-after", type=int, default=6, help="leaves: after peer 0 went")
-    parser.add_argument(
-        "--no-auto-punch", action="store_true", help="leaves: the peers punch only when asked"
+        "--layouts", nargs="+", choices=sorted(LAYOUTS), default=["nat", "relay", "public"]
     )
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--swarm-root", default=None, help="run the peers from this source tree")
@@ -394,32 +276,14 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     results = []
-    leaves: list[LeavesPeer] = []
     with tempfile.TemporaryDirectory(prefix="nat-bench-") as directory:
         for name in args.layouts:
-            if name == "leaves":
-                leaves = run_public_leaves(
-                    args.rounds_before,
-                    args.rounds_after,
-                    Path(directory),
-                    auto_punch=not args.no_auto_punch,
-                )
-                continue
             results.append(
                 run_layout(name, args.epochs, args.swarm_root, args.timeout, Path(directory))
             )
     if args.json:
-        print(json.dumps([asdict(r) for r in results] + [asdict(p) for p in leaves], indent=2))
+        print(json.dumps([asdict(r) for r in results], indent=2))
         return
-    if leaves:
-        punching = "no auto punch (control)" if args.no_auto_punch else "auto punch"
-        print(f"leaves: peer 0 public, 1-{PEERS - 1} behind NATs, {punching}; peer 0 killed")
-        for i, p in enumerate(leaves, start=1):
-            print(
-                f"  peer {i}: rounds with all {PEERS} before: {p.before}, with all {PEERS - 1} "
-                f"NATed after: {p.after}; streams through the relay {p.relayed_streams}, "
-                f"punched {p.punched}, punches failed {p.punch_failed}"
-            )
     for r in results:
         print(f"{r.layout}: {r.wall_s:.1f} s wall for {args.epochs} epochs")
         for i, p in enumerate(r.peers):

@@ -26,11 +26,7 @@ application on top of them:
   leaves) and is announced through its relay (``AsyncPeer.relay_route``)
 - hole punching (``punch``, ``PunchError``, ``AsyncPeer.punch``): two peers
   behind NATs that reach each other through a relay coordinate a TCP
-  simultaneous open over it, for a direct connection that outlives the relay;
-  an unreachable peer punches by itself after its first relayed stream to
-  another peer (``AutoPuncher``, ``PunchConfig``, ``AsyncPeer.puncher``), and
-  peers that punched to each other average on when their relay leaves
-  (``AsyncPeer.punched_peers``)
+  simultaneous open over it, for a direct connection that outlives the relay
 - the peer facade (``open_peer``, ``Peer``, ``PeerConfig``): identity, DHT node
   and connections on one port; ``Peer`` runs trio in a background thread for
   synchronous training loops
@@ -67,7 +63,7 @@ from ._errors import (
     SwarmError,
 )
 from ._identity import Identity, PeerID, verify_signature
-from ._punch import AutoPuncher, PunchConfig, PunchError, punch
+from ._punch import PunchError, punch
 from ._reachability import Reachability, ReachabilityConfig
 from ._relay import Relay, RelayConfig, keep_relay, open_circuit, serve_relay
 from ._swarm_key import create_swarm_key, load_swarm_key
@@ -93,7 +89,6 @@ def __getattr__(name: str) -> object:
 
 __all__ = [  # noqa: RUF022 - grouped: core names, then the peer facade
     "AuthenticationError",
-    "AutoPuncher",
     "BanConfig",
     "BanList",
     "BootstrapError",
@@ -109,7 +104,6 @@ __all__ = [  # noqa: RUF022 - grouped: core names, then the peer facade
     "PeerID",
     "NonFiniteError",
     "PeerUnreachableError",
-    "PunchConfig",
     "PunchError",
     "ProtocolError",
     "Reachability",

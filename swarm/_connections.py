@@ -117,10 +117,6 @@ Handler = Callable[["Stream"], Awaitable[None]]
 #: Serves an inbound connection that began with ``RAW_MAGIC`` (a relay's
 #: circuits, ``_relay``): the socket after those bytes, closed when it returns.
 RawHandler = Callable[[trio.SocketStream], Awaitable[None]]
-#: Told (synchronously, so it must not block) of each stream this peer opened
-#: to a peer over a relay's circuit that ended cleanly: the peer id and the
-#: address the caller passed (``_punch.AutoPuncher``).
-RelayedStreamHook = Callable[[PeerID, "Address"], None]
 
 MAX_NAME_LENGTH = 256
 _MIN_FRAME_SIZE = 1024
@@ -300,9 +296,6 @@ class _Connection:
         #: carried by a relay's circuit (``_relay``): an authentication failure
         #: may be the relay's doing, so it closes the connection without a ban
         self.relayed = relayed
-        #: punched through NATs (``_punch``; ``Connections.adopt_outbound``): it
-        #: cannot be dialed again, so a stream waits for it a little
-        self.punched = False
         self._traffic = traffic or _Traffic()
         self._dialer = dialer
         self.socket = stream.socket
@@ -340,11 +333,6 @@ class _Connection:
             for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 with suppress(OSError):
                     self.socket.setsockopt(socket.SOL_SOCKET, option, config.socket_buffer)
-
-    @property
-    def dialer(self) -> bool:
-        """This side dialed (or punched, ``_punch``) the connection and opens its streams."""
-        return self._dialer
 
     def close(self) -> None:
         """Close the socket now (synchronous, so it is safe in any cleanup path).
@@ -958,8 +946,6 @@ class _Pooled:
     ready: bool  # the listener's handler returned (DONE arrived): reusable now
     scope: trio.CancelScope  # the idle watcher's, cancelled to take the connection
     done: trio.Event  # the idle watcher has exited
-    #: set once ready, or once the idle watcher exited (the connection is gone)
-    settled: trio.Event = field(default_factory=trio.Event)
 
 
 class Connections:
@@ -977,10 +963,6 @@ class Connections:
             "swarm_inbound_refused", "Inbound connections closed at once for a limit"
         )
         self._dialed = new_counter("swarm_connections_dialed", "Outbound peer connections made")
-        self._relayed_streams = new_counter(
-            "swarm_relayed_streams", "Streams this peer opened over a relay's circuit"
-        )
-        self._on_relayed_stream: RelayedStreamHook | None = None
         self._background = trio.CancelScope()
         self._nursery: trio.Nursery | None = None
         self._handlers: dict[str, Handler] = {}
@@ -1022,24 +1004,10 @@ class Connections:
         return count_of(self._dialed)
 
     @property
-    def relayed_streams(self) -> int:
-        """Streams this peer opened over a relay's circuit (``_relay``) so far;
-        it stops growing for a peer once punched connections (``_punch``)
-        carry its streams instead."""
-        return count_of(self._relayed_streams)
-
-    @property
     def metrics(self) -> tuple[Counter, ...]:
-        """The counters behind ``bytes_sent``, ``bytes_received``, ``dialed``,
-        ``refused_inbound`` and ``relayed_streams``, for a peer's registry to
-        expose (``_counters``)."""
-        return (
-            self._traffic.sent,
-            self._traffic.received,
-            self._dialed,
-            self._refused_inbound,
-            self._relayed_streams,
-        )
+        """The counters behind ``bytes_sent``, ``bytes_received``, ``dialed`` and
+        ``refused_inbound``, for a peer's registry to expose (``_counters``)."""
+        return (self._traffic.sent, self._traffic.received, self._dialed, self._refused_inbound)
 
     @property
     def config(self) -> ConnectionConfig:
@@ -1117,8 +1085,6 @@ class Connections:
                     if connection is None:
                         connection = await self._dial(peer_id, address)
                 stream = Stream(connection, name, opening=pack([name]))
-                if connection.relayed:
-                    self._relayed_streams.inc()
                 try:
                     if not defer_open:
                         await stream._send([])
@@ -1129,16 +1095,13 @@ class Connections:
                 except BaseException:
                     self._drop(connection)
                     raise
-                clean = stream.ended_cleanly
-                if clean and not self._closed and not connection.worn_out:
+                if stream.ended_cleanly and not self._closed and not connection.worn_out:
                     self._pool_connection(
                         connection, eof=stream._received_eof, ready=stream._done
                     )
                 else:
                     self._drop(connection)
                 stream._closed = True  # its connection may carry another stream now
-                if clean and connection.relayed and self._on_relayed_stream is not None:
-                    self._on_relayed_stream(peer_id, address)
             finally:
                 slots.release()
         finally:
@@ -1208,24 +1171,6 @@ class Connections:
         else:
             self._relay_routes[peer_id] = relay
 
-    def set_relayed_stream_hook(self, hook: RelayedStreamHook | None) -> None:
-        """Tell ``hook`` of every stream this peer opened over a relay's
-        circuit that ended cleanly (``None``: tell nobody, the default); the
-        hook of ``_punch.AutoPuncher`` punches a direct connection then."""
-        self._on_relayed_stream = hook
-
-    def direct_connections(self, peer_id: PeerID) -> int:
-        """Connections this peer dialed (or punched) to ``peer_id`` and that
-        are open and not carried by a relay: pooled or carrying a stream."""
-        return sum(
-            1
-            for connection in self._connections
-            if connection.remote == peer_id
-            and connection.dialer
-            and not connection.relayed
-            and not connection.closed
-        )
-
     def set_raw_handler(self, handler: RawHandler | None) -> None:
         """Serve inbound connections that begin with ``RAW_MAGIC`` with
         ``handler`` instead of a handshake (``None``: refuse them, the default).
@@ -1270,7 +1215,6 @@ class Connections:
         except BaseException:
             socket_stream.socket.close()
             raise
-        connection.punched = True
         self._pool_connection(connection, eof=True, ready=True)
 
     async def aclose(self) -> None:
@@ -1327,29 +1271,13 @@ class Connections:
         self.report_offence(connection.remote, f"{type(error).__name__}: {error}")
 
     async def _pooled(self, peer_id: PeerID) -> _Connection | None:
-        """Take the most recently used ready connection to ``peer_id``, if any,
-        direct ones (punched, ``_punch``) before a relay's circuits. A punched
-        connection whose last stream's handler has not ended yet is waited
-        for, at most ``connect_timeout`` seconds, unless another direct one is
-        ready."""
-        waited = False
+        """Take the most recently used ready connection to ``peer_id``, if any."""
         while True:
             entries = self._pool.get(peer_id, [])
             ready = [entry for entry in entries if entry.ready]
-            direct = [entry for entry in ready if not entry.connection.relayed]
-            settling = [e for e in entries if not e.ready and e.connection.punched]
-            if not direct and settling and not waited:
-                # A punched connection cannot be dialed again, and without a
-                # relay it is the only way to the peer: wait for the DONE of
-                # its last stream (one round trip, usually), but not longer
-                # than a dial could take, in case that handler waits for us.
-                waited = True
-                with trio.move_on_after(self._config.connect_timeout):
-                    await settling[-1].settled.wait()
-                continue
             if not ready:
                 return None
-            entry = (direct or ready)[-1]
+            entry = ready[-1]
             self._unpool(entry)
             entry.scope.cancel()
             await entry.done.wait()
@@ -1383,7 +1311,6 @@ class Connections:
                 self._unpool(entry)
                 self._drop(entry.connection)
         finally:
-            entry.settled.set()
             entry.done.set()
 
     async def _until_unusable(self, entry: _Pooled) -> None:
@@ -1394,7 +1321,6 @@ class Connections:
                 entry.eof = True
             elif entry.eof and frame.kind is FrameKind.DONE:
                 entry.ready = True
-                entry.settled.set()
             else:  # the stream was not over, or the handler failed (RESET)
                 return
         if not entry.connection.closed:  # a closed socket has no file descriptor to wait on

@@ -32,7 +32,7 @@ from ._errors import (
     unwrap_single,
 )
 from ._identity import Identity, PeerID
-from ._punch import AutoPuncher, PunchConfig, PunchError, punch, serve_punch
+from ._punch import PunchError, punch, serve_punch
 from ._reachability import (
     Reachability,
     ReachabilityConfig,
@@ -75,9 +75,6 @@ class PeerConfig:
 
     ``relay`` says whether and how much this peer relays for peers that
     nobody can dial (``swarm._relay``; its circuits use this peer's port).
-
-    ``punch`` says when an unreachable peer punches direct connections to
-    the peers it reaches through relays by itself (``swarm._punch``).
     """
 
     host: str = "127.0.0.1"
@@ -91,7 +88,6 @@ class PeerConfig:
     bans: BanConfig = field(default_factory=BanConfig)
     reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
     relay: RelayConfig = field(default_factory=RelayConfig)
-    punch: PunchConfig = field(default_factory=PunchConfig)
 
     def __post_init__(self) -> None:
         if self.swarm_key is not None:
@@ -162,14 +158,6 @@ class AsyncPeer:
         #: the address the reachability helpers saw this peer come from (its
         #: NAT's public address, behind one); None until a check was answered
         self.observed_host: str | None = None
-        #: punches direct connections to relayed peers by itself (``swarm._punch``)
-        self.puncher = AutoPuncher(connections, self._punch_host, config.punch)
-
-    def _punch_host(self) -> str | None:
-        # only an unreachable peer punches: a reachable one is dialed directly
-        if self.reachability is not Reachability.UNREACHABLE:
-            return None
-        return self.observed_host
 
     def _guess_host(self) -> str:
         initial = self.config.initial_peers
@@ -389,12 +377,6 @@ class AsyncPeer:
             return None
         return self.relayed_by[1]
 
-    def punched_peers(self) -> frozenset[PeerID]:
-        """The peers this peer reaches over connections it punched
-        (``swarm._punch``), which outlive its relay: an unreachable peer whose
-        relay left still averages with them (``averaging._matchmaking``)."""
-        return self.puncher.direct_peers()
-
     def can_relay(self) -> bool:
         """Whether this peer may relay for others: not while it is a client or
         unreachable itself (its relay port would be no easier to reach than
@@ -407,7 +389,7 @@ class AsyncPeer:
         connections, DHT contacts and keys; ``_counters``), for a registry to
         expose: the figures themselves, not copies."""
         relay = () if self.relay is None else self.relay.metrics
-        return (*self.connections.metrics, *self.dht.metrics, *relay, *self.puncher.metrics)
+        return (*self.connections.metrics, *self.dht.metrics, *relay)
 
     def __repr__(self) -> str:
         return f"<AsyncPeer {self.peer_id.short()} at {self.address}>"
@@ -483,9 +465,7 @@ async def open_peer(
                 peer = AsyncPeer(identity, config, dht, connections, services, relay)
                 relay.set_usable(peer.can_relay)
                 serve_dial_back(connections, dht, config.reachability)
-                serve_punch(connections, peer, timeout=config.punch.timeout)
-                connections.set_relayed_stream_hook(peer.puncher.relayed_stream)
-                await peer.start_service(peer.puncher.serve)
+                serve_punch(connections, peer)
                 if config.checks_reachability:
                     if config.initial_peers:
                         await peer.check_reachability()

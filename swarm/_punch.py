@@ -32,57 +32,21 @@ to punch dials only the port it is told at the host it is told: at most
 seconds, and the connection they make is useless to anyone but the
 authenticated peer that asked (the handshake must prove it).
 
-When to punch (``AutoPuncher``): an unreachable peer that opened a stream
-to another peer over a relay's circuit, and has no direct connection to it,
-punches one in the background as soon as that stream ended (the first relayed
-exchange shows that the other peer is alive and relayed). One punch per pair
-runs at a time; after a punch that failed (a symmetric NAT, say) the next to
-that peer waits ``PunchConfig.backoff`` seconds, doubled after every further
-failure up to ``max_backoff``, so a pair that cannot punch costs a few SYNs
-every few minutes, not every round. After a success the pair punches again
-only when its direct connection was lost (closed idle, or a failed stream). A
-reachable peer does not punch: it is dialed directly, or relays.
-
-Each direction punches for itself: a punched connection carries the streams
-of the peer that asked for the punch only, since only the dialer opens
-streams on a connection. The other peer's streams go through the relay until
-its own first relayed stream makes it punch, one round later.
-
-A punched connection is preferred to a relay's circuit for every stream
-(``Connections``), and waited for briefly when its last stream's handler has
-not ended yet: it cannot be dialed again. When the relay (and with it the
-DHT's only reachable node) leaves, peers that punched to each other go on
-averaging over their punched connections (``AsyncPeer.punched_peers``;
-``averaging._matchmaking``, "Without the DHT").
-
 Not done yet: punching UDP for the DHT (a relayed peer's DHT node stays a
-client, so a NATed peer still needs a reachable DHT node to find peers it
-has not averaged with), and keepalives on an idle punched connection (a router that forgets
-idle TCP mappings drops it; ``ConnectionConfig.idle_timeout`` closes it first
-by default, and the next relayed stream punches anew).
+client, so two NATed peers still need a reachable DHT node to find each
+other), and deciding when to punch (callers call ``punch``).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import socket
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import trio
-from prometheus_client import Counter
 
 from ._connections import Address, Connections, Stream
-from ._counters import count_of, new_counter
-from ._errors import (
-    ConfigError,
-    PeerUnreachableError,
-    ProtocolError,
-    StreamResetError,
-    SwarmError,
-)
+from ._errors import PeerUnreachableError, ProtocolError, StreamResetError, SwarmError
 from ._identity import PeerID
 from ._wire import expect_int, expect_list, expect_str
 
@@ -255,130 +219,3 @@ def serve_punch(connections: Connections, me: SeenFromOutside, *, timeout: float
             running.release()
 
     connections.set_handler(PUNCH, handle)
-
-
-@dataclass(frozen=True)
-class PunchConfig:
-    """When an unreachable peer punches by itself (``AutoPuncher``); validated
-    on construction.
-
-    ``auto=False`` never punches unless asked (``AsyncPeer.punch``).
-    ``timeout`` (5 s): how long one punch tries. ``backoff`` (10 s): the wait
-    after a failed punch before the next to the same peer, doubled after each
-    further failure up to ``max_backoff`` (300 s).
-    """
-
-    auto: bool = True
-    timeout: float = 5.0
-    backoff: float = 10.0
-    max_backoff: float = 300.0
-
-    def __post_init__(self) -> None:
-        for name in ("timeout", "backoff", "max_backoff"):
-            value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):
-                raise ConfigError(f"PunchConfig.{name}={value} must be a positive finite number")
-        if self.max_backoff < self.backoff:
-            raise ConfigError(
-                f"PunchConfig.max_backoff={self.max_backoff} must be at least "
-                f"backoff={self.backoff}"
-            )
-
-
-class AutoPuncher:
-    """Punches a direct connection to each peer this peer reaches only through
-    a relay, while this peer is unreachable itself (module docstring, "When to
-    punch").
-
-    ``my_host`` says the address others see this peer at while it should
-    punch (unreachable, and the address known), else None. Install
-    ``relayed_stream`` with ``Connections.set_relayed_stream_hook`` and run
-    ``serve``.
-    """
-
-    def __init__(
-        self,
-        connections: Connections,
-        my_host: Callable[[], str | None],
-        config: PunchConfig | None = None,
-    ) -> None:
-        self.config = config if config is not None else PunchConfig()
-        self._connections = connections
-        self._my_host = my_host
-        self._running: set[PeerID] = set()
-        self._failures: dict[PeerID, int] = {}
-        self._retry_at: dict[PeerID, float] = {}
-        self._punched_peers: set[PeerID] = set()
-        # one entry per peer at most (``_running``), so it never holds more
-        # than the peers this peer talks to through relays
-        self._send, self._receive = trio.open_memory_channel[tuple[PeerID, Address, str]](
-            math.inf
-        )
-        self._punched = new_counter("swarm_punched", "Direct connections punched by this peer")
-        self._failed = new_counter("swarm_punch_failed", "Punches of this peer that failed")
-
-    @property
-    def punched(self) -> int:
-        """Punches that made a direct connection so far."""
-        return count_of(self._punched)
-
-    @property
-    def failed(self) -> int:
-        """Punches that failed so far (the relay went on carrying the streams)."""
-        return count_of(self._failed)
-
-    @property
-    def metrics(self) -> tuple[Counter, ...]:
-        """The counters behind ``punched`` and ``failed`` (``_counters``)."""
-        return (self._punched, self._failed)
-
-    def direct_peers(self) -> frozenset[PeerID]:
-        """The peers this peer punched a connection to that is still open: it
-        reaches them without a relay (until that connection closes)."""
-        gone = {p for p in self._punched_peers if not self._connections.direct_connections(p)}
-        self._punched_peers -= gone
-        return frozenset(self._punched_peers)
-
-    def relayed_stream(self, peer_id: PeerID, address: Address) -> None:
-        """A stream to ``peer_id`` went through a relay: punch, unless one
-        runs already, a direct connection exists, the back-off of an earlier
-        failure has not passed, or this peer should not punch. Never blocks."""
-        if not self.config.auto or peer_id in self._running:
-            return
-        host = self._my_host()
-        if host is None or self._connections.direct_connections(peer_id):
-            return
-        if trio.current_time() < self._retry_at.get(peer_id, -math.inf):
-            return
-        self._running.add(peer_id)
-        self._send.send_nowait((peer_id, address, host))
-
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the punches ``relayed_stream`` asks for, ``MAX_PUNCHES`` at once,
-        until cancelled (which stops the running ones and closes their sockets)."""
-        limit = trio.CapacityLimiter(MAX_PUNCHES)
-        async with trio.open_nursery() as nursery:
-            task_status.started()
-            async for peer_id, address, host in self._receive:
-                await limit.acquire_on_behalf_of(peer_id)
-                nursery.start_soon(self._punch_one, limit, peer_id, address, host)
-
-    async def _punch_one(
-        self, limit: trio.CapacityLimiter, peer_id: PeerID, address: Address, host: str
-    ) -> None:
-        try:
-            await punch(self._connections, peer_id, address, host, timeout=self.config.timeout)
-        except SwarmError as e:  # per-peer boundary: the relay goes on carrying the streams
-            failures = self._failures[peer_id] = self._failures.get(peer_id, 0) + 1
-            wait = min(self.config.backoff * 2 ** (failures - 1), self.config.max_backoff)
-            self._retry_at[peer_id] = trio.current_time() + wait
-            self._failed.inc()
-            log.info("punch to %s failed (next try in %.0f s): %s", peer_id.short(), wait, e)
-        else:
-            self._failures.pop(peer_id, None)
-            self._retry_at.pop(peer_id, None)
-            self._punched_peers.add(peer_id)
-            self._punched.inc()
-        finally:
-            self._running.discard(peer_id)
-            limit.release_on_behalf_of(peer_id)

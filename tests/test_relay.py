@@ -20,14 +20,12 @@ import trio.testing
 from mitm_harness import serve_proxy
 
 from swarm import (
-    AutoPuncher,
     ConfigError,
     Identity,
     PeerConfig,
     PeerID,
     PeerUnreachableError,
     ProtocolError,
-    PunchConfig,
     PunchError,
     open_peer,
 )
@@ -410,109 +408,6 @@ async def test_a_punch_needs_both_peers_to_know_the_address_others_see_them_at()
         x.observed_host = HOST
         with pytest.raises(PunchError, match="refused to punch"):
             await x.punch(R.peer_id, r.endpoint)
-
-
-async def _until(condition: Any) -> None:
-    for _ in range(1000):  # bounded: each wait is a virtual 10 ms
-        if condition():
-            return
-        await trio.sleep(0.01)
-    raise AssertionError("the condition never held")
-
-
-async def test_a_relayed_stream_makes_an_unreachable_peer_punch_with_back_off(
-    autojump_clock: Any,
-) -> None:
-    """D reaches X through the relay: the end of each relayed stream asks D's
-    ``AutoPuncher`` to punch. X refuses (it serves no punches), so the punch
-    fails; the next waits out a back-off that doubles up to its cap, and a
-    peer that should not punch (its host unknown: reachable, or not checked)
-    never does."""
-    config = PunchConfig(backoff=10.0, max_backoff=15.0)
-    host: str | None = HOST
-    async with relayed_swarm() as s, trio.open_nursery() as nursery:
-        puncher = AutoPuncher(s.d, lambda: host, config)
-        s.d.set_relayed_stream_hook(puncher.relayed_stream)
-        await nursery.start(puncher.serve)
-
-        async def call() -> None:
-            await s.d.call(X.peer_id, NOWHERE, "echo", "hi", timeout=10)
-
-        await call()
-        assert s.d.relayed_streams == 1
-        await _until(lambda: puncher.failed == 1)
-        start = trio.current_time()
-        # each failed punch opened one relayed stream, which asked for no other
-        for wait, failed in [(9.0, 1), (10.5, 2), (10.5 + 14.0, 2), (10.5 + 15.5, 3)]:
-            await trio.sleep_until(start + wait)
-            await call()
-            await trio.sleep(0.1)  # a punch would have failed by now
-            assert puncher.failed == failed, wait
-        assert puncher.punched == 0
-        host = None
-        await trio.sleep(20.0)
-        await call()
-        await trio.sleep(0.1)
-        assert puncher.failed == 3
-        nursery.cancel_scope.cancel()
-
-
-async def test_a_direct_connection_carries_streams_before_a_relayed_one() -> None:
-    """With a direct connection to X (as a punch leaves) and a relay's circuit
-    both pooled, D's next stream takes the direct one: no relayed stream is
-    counted, and no punch is asked for. While the direct one is busy, a
-    stream goes through the relay, and the hook hears of it."""
-    asked: list[PeerID] = []
-    holding = {name: trio.Event() for name in ("direct", "relayed")}
-    release = {name: trio.Event() for name in ("direct", "relayed")}
-    returned = {name: trio.Event() for name in ("direct", "relayed")}
-
-    async def hold(stream: Stream) -> None:
-        name = await stream.receive()
-        holding[name].set()
-        await release[name].wait()
-        await stream.send(name)
-
-    async with relayed_swarm() as s:
-        s.x.set_handler("hold", hold)
-        s.d.set_relayed_stream_hook(lambda peer, address: asked.append(peer))
-        s.d.set_relay_route(X.peer_id, None)
-        await s.d.call(X.peer_id, (HOST, s.x.port), "echo", "direct", timeout=10)
-        assert s.d.direct_connections(X.peer_id) == 1
-        s.d.set_relay_route(X.peer_id, s.circuit)
-
-        async def held(name: str) -> None:
-            assert await s.d.call(X.peer_id, NOWHERE, "hold", name, timeout=10) == name
-            returned[name].set()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(held, "direct")
-            await holding["direct"].wait()
-            # the direct connection is busy: this one goes through the relay
-            nursery.start_soon(held, "relayed")
-            await holding["relayed"].wait()
-            # the direct one goes back to the pool first, the relayed one last
-            release["direct"].set()
-            await returned["direct"].wait()
-            release["relayed"].set()
-        assert (s.d.relayed_streams, asked) == (1, [X.peer_id])
-        await s.d.call(X.peer_id, NOWHERE, "echo", "direct again", timeout=10)
-        await s.d.call(X.peer_id, NOWHERE, "echo", "and again", timeout=10)
-        assert s.d.relayed_streams == 1
-        assert s.relay.circuits_made == 1
-
-
-@pytest.mark.parametrize(
-    ("fields", "match"),
-    [
-        ({"timeout": 0.0}, "timeout"),
-        ({"backoff": float("inf")}, "backoff"),
-        ({"backoff": 10.0, "max_backoff": 5.0}, "at least backoff"),
-    ],
-)
-def test_a_bad_punch_config_is_refused(fields: dict[str, float], match: str) -> None:
-    with pytest.raises(ConfigError, match=match):
-        PunchConfig(**fields)
 
 
 async def test_a_relay_that_can_no_longer_be_dialed_ends_its_registrations() -> None:

@@ -5,7 +5,7 @@ average like reachable peers, and move to another relay when theirs leaves.
 Every peer runs in a namespace of its own with a user's defaults (``--host
 0.0.0.0``, nothing announced), finds out by dial-back whether it is reachable,
 and, if not, registers with a reachable peer by itself. Nobody is told who is
-behind a NAT or who relays for whom, nor asked to punch. NAT behaviours covered: port-preserving
+behind a NAT or who relays for whom. NAT behaviours covered: port-preserving
 MASQUERADE with address-and-port-dependent filtering, and symmetric
 (``--random-fully``); a relayed peer only dials out (to its relay), which both
 allow. Its circuits are new TCP connections from the peer to the relay port.
@@ -31,19 +31,15 @@ import pytest
 from cli_harness import CLIProcess, run_command
 from netbed import Link, Nat, NetBed
 
-#: argv: index, initial peer ("" for the founder), port, and optionally
-#: "no-auto-punch" (a control: ``PunchConfig(auto=False)``). Identities come from
+#: argv: index, initial peer ("" for the founder), port. Identities come from
 #: the index. Prints "relayed HOST" whenever its relay changes (hosts of the
 #: public peers), then per round: "round R members=I,J,.. contributors=N
-#: mine=SIZE relays=I:HOST,.. via_relay=S punched=P failed=F" (the members'
-#: indices, the size of its own part, through which host each relayed member
-#: was announced, the streams it opened over relays' circuits so far, and the
-#: punches it made by itself so far that made a direct connection, and that
-#: failed).
+#: mine=SIZE relays=I:HOST,.." (the members' indices, the size of its own
+#: part, and through which host each relayed member was announced).
 PEER = """
 import sys, time, torch, trio
 from averaging import AllReduceConfig, Averager, AveragerConfig, MatchmakingConfig, MoshpitGrid
-from swarm import Identity, PeerConfig, PunchConfig, RelayConfig, open_peer
+from swarm import Identity, PeerConfig, RelayConfig, open_peer
 
 PERIOD = {PERIOD}
 IDS = {bytes(Identity.from_seed(bytes([i + 1]) * 32).peer_id): i for i in range(8)}
@@ -65,10 +61,8 @@ async def watch_relay(peer, task_status):
 
 async def main():
     index, initial, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-    auto_punch = sys.argv[4:] != ["no-auto-punch"]
     config = PeerConfig(host="0.0.0.0", port=port, initial_peers=(initial,) if initial else (),
-                        relay=RelayConfig(keepalive_interval=1.0),
-                        punch=PunchConfig(auto=auto_punch))
+                        relay=RelayConfig(keepalive_interval=1.0))
     async with open_peer(Identity.from_seed(bytes([index + 1]) * 32), config) as peer:
         print("address", peer.address, flush=True)
         await peer.start_service(watch_relay, peer)
@@ -87,8 +81,7 @@ async def main():
             relays = ",".join(f"{IDS[bytes(m.peer_id)]}:{m.relay[0]}" for m in members if m.relay)
             print("round", r, "members=" + ",".join(str(IDS[bytes(m.peer_id)]) for m in members),
                   f"contributors={len(result.contributors)}", f"mine={hi - lo}",
-                  f"relays={relays}", f"via_relay={peer.connections.relayed_streams}",
-                  f"punched={peer.puncher.punched}", f"failed={peer.puncher.failed}", flush=True)
+                  f"relays={relays}", flush=True)
 
 trio.run(main)
 """
@@ -346,50 +339,3 @@ async def test_natted_peers_punch_a_connection_that_outlives_their_relay(
                 assert line.startswith("after the relay left: failed"), line
             else:
                 assert line == "after the relay left: here", line
-
-
-#: Rounds of the punching scenario: the first relayed stream between the
-#: NATed peers makes each punch (in round 1), so their streams to each other
-#: go direct from round 2 on; round 3 checks that nothing went relayed again.
-PUNCH_ROUNDS = 3
-
-
-@pytest.mark.slow
-async def test_natted_peers_punch_by_themselves_and_average_after_the_public_peer_left() -> None:
-    """One public peer and two behind port-preserving NATs that drop
-    unsolicited packets. The NATed peers average through the relay, punch
-    direct connections to each other by themselves after their first relayed
-    exchange, and from then on open no more streams over the relay (their
-    relayed-stream counters stop growing) while every round still holds all
-    three peers' data. Then the public peer (their relay, and their DHT's
-    only contact) is killed: the two form their groups over the punched
-    connections (``averaging._matchmaking``, "Without the DHT") and every
-    round holds both peers' data, each reducing a part."""
-    nats = [None, Nat(stealth=True), Nat(stealth=True)]
-    with NetBed([Link()] * 3, nats=nats) as bed:
-        async with AsyncExitStack() as stack, _peers(bed, stack) as peers:
-            for i in (1, 2):
-                await peers[i].read_line_containing("relayed", timeout=60)
-            first = _next_round()
-            for i in (1, 2):
-                lines = await _rounds(peers[i], first, PUNCH_ROUNDS)
-                for line in lines:
-                    fields = _parse(line)
-                    assert fields.get("members") == "0,1,2", line
-                    assert fields["contributors"] == "3", line
-                # the other NATed peer was reached through the relay at first
-                assert int(_parse(lines[0])["via_relay"]) > 0, lines
-                last, before = _parse(lines[-1]), _parse(lines[-2])
-                assert int(last["punched"]) >= 1, lines
-                assert last["via_relay"] == before["via_relay"], lines
-            peers[0].process.kill()
-            # the registrations end within 3 s (keepalives), well before the
-            # next round: from then on every round has both NATed peers' data
-            first = _next_round()
-            for i in (1, 2):
-                for line in await _rounds(peers[i], first, ROUNDS):
-                    fields = _parse(line)
-                    assert fields.get("members") == "1,2", line
-                    assert fields["contributors"] == "2", line
-                    assert fields["relays"] == "", line
-                    assert int(fields["mine"]) > 0, line
