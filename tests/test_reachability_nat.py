@@ -132,7 +132,7 @@ async def test_two_public_and_two_natted_peers_with_default_flags_train_with_eve
 ) -> None:
     """The issue's scenario: every peer started as a user would (default
     ``--host``, the printed join command). The NATed peers find out they are
-    unreachable and train as clients: every round has all four peers' data,
+    unreachable and are reached through a relay: every round has all four peers' data,
     none waits on a reducer nobody can reach, and ``swarm status`` says who is
     reachable."""
     train = [
@@ -210,7 +210,7 @@ async def test_one_public_peer_and_two_natted_ones_average_everyone_s_data(
     tmp_path: Path,
 ) -> None:
     """Only one peer anyone can dial: the two peers behind NATs (one of them
-    symmetric) find out they are unreachable and train as its clients, and
+    symmetric) find out they are unreachable and are reached through it, and
     from the first round in which all three are present every round holds all
     three peers' data, up to the end of the run."""
     train = [
