@@ -10,7 +10,7 @@ import pytest
 import torch
 from trainer_harness import TrainingPeer, training_config, training_peers
 
-from swarm import Identity, PeerID
+from swarm import Identity, PeerID, ProtocolError
 from trainer import CollaborativeOptimizer, PeerProgress, others_progress
 
 ME, A, B, C = (Identity.from_seed(bytes([i]) * 32).peer_id for i in range(1, 5))
@@ -149,3 +149,37 @@ def test_a_peer_one_epoch_behind_counts_toward_the_next_at_its_rate() -> None:
     )
     assert others.samples == 0
     assert others.total(0, 0.5) == pytest.approx(150.0)
+
+
+def test_a_peer_still_adding_counts_for_at_least_one_micro_batch() -> None:
+    # the start of epoch 5: A and B finish epoch 4's round, C began epoch 5
+    # but has not published a batch yet; none has computed anything of epoch 5
+    finishing = PeerProgress(A, 4, 96, 1000.0, 100.0, stopped=True, batch=24)
+    unpublished = PeerProgress(B, 4, 96, 1000.0, 100.0, stopped=True)  # an older peer: no batch
+    began = PeerProgress(C, 5, 0, 1000.0, 100.0, batch=40)
+    others = others_progress(
+        [finishing, unpublished, began], me=ME, epoch=5, now=100.0, stale_after=30.0, horizon=1.0
+    )
+    # each adds at least its own batch (B the asking peer's, 32) before it can stop
+    assert others.total(32, 0.0, prior_batch=32) == 24 + 32 + 40 + 32
+    # extrapolation past the floor counts as before
+    assert others.total(32, 0.1, prior_batch=32) == pytest.approx(3 * 100.0 + 32)
+
+
+def test_no_floor_for_a_peer_that_stopped_or_went_quiet() -> None:
+    stopped = PeerProgress(A, 5, 0, 1000.0, 100.0, stopped=True, batch=32)
+    quiet = PeerProgress(B, 5, 0, 10.0, 98.0, batch=32)  # older than the horizon
+    others = others_progress(
+        [stopped, quiet], me=ME, epoch=5, now=100.0, stale_after=30.0, horizon=1.0
+    )
+    # the quiet one: its rate for the horizon (10 samples), not a batch it may never add
+    assert others.total(0, 0.5, prior_batch=32) == pytest.approx(10.0)
+
+
+def test_the_micro_batch_travels_in_the_record_and_older_records_parse() -> None:
+    record = PeerProgress(A, 3, 64, 10.0, 1.0, batch=32)
+    assert PeerProgress.from_value(A, record.to_value()) == record
+    older = {k: v for k, v in record.to_value().items() if k != "batch"}
+    assert PeerProgress.from_value(A, older).batch == 0
+    with pytest.raises(ProtocolError):
+        PeerProgress.from_value(A, {**record.to_value(), "batch": -1})

@@ -10,7 +10,7 @@ peer; with 8 peers a step averaged 34 times the target.
 
 The rule here (hivemind's ``ProgressTracker`` extrapolates the same way): the
 others' last records, each extrapolated at its rate from its time to now, plus
-this peer's own samples. Two guards keep it honest:
+this peer's own samples. Three guards keep it honest:
 
 - A record is extrapolated for at most ``horizon`` seconds: a live peer
   publishes every progress interval whatever its training thread does, so an
@@ -21,6 +21,13 @@ this peer's own samples. Two guards keep it honest:
   and from then on count it toward the next epoch at its rate. Without
   that, a peer whose record still showed the last epoch counted for
   nothing, and each peer filled the next target almost alone.
+- A live peer that still adds to the epoch adds at least one micro-batch
+  (``PeerProgress.batch``): a peer decides whether to stop only after a
+  batch, so none ends a step with nothing in it. Extrapolation alone lags
+  at an epoch's start, when every peer is computing its first batch and none
+  has published it yet: with 8 peers whose batches together made the target,
+  the fastest computed 2-3 batches before the others' counts showed, and a
+  step averaged 1.5 times the target.
 
 Pure code: the tracker computes ``Others`` at each reading, the optimizer asks
 ``total`` at each local step without crossing into trio.
@@ -34,7 +41,33 @@ from swarm import PeerID
 
 from ._progress import PeerProgress
 
-__all__ = ["Others", "others_progress"]
+__all__ = ["Expected", "Others", "others_progress"]
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What one other peer adds to an epoch, as of one reading."""
+
+    #: its samples at the reading (its record extrapolated to the reading's
+    #: time, for at most the horizon past the record's own time)
+    samples: float
+    #: samples per second it adds after the reading; None: not measured yet
+    #: (its first step), counted at a prior rate, the asking peer's own
+    rate: float | None = None
+    #: seconds after the reading it may still be extrapolated (0: it adds
+    #: nothing more: it stopped, or its record is older than the horizon)
+    left: float = 0.0
+    #: its micro-batch (0: not published, the asking peer's own is assumed):
+    #: a peer still adding counts for at least one
+    batch: int = 0
+
+    def at(self, elapsed: float, prior: float, prior_batch: int) -> float:
+        """Its samples ``elapsed`` (>= 0) seconds after the reading."""
+        if self.left <= 0:
+            return self.samples
+        rate = prior if self.rate is None else self.rate
+        extrapolated = self.samples + rate * min(elapsed, self.left)
+        return max(extrapolated, float(self.batch or prior_batch))
 
 
 @dataclass(frozen=True)
@@ -42,30 +75,37 @@ class Others:
     """The other live peers' samples toward ``epoch``, as of one reading."""
 
     epoch: int
-    #: what they reported, each record extrapolated to the reading's time
-    #: (for at most the horizon past the record's own time)
-    samples: float
-    #: (rate, seconds it may still be extrapolated) of each record that has a
-    #: rate and is younger than the horizon
-    rates: tuple[tuple[float, float], ...] = ()
-    #: the same windows for the peers still adding whose rate is not measured
-    #: yet (a record of rate 0 that did not stop): ``total`` counts them at a
-    #: prior rate, the asking peer's own
-    unmeasured: tuple[float, ...] = ()
+    peers: tuple[Expected, ...] = ()
+
+    @property
+    def samples(self) -> float:
+        """What they had at the reading (no floors, no extrapolation past it)."""
+        return sum(p.samples for p in self.peers)
+
+    @property
+    def rates(self) -> tuple[tuple[float, float], ...]:
+        """(rate, seconds it may still be extrapolated) of each peer still
+        adding whose rate is measured."""
+        return tuple((p.rate, p.left) for p in self.peers if p.left > 0 and p.rate is not None)
+
+    @property
+    def unmeasured(self) -> tuple[float, ...]:
+        """The same windows for the peers still adding whose rate is not measured."""
+        return tuple(p.left for p in self.peers if p.left > 0 and p.rate is None)
 
     @property
     def rate(self) -> float:
         """The others' summed rate at the reading (samples per second)."""
         return sum(rate for rate, _ in self.rates)
 
-    def total(self, mine: int, elapsed: float, prior: float = 0.0) -> float:
+    def total(self, mine: int, elapsed: float, prior: float = 0.0, prior_batch: int = 0) -> float:
         """The swarm's samples toward ``epoch`` ``elapsed`` seconds after the
         reading: the others' extrapolated (those of unmeasured rate at
-        ``prior`` samples per second), plus ``mine`` (exact)."""
+        ``prior`` samples per second), each still adding counted for at least
+        one micro-batch (``prior_batch`` for one that did not publish its
+        own), plus ``mine`` (exact)."""
         elapsed = max(0.0, elapsed)
-        extra = sum(rate * min(elapsed, left) for rate, left in self.rates)
-        extra += sum(prior * min(elapsed, left) for left in self.unmeasured)
-        return self.samples + extra + mine
+        return sum(p.at(elapsed, prior, prior_batch) for p in self.peers) + mine
 
 
 def others_progress(
@@ -88,27 +128,20 @@ def others_progress(
     ``me``, of other epochs, and older than ``stale_after`` are left out.
     Raises nothing (a record dated in the future counts as just published).
     """
-    samples = 0.0
-    rates: list[tuple[float, float]] = []
-    unmeasured: list[float] = []
+    peers: list[Expected] = []
     for r in records:
         if r.peer_id == me or now - r.time > stale_after:
             continue
-        rate = r.samples_per_second
+        rate = r.samples_per_second if r.samples_per_second > 0 else None
         if r.epoch == epoch - 1 and now - r.time < horizon:
             # finishing the step before ``epoch`` (whether or not it said it
             # stopped: a short round may end before it publishes again)
-            if rate > 0:
-                rates.append((rate, horizon))
-            else:
-                unmeasured.append(horizon)
+            peers.append(Expected(0.0, rate, horizon, r.batch))
         elif r.epoch == epoch and r.stopped:
-            samples += r.samples
+            peers.append(Expected(float(r.samples)))
         elif r.epoch == epoch:
             since = max(0.0, now - r.time)
-            samples += r.samples + rate * min(horizon, since)
-            if since < horizon and rate > 0:
-                rates.append((rate, horizon - since))
-            elif since < horizon:
-                unmeasured.append(horizon - since)
-    return Others(epoch, samples, tuple(rates), tuple(unmeasured))
+            measured = 0.0 if rate is None else rate
+            samples = r.samples + measured * min(horizon, since)
+            peers.append(Expected(samples, rate, max(0.0, horizon - since), r.batch))
+    return Others(epoch, tuple(peers))

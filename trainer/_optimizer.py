@@ -370,6 +370,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         #: losses passed as tensors, read at the next global step (not per batch)
         self._pending_losses: list[torch.Tensor] = []
         self._samples = 0
+        #: this peer's latest micro-batch: the others count it for at least
+        #: one more while it adds to an epoch (``_global_batch``)
+        self._batch = 0
         self._rate = RateMeter()
         #: publishes this peer's record and reads the swarm's (see ``_progress_tracker``)
         self._progress = ProgressTracker(
@@ -713,6 +716,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     def _account(self, size: int, loss: float | torch.Tensor | None) -> float:
         """Count a local batch of ``size`` samples; returns the monotonic time."""
         self._samples += size
+        self._batch = size
         if isinstance(loss, torch.Tensor):
             self._pending_losses.append(loss.detach())
         elif loss is not None:
@@ -892,7 +896,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         # a peer whose rate is not measured yet (the first step) computes about
         # as fast as this one: counted as nothing, each filled the target alone
         mine = self._rate.rate
-        total = others.total(self._samples, elapsed, prior=mine)
+        total = others.total(self._samples, elapsed, prior=mine, prior_batch=size)
         if not (others.rates or others.unmeasured):  # nobody else adds: exact
             return total >= self.target_batch_size
         # Stop where the total lands nearest the target: every peer stops right
@@ -1063,6 +1067,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             device=PeerProgress.device_of(self.params),
             # its count is final: the others count it exactly (``_global_batch``)
             stopped=self._frozen,
+            batch=self._batch,
         )
 
     async def _start_tracker(self) -> trio.CancelScope:

@@ -133,6 +133,9 @@ class PeerProgress:
     #: the peer stopped adding to ``epoch`` (it is averaging it): ``samples``
     #: is final, and it starts the next epoch at ``samples_per_second`` soon
     stopped: bool = False
+    #: its latest micro-batch (samples; 0: none yet): a peer still adding to
+    #: an epoch adds at least one more (``_global_batch``)
+    batch: int = 0
 
     @staticmethod
     def device_of(tensors: Sequence[torch.Tensor]) -> str:
@@ -151,6 +154,7 @@ class PeerProgress:
             "device": self.device,
             "reachability": self.reachability,
             "stopped": self.stopped,
+            "batch": self.batch,
         }
 
     @classmethod
@@ -185,6 +189,8 @@ class PeerProgress:
             device,
             reachability if (reachability := value.get("reachability")) in _REACHABILITY else None,
             value.get("stopped", False) is True,
+            # absent from the records of peers older than the field
+            expect_int(value.get("batch", 0), "batch", lo=0, hi=2**31),
         )
 
 
