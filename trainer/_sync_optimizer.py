@@ -129,6 +129,19 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             raise AttributeError(name)
         return getattr(self._core, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # an attribute of the coordinator (e.g. ``scheduler``) is set there
+        core = self.__dict__.get("_core")
+        if (
+            core is not None
+            and name not in self.__dict__
+            and not hasattr(type(self), name)
+            and hasattr(core, name)
+        ):
+            setattr(core, name, value)
+        else:
+            super().__setattr__(name, value)
+
     # -- torch.optim.Optimizer ------------------------------------------------------
 
     @property
@@ -161,6 +174,10 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     def epoch(self) -> int:
         """The global steps this peer has taken (or downloaded)."""
         return self._core.epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self._core.epoch = value
 
     @property
     def last_step(self) -> GlobalStep | None:
