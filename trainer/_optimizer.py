@@ -1,9 +1,11 @@
-"""``CollaborativeOptimizer``: one global optimizer step per ``target_batch_size``
-samples of the whole swarm (DeDLOC, Diskin et al. 2021).
+"""``AsyncCollaborativeOptimizer``: one global optimizer step per
+``target_batch_size`` samples of the whole swarm (DeDLOC, Diskin et al. 2021),
+as an async coordinator on the peer's trio thread; ``CollaborativeOptimizer``
+(``_sync_optimizer``) is its synchronous facade.
 
 The user's loop is an ordinary PyTorch loop::
 
-    loss.backward(); opt.step(); opt.zero_grad()
+    loss.backward(); await opt.step(); opt.zero_grad()
 
 ``step()`` adds this batch's gradients (times its size) to an accumulator and
 reports progress to the DHT. When the swarm as a whole has accumulated
@@ -40,19 +42,23 @@ model). A bf16/fp16 model trains float32 master weights (the inner optimizer
 updates them; the model holds them rounded). A model's buffers (``model=``)
 travel with the state. ``GradScaler`` accepts the optimizer (see ``_amp``).
 
-Threads: the training loop calls ``step()`` from its own thread. All network
-work runs on the peer's trio thread (``Peer.run``). A ``step()`` that does not
-end a global step never waits on that thread: it decides from the tracker's
-latest reading (``_global_batch``) and posts what the trio side should do
-(wake the tracker, begin matchmaking ahead of the step) without waiting
-(``_post``: ``TrioToken.run_sync_soon`` into the coordinator's inbox). Only
-a step that ends an epoch (or downloads the state of a swarm that is ahead)
-waits on the trio thread. Tensor work (the inner
+Threads: ``AsyncCollaborativeOptimizer`` is the coordinator: ``await
+opt.step()`` runs on the peer's trio thread, where the epoch state machine
+lives (the ready decision, matchmaking ahead of the step, averaging, applying,
+catch-up, state averaging, checkpoints). Tensor work (accumulating, the inner
 optimizer step, EF21M and DiLoCo arithmetic, staging copies, checkpoint
-capture) runs in the training thread under ``_state_lock``, never on the trio
-thread: the event loop does not wait on compute or on a device. A donor
-takes the same lock (without waiting) to copy the state, so the state a
-newcomer receives is always a whole step's.
+capture) runs in a worker thread (``trio.to_thread.run_sync``) under
+``_state_lock``, never on the trio thread: the event loop does not wait on
+compute or on a device. A donor takes the same lock (without waiting) to copy
+the state, so the state a newcomer receives is always a whole step's.
+Matchmaking ahead of the step is posted into the coordinator's inbox
+(``_post``: ``TrioToken.run_sync_soon``), never awaited by the step.
+
+``CollaborativeOptimizer`` (``_sync_optimizer``) is the synchronous facade
+for a training loop in its own thread: it does the batch's own work there
+(``_take_batch``), decides from the tracker's latest reading whether the
+global step is due (``_quick_decision``, no crossing when it is not), and
+otherwise crosses into the trio thread once (``_complete``).
 """
 
 from __future__ import annotations
