@@ -4,6 +4,8 @@ virtual time (``async_trainer_harness.held_clock``)."""
 from __future__ import annotations
 
 import itertools
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> trio.testing.MockClock:
     return held_clock(monkeypatch)
 
 
+@pytest.mark.slow
 async def test_three_async_optimizers_train_digits_together(clock: trio.testing.MockClock) -> None:
     """Three peers that start together take every global step together: each
     step averages all three peers' data, and after each step every pair of
@@ -81,3 +84,50 @@ async def test_three_async_optimizers_train_digits_together(clock: trio.testing.
             for x, y in zip(pa, pb, strict=True):
                 assert torch.equal(x, y), f"epoch {epoch}: {a.short()} and {b.short()} differ"
     assert min(accuracy.values()) > 0.5, accuracy  # it trains (8 steps of 192 samples)
+
+
+async def test_tensor_work_never_runs_on_the_trio_thread(
+    clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """The inner optimizer step, the gradient hook and the checkpoint capture of
+    a global step all run in worker threads, never on the event loop's."""
+    torch.manual_seed(0)
+    task = load_task("digits")
+    model, inner, _ = task.build(seed=0)
+    batches = task.batches(0, 32)
+    trio_thread = threading.get_ident()
+    threads: dict[str, set[int]] = {"inner step": set(), "grad hook": set(), "capture": set()}
+
+    def grad_hook(params: list[torch.nn.Parameter]) -> float:
+        threads["grad hook"].add(threading.get_ident())
+        return float(torch.stack([p.grad.norm() for p in params if p.grad is not None]).norm())
+
+    inner.register_step_pre_hook(lambda *_: threads["inner step"].add(threading.get_ident()))
+    # a checkpoint's capture reads the inner optimizer's state_dict
+    inner.register_state_dict_pre_hook(lambda *_: threads["capture"].add(threading.get_ident()))
+    async with (
+        open_peers(1, seed=5, clock=trio_wall_clock) as peers,
+        AsyncCollaborativeOptimizer.open(
+            peers.alive[0],
+            run_id="async-threads",
+            params=model.parameters(),
+            optimizer=inner,
+            target_batch_size=64,
+            batch_size_per_step=32,
+            grad_hook=grad_hook,
+            config=FAST,
+            checkpoint_dir=tmp_path,
+        ) as opt,
+    ):
+        for _ in range(20):  # bounded: a global step every two batches
+            if opt.epoch >= 2:
+                break
+            loss, size = task.loss(model, next(batches))
+            loss.backward()
+            await opt.step(size, loss=loss.detach())
+            opt.zero_grad()
+        assert opt.epoch == 2
+        assert opt.last_step is not None and opt.last_step.hook_result is not None
+    assert all(threads.values()), threads  # each kind of work happened
+    for kind, idents in threads.items():
+        assert trio_thread not in idents, kind
