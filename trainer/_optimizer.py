@@ -418,6 +418,9 @@ class AsyncCollaborativeOptimizer:
         self._prematch_epoch = -1
         #: the latest epoch whose matchmaking began (trio thread)
         self._matchmaking_epoch = -1
+        #: set when a weight-0 join of a group formed ahead (``_join_formed_group``)
+        #: is over; the next matchmaking on the same averager waits for it
+        self._joining: trio.Event | None = None
         self._checkpoints = CheckpointDir(Path(checkpoint_dir)) if checkpoint_dir else None
         #: kinds of checkpoint write failures already warned about (see _save_checkpoint)
         self._checkpoint_failures: set[str] = set()
@@ -1069,6 +1072,9 @@ class AsyncCollaborativeOptimizer:
         async def find(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
             task_status.started()
             try:
+                joining = self._joining
+                if joining is not None:  # the averager is in a weight-0 round
+                    await joining.wait()
                 self._grad_averager.set_grid(await self._agreed_grid(epoch))
                 prematch.group = await self._grad_averager.find_group(
                     round=epoch, expected_peers=expected
@@ -1460,12 +1466,47 @@ class AsyncCollaborativeOptimizer:
             self._prematch = None
         self._grids_ahead.cancel()
 
+    async def _join_formed_group(self) -> None:
+        """A peer about to catch up whose group for this epoch already formed
+        (matchmaking ahead) takes part in its round with weight 0, in the
+        background (``Strategy.join_without_data``): its group-mates lose no
+        member and wait for nobody, and nothing of this peer is averaged in.
+        A group not formed yet is left (``_cancel_matchmaking``), and so is
+        one of a mode that cannot join without data. Bounded by ``averaging_timeout``."""
+        prematch = self._prematch
+        if prematch is None or prematch.group is None or self._joining is not None:
+            return
+        self._prematch = None
+        group, epoch = prematch.group, prematch.epoch
+        averager, strategy = self._grad_averager, self._strategy
+        done = self._joining = trio.Event()
+
+        async def join(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            task_status.started()
+            try:
+                with trio.move_on_after(self.config.averaging_timeout):
+                    result = await strategy.join_without_data(averager, group)
+                    if result is None:  # this mode cannot join without data: left
+                        log.debug("epoch %d: left the group formed ahead to catch up", epoch)
+                    else:
+                        log.info(
+                            "epoch %d: took part in the group's round with weight 0 (catching up)",
+                            epoch,
+                        )
+            except SwarmError as e:
+                log.info("epoch %d: the weight-0 round failed: %s", epoch, e)
+            finally:
+                self._joining = None
+                done.set()
+
+        await self.peer.start_service(join)
+
     async def _catch_up(self, *, initial: bool, min_epoch: int | None = None) -> bool:
         """Download the swarm's state (of at least ``min_epoch``); True if loaded."""
         # Leaving the group formed ahead costs its members a timeout; joining
-        # it with weight 0 (``Strategy.join_without_data``) would not, but it
-        # races the matchmaking the training thread posts ahead of the next
-        # step on the same averager: it waits for the coordinator to own both.
+        # it with weight 0 does not (the coordinator owns both this round and
+        # the next one's matchmaking, which waits for it).
+        await self._join_formed_group()
         self._cancel_matchmaking()
         template: dict[str, Any] = {
             "params": [p.detach() for p in self._trained],
