@@ -131,3 +131,55 @@ async def test_tensor_work_never_runs_on_the_trio_thread(
     assert all(threads.values()), threads  # each kind of work happened
     for kind, idents in threads.items():
         assert trio_thread not in idents, kind
+
+
+async def test_a_peer_that_catches_up_joins_its_formed_group_with_weight_0(
+    clock: trio.testing.MockClock,
+) -> None:
+    """Two peers found their epoch's group ahead of the step; one must catch up
+    instead of averaging. It takes part in the round with weight 0: the other's
+    round completes without waiting out a sender timeout, with the catching-up
+    peer a member but not a contributor, and its own accumulators untouched."""
+    torch.manual_seed(0)
+    task = load_task("digits")
+    batches = task.batches(0, 32)
+    async with open_peers(2, seed=7, clock=trio_wall_clock) as peers:
+        a_peer, b_peer = peers.alive
+        models = [task.build(seed=0) for _ in range(2)]
+        async with (
+            AsyncCollaborativeOptimizer.open(
+                a_peer, run_id="weight-0", params=models[0][0].parameters(),
+                optimizer=models[0][1], target_batch_size=10_000,
+                batch_size_per_step=32, config=FAST,
+            ) as a,
+            AsyncCollaborativeOptimizer.open(
+                b_peer, run_id="weight-0", params=models[1][0].parameters(),
+                optimizer=models[1][1], target_batch_size=10_000,
+                batch_size_per_step=32, config=FAST,
+            ) as b,
+        ):  # fmt: skip
+            for opt, (model, _, _) in zip((a, b), models, strict=True):
+                loss, size = task.loss(model, next(batches))
+                loss.backward()
+                assert not await opt.step(size)  # far from the target: accumulated
+                opt.zero_grad()
+            b_before = [t.clone() for t in b._staging.host]
+            await a._begin_matchmaking(0, 2)
+            await b._begin_matchmaking(0, 2)
+            for opt in (a, b):
+                assert opt._prematch is not None
+                await opt._prematch.done.wait()
+                assert opt._prematch.group is not None
+            await b._join_formed_group()
+            started = trio.current_time()
+            result = await a._finish_averaging(32.0, 2)
+            assert trio.current_time() - started < FAST.averaging.allreduce.sender_timeout
+            assert result.group is not None
+            assert set(result.members) == {a_peer.peer_id, b_peer.peer_id}
+            assert result.contributors == {a_peer.peer_id}
+            joining = b._joining
+            if joining is not None:
+                await joining.wait()
+            assert b._joining is None
+            for x, y in zip(b._staging.host, b_before, strict=True):
+                assert torch.equal(x, y)  # nothing of the round landed in b's own tensors
