@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,9 @@ from async_trainer_harness import held_clock
 from peer_harness import open_peers, trio_wall_clock
 from trainer_harness import FAST
 
+from averaging import NONE
 from swarm import AsyncPeer, PeerID
-from trainer import AsyncCollaborativeOptimizer, load_task
+from trainer import ArcTopK, AsyncCollaborativeOptimizer, CollaborativeConfig, DiLoCo, load_task
 
 EPOCHS = 8
 PEERS = 3
@@ -27,11 +29,30 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> trio.testing.MockClock:
     return held_clock(monkeypatch)
 
 
+MODES = {
+    "dense": FAST,
+    "diloco": replace(FAST, diloco=DiLoCo(local_steps=3, codec=NONE)),
+    "arc-top-k": replace(FAST, gradient_compression=ArcTopK(rho=0.2)),
+}
+
+
+def _state(opt: AsyncCollaborativeOptimizer) -> list[torch.Tensor]:
+    """The parameters and the mode's shared tensors (DiLoCo's outer momentum,
+    EF21M's shared estimate), copied."""
+    tensors = [p.detach().clone() for p in opt.params]
+    tensors += [t.detach().clone() for t in opt._strategy.state_tensors()]
+    return tensors
+
+
 @pytest.mark.slow
-async def test_three_async_optimizers_train_digits_together(clock: trio.testing.MockClock) -> None:
+@pytest.mark.parametrize("mode", list(MODES))
+async def test_three_async_optimizers_train_digits_together(
+    clock: trio.testing.MockClock, mode: str
+) -> None:
     """Three peers that start together take every global step together: each
     step averages all three peers' data, and after each step every pair of
-    them holds identical parameters (every pair is checked)."""
+    them holds identical parameters and mode state (every pair is checked)."""
+    config: CollaborativeConfig = MODES[mode]
     torch.manual_seed(0)
     torch.set_num_threads(1)
     task = load_task("digits")
@@ -49,7 +70,7 @@ async def test_three_async_optimizers_train_digits_together(clock: trio.testing.
             optimizer=inner,
             target_batch_size=192,
             batch_size_per_step=32,
-            config=FAST,
+            config=config,
         ) as opt:
             assert await opt.wait_for_peers(PEERS, timeout=60.0)
             for _ in range(EPOCHS * 20):  # bounded: ~2 batches per peer per step
@@ -63,7 +84,7 @@ async def test_three_async_optimizers_train_digits_together(clock: trio.testing.
                 if stepped:
                     step = opt.last_step
                     assert step is not None
-                    params = [p.detach().clone() for p in opt.params]
+                    params = _state(opt)
                     after.setdefault(opt.epoch, {})[peer.peer_id] = (step.contributors, params)
             assert opt.epoch == EPOCHS
             accuracy[peer.peer_id] = task.run_evaluation(model)["accuracy"]
