@@ -113,3 +113,21 @@ def test_digits_standalone_first_peer_prints_address_and_a_second_joins() -> Non
             process.wait()
             if process.stdout is not None:
                 process.stdout.close()
+
+
+@pytest.mark.slow
+def test_digits_async_trains_two_peers_in_one_trio_run() -> None:
+    """The documented async use: two peers, each an ``AsyncCollaborativeOptimizer``
+    with ``open_peer`` in one ``trio.run``, train together and print the same
+    accuracy (they averaged every step together from the same weights)."""
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "digits_async.py"), "--peers", "2", "--max-epochs", "2"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["peer 0", "peer 1"], result.stdout
+    assert all(line.split("test accuracy ")[1].startswith("0.") for line in lines), lines

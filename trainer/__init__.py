@@ -22,7 +22,11 @@ Modules:
 - ``_buffers``: a model's buffers by name, plain and ``torch.compile``d alike
 - ``_strategy``: the modes of the global step (dense, ARC-Top-K/EF21M, DiLoCo)
   behind one interface: what is accumulated, averaged and applied
-- ``_optimizer``: ``CollaborativeOptimizer``, one global step per target batch
+- ``_peer_protocol``: ``TrainerPeer`` / ``SyncTrainerPeer``, what the trainer uses of a peer
+- ``_optimizer``: ``AsyncCollaborativeOptimizer``, one global step per target
+  batch, as an async coordinator on the peer's trio thread
+- ``_sync_optimizer``: ``CollaborativeOptimizer``, its synchronous facade (a
+  ``torch.optim.Optimizer``) for a training loop in its own thread
 """
 
 from ._buffers import load_plain_state_dict, model_buffers, plain_state_dict
@@ -33,7 +37,8 @@ from ._dropcompute import DropCompute, choose_threshold
 from ._ef21m import ArcTopK
 from ._export import ExportedModel, export_model
 from ._global_batch import Others, others_progress
-from ._optimizer import CollaborativeConfig, CollaborativeOptimizer, GlobalStep, GradHook
+from ._optimizer import AsyncCollaborativeOptimizer, CollaborativeConfig, GlobalStep, GradHook
+from ._peer_protocol import SyncTrainerPeer, TrainerPeer
 from ._progress import (
     MAX_DEVICE_LABEL,
     UNKNOWN_DEVICE,
@@ -49,6 +54,7 @@ from ._progress import (
 from ._progress_tracker import ProgressTracker, Reading, TrackerConfig, expected_peers
 from ._round_timing import RoundTiming, RoundTimingConfig
 from ._strategy import CompressedGradients, DenseGradients, LocalSGD, Strategy, Trainee
+from ._sync_optimizer import CollaborativeOptimizer
 from ._task import (
     PRECISIONS,
     Task,
@@ -68,6 +74,7 @@ __all__ = [
     "PRECISIONS",
     "UNKNOWN_DEVICE",
     "ArcTopK",
+    "AsyncCollaborativeOptimizer",
     "Checkpoint",
     "CheckpointDir",
     "CollaborativeConfig",
@@ -92,9 +99,11 @@ __all__ = [
     "RoundTimingConfig",
     "Strategy",
     "SwarmProgress",
+    "SyncTrainerPeer",
     "Task",
     "TrackerConfig",
     "Trainee",
+    "TrainerPeer",
     "builtin_task_names",
     "choose_threshold",
     "default_optimizer",

@@ -10,8 +10,10 @@ With a ``GradScaler`` the gradients are unscaled before they are accumulated
 and a batch whose scaled gradients overflowed is skipped: the scaler lowers
 its scale at ``update()``, as in plain AMP training, and the batch counts for
 nothing. ``GradScaler.step(opt)`` hands the step to an optimizer that sets
-``_step_supports_amp_scaling`` (``CollaborativeOptimizer`` does) by calling
-``opt.step(grad_scaler=scaler)``.
+``_step_supports_amp_scaling`` by calling ``opt.step(grad_scaler=scaler)``;
+for the others it unscales, skips an overflow and calls ``opt.step()``
+(``CollaborativeOptimizer``). ``AsyncCollaborativeOptimizer.step`` takes
+``grad_scaler=`` itself.
 """
 
 from __future__ import annotations

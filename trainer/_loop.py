@@ -18,7 +18,8 @@ import torch
 
 from swarm import NonFiniteError, Peer
 
-from ._optimizer import CollaborativeConfig, CollaborativeOptimizer
+from ._optimizer import CollaborativeConfig
+from ._sync_optimizer import CollaborativeOptimizer
 from ._task import Task
 
 log = logging.getLogger(__name__)

@@ -1,9 +1,11 @@
-"""``CollaborativeOptimizer``: one global optimizer step per ``target_batch_size``
-samples of the whole swarm (DeDLOC, Diskin et al. 2021).
+"""``AsyncCollaborativeOptimizer``: one global optimizer step per
+``target_batch_size`` samples of the whole swarm (DeDLOC, Diskin et al. 2021),
+as an async coordinator on the peer's trio thread; ``CollaborativeOptimizer``
+(``_sync_optimizer``) is its synchronous facade.
 
 The user's loop is an ordinary PyTorch loop::
 
-    loss.backward(); opt.step(); opt.zero_grad()
+    loss.backward(); await opt.step(); opt.zero_grad()
 
 ``step()`` adds this batch's gradients (times its size) to an accumulator and
 reports progress to the DHT. When the swarm as a whole has accumulated
@@ -40,19 +42,23 @@ model). A bf16/fp16 model trains float32 master weights (the inner optimizer
 updates them; the model holds them rounded). A model's buffers (``model=``)
 travel with the state. ``GradScaler`` accepts the optimizer (see ``_amp``).
 
-Threads: the training loop calls ``step()`` from its own thread. All network
-work runs on the peer's trio thread (``Peer.run``). A ``step()`` that does not
-end a global step never waits on that thread: it decides from the tracker's
-latest reading (``_global_batch``) and posts what the trio side should do
-(wake the tracker, begin matchmaking ahead of the step) without waiting
-(``_post``: ``TrioToken.run_sync_soon`` into the coordinator's inbox). Only
-a step that ends an epoch (or downloads the state of a swarm that is ahead)
-waits on the trio thread. Tensor work (the inner
+Threads: ``AsyncCollaborativeOptimizer`` is the coordinator: ``await
+opt.step()`` runs on the peer's trio thread, where the epoch state machine
+lives (the ready decision, matchmaking ahead of the step, averaging, applying,
+catch-up, state averaging, checkpoints). Tensor work (accumulating, the inner
 optimizer step, EF21M and DiLoCo arithmetic, staging copies, checkpoint
-capture) runs in the training thread under ``_state_lock``, never on the trio
-thread: the event loop does not wait on compute or on a device. A donor
-takes the same lock (without waiting) to copy the state, so the state a
-newcomer receives is always a whole step's.
+capture) runs in a worker thread (``trio.to_thread.run_sync``) under
+``_state_lock``, never on the trio thread: the event loop does not wait on
+compute or on a device. A donor takes the same lock (without waiting) to copy
+the state, so the state a newcomer receives is always a whole step's.
+Matchmaking ahead of the step is posted into the coordinator's inbox
+(``_post``: ``TrioToken.run_sync_soon``), never awaited by the step.
+
+``CollaborativeOptimizer`` (``_sync_optimizer``) is the synchronous facade
+for a training loop in its own thread: it does the batch's own work there
+(``_take_batch``), decides from the tracker's latest reading whether the
+global step is due (``_quick_decision``, no crossing when it is not), and
+otherwise crosses into the trio thread once (``_complete``).
 """
 
 from __future__ import annotations
@@ -64,8 +70,7 @@ import math
 import threading
 import time
 import warnings
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -96,7 +101,6 @@ from swarm import (
     ClosedError,
     ConfigError,
     NonFiniteError,
-    Peer,
     PeerID,
     ProtocolError,
     SwarmError,
@@ -110,6 +114,7 @@ from ._drift import ResyncSchedule, lost_fraction
 from ._dropcompute import ComputeBudget, DropCompute
 from ._ef21m import EF21M, ArcTopK
 from ._offload import OffloadedMasters
+from ._peer_protocol import TrainerPeer
 from ._progress import (
     PeerProgress,
     RateMeter,
@@ -132,8 +137,8 @@ T = TypeVar("T")
 LRScheduler = torch.optim.lr_scheduler.LRScheduler
 ReduceLROnPlateau = torch.optim.lr_scheduler.ReduceLROnPlateau
 __all__ = [
+    "AsyncCollaborativeOptimizer",
     "CollaborativeConfig",
-    "CollaborativeOptimizer",
     "GlobalStep",
     "GradHook",
     "expected_peers",
@@ -265,36 +270,53 @@ class GlobalStep:
         return frozenset() if self.averaging is None else self.averaging.contributors
 
 
-class CollaborativeOptimizer(torch.optim.Optimizer):
-    """Wraps a torch optimizer so that a swarm of peers trains as one.
+class AsyncCollaborativeOptimizer:
+    """The collaborative step as an async coordinator on the peer's trio thread.
 
-    ``peer`` is a running sync ``swarm.Peer``. ``params`` are the parameters the
-    ``optimizer`` updates (every peer of a run has the same architecture);
-    ``model`` may be given instead (or as well): then its buffers (BatchNorm
-    statistics, any registered buffer) are averaged with the state, sent to
-    newcomers and saved in checkpoints. Parameters and accumulators may live
-    on any device and in any floating dtype; the accumulated gradients are
-    float32 on the parameters' device, and what goes on the wire passes through
-    one host staging layer (``averaging.HostStaging``).
+    Open it with ``open_peer`` in one ``trio.run``::
 
-    It is a ``torch.optim.Optimizer`` whose ``param_groups`` and ``state``
-    are the inner optimizer's, so ``torch.amp.GradScaler`` accepts it:
-    ``scaler.step(opt)`` unscales the gradients (the swarm averages true
-    gradients) and skips a batch that overflowed; ``step(grad_scaler=scaler)``
-    does the same for loops that call ``step`` themselves. ``grad_hook`` is
-    called on the averaged gradient before each inner step (see ``GradHook``).
-    ``scheduler`` is stepped once per global step; a ``ReduceLROnPlateau`` with
-    the value last given to ``report_metric`` (else the smoothed loss).
-    ``batch_size_per_step`` is the default number of samples behind one
-    ``step()``. With ``checkpoint_dir`` the state is saved every
-    ``config.checkpoint_every`` epochs and at ``close()``, and resumed on start
-    (unless the swarm is further ahead). Raises ``ConfigError`` for settings
-    that cannot work.
+        async with open_peer(identity, peer_config) as peer:
+            async with AsyncCollaborativeOptimizer.open(
+                peer, run_id="demo", model=model, optimizer=inner,
+                target_batch_size=256, batch_size_per_step=32,
+            ) as opt:
+                for batch in batches:
+                    loss = await trio.to_thread.run_sync(forward_backward, batch)
+                    await opt.step(loss=loss)
+                    opt.zero_grad()
+
+    ``peer`` is a running async peer (any ``TrainerPeer``: ``open_peer``'s
+    ``AsyncPeer``). ``params`` are the parameters the ``optimizer`` updates
+    (every peer of a run has the same architecture); ``model`` may be given
+    instead (or as well): then its buffers (BatchNorm statistics, any
+    registered buffer) are averaged with the state, sent to newcomers and
+    saved in checkpoints. Parameters and accumulators may live on any device
+    and in any floating dtype; the accumulated gradients are float32 on the
+    parameters' device, and what goes on the wire passes through one host
+    staging layer (``averaging.HostStaging``).
+
+    The epoch state machine (the ready decision, matchmaking ahead of the
+    step, averaging, applying, catch-up, state averaging, checkpoints) runs
+    on the trio thread; every piece of tensor work (accumulating, the inner
+    step, the strategies' arithmetic, staging copies, checkpoint capture)
+    runs in a worker thread (``trio.to_thread.run_sync``) under the one state
+    lock, so the event loop never waits on compute or on a device and donors
+    see whole steps. ``grad_hook`` is called on the averaged gradient before
+    each inner step (see ``GradHook``). ``scheduler`` is stepped once per
+    global step; a ``ReduceLROnPlateau`` with the value last given to
+    ``report_metric`` (else the smoothed loss). ``batch_size_per_step`` is the
+    default number of samples behind one ``step()``. With ``checkpoint_dir``
+    the state is saved every ``config.checkpoint_every`` epochs and at
+    ``aclose()``, and resumed on start (unless the swarm is further ahead).
+    The constructor raises ``ConfigError`` for settings that cannot work and
+    starts nothing: ``open`` (or ``start`` then ``aclose``) does, on the
+    peer's trio thread. ``CollaborativeOptimizer`` is the
+    synchronous facade over this class for a training loop in its own thread.
     """
 
     def __init__(
         self,
-        peer: Peer,
+        peer: TrainerPeer,
         *,
         run_id: str,
         params: Iterable[torch.nn.Parameter] | None = None,
@@ -345,14 +367,6 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         #: the value ``ReduceLROnPlateau`` steps with (None: the smoothed loss)
         self._metric: float | None = None
         self._scheduler_error: Exception | None = None
-        # torch.optim.Optimizer's own attributes (its __init__ would build
-        # param groups of its own: ours are the inner optimizer's)
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self.target_batch_size = target_batch_size
         self.batch_size_per_step = batch_size_per_step
         self.config = config or CollaborativeConfig()
@@ -376,7 +390,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._rate = RateMeter()
         #: publishes this peer's record and reads the swarm's (see ``_progress_tracker``)
         self._progress = ProgressTracker(
-            peer.async_peer.dht,
+            peer.dht,
             peer.peer_id,
             run_id,
             record=self._record,
@@ -407,6 +421,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._prematch_epoch = -1
         #: the latest epoch whose matchmaking began (trio thread)
         self._matchmaking_epoch = -1
+        #: set when a weight-0 join of a group formed ahead (``_join_formed_group``)
+        #: is over; the next matchmaking on the same averager waits for it
+        self._joining: trio.Event | None = None
         self._checkpoints = CheckpointDir(Path(checkpoint_dir)) if checkpoint_dir else None
         #: kinds of checkpoint write failures already warned about (see _save_checkpoint)
         self._checkpoint_failures: set[str] = set()
@@ -434,29 +451,63 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             ResyncSchedule(self.config.state_averaging_interval) if self.config.lossy else None
         )
         self._closed = False
+        self._started = False
+        self._load_state = load_state
         #: held while the state changes (see the module doc); donors try it
         self._state_lock = threading.Lock()
-        #: the trio side's own work that the training thread posts without
+        #: the trio side's own work that a training thread posts without
         #: waiting (``_post``): a step that does not end an epoch never waits
         #: on the trio thread
-        self._token = peer.run_sync(trio.lowlevel.current_trio_token)
-        self._inbox, inbox = trio.open_memory_channel[Callable[[], Awaitable[None]]](math.inf)
-        self._coordinator = peer.run(
-            partial(peer.async_peer.start_service, self._serve_inbox, inbox)
+        self._token: trio.lowlevel.TrioToken | None = None  # set by ``start``
+        self._inbox, self._inbox_receive = trio.open_memory_channel[Callable[[], Awaitable[None]]](
+            math.inf
         )
-        self._donor = peer.run(self._start_donor)
+        self._coordinator = trio.CancelScope()
+        self._donor = trio.CancelScope()
+        self._tracker = trio.CancelScope()
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(
+        cls, peer: TrainerPeer, **kwargs: Any
+    ) -> AsyncIterator[AsyncCollaborativeOptimizer]:
+        """``async with AsyncCollaborativeOptimizer.open(peer, ...) as opt``:
+        constructed (same arguments as the constructor), started (``start``)
+        and, on leaving, closed (``aclose``: a final checkpoint, out of the
+        progress table), also when the block raises or is cancelled."""
+        opt = cls(peer, **kwargs)
+        try:
+            await opt.start()
+            yield opt
+        finally:
+            with trio.CancelScope(shield=True):
+                await opt.aclose()
+
+    async def start(self) -> None:
+        """Start the peer's services of this optimizer (coordinator, donor,
+        tracker), resume from the newest checkpoint, and download the swarm's
+        state when it is ahead (``load_state``). Returns when this peer is in
+        the run, ready to train. Raises ``ConfigError`` for a checkpoint that
+        does not fit; on cancellation, ``aclose`` undoes what was started."""
+        if self._started:
+            return
+        self._started = True
+        self._token = trio.lowlevel.current_trio_token()
+        peer = self.peer
+        self._coordinator = await peer.start_service(self._serve_inbox, self._inbox_receive)
+        self._donor = await self._start_donor()
         if self._checkpoints is not None:
-            self._resume_from_checkpoint()
+            await self._resume_from_checkpoint()
         # Read the swarm without publishing: a peer is in the run (others count
         # it in ``wait_for_peers`` and expect it in their rounds) only once it
         # can train, not while it downloads the state. Counted earlier, it made
         # the peers waiting for it start, fill the first target without it and
         # close the round before it could join.
-        peer.run(partial(self._progress.refresh, publish=False))
-        if load_state and self._reading is not None and self._reading.swarm.num_peers > 1:
-            self._catch_up(initial=True)
-        peer.run(self._progress.refresh)  # ready: in the run from now on
-        self._tracker = peer.run(self._start_tracker)
+        await self._progress.refresh(publish=False)
+        if self._load_state and self._reading is not None and self._reading.swarm.num_peers > 1:
+            await self._catch_up(initial=True)
+        await self._progress.refresh()  # ready: in the run from now on
+        self._tracker = await self._start_tracker()
 
     # -- the user's API ---------------------------------------------------------
 
@@ -510,11 +561,18 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 stacklevel=3,
             )
 
-    def _locked(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` in the calling (training) thread under the state lock:
-        tensor work that changes the state donors send."""
+    def _with_lock(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the calling thread (never the trio thread: it may
+        wait for the lock) under the state lock: tensor work that changes the
+        state donors send."""
         with self._state_lock:
             return fn(*args)
+
+    async def _locked(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a worker thread under the state lock (see
+        ``_with_lock``). Not abandoned on cancellation: a state change is
+        always whole; the cancellation is delivered once it is done."""
+        return await trio.to_thread.run_sync(self._with_lock, fn, *args)
 
     def report_metric(self, value: float) -> None:
         """The metric a ``ReduceLROnPlateau`` scheduler steps with at the next
@@ -567,7 +625,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 model: list[torch.Tensor] = list(self.params)
                 torch._foreach_copy_(model, list(self._masters))
 
-    def step(  # type: ignore[override]
+    async def step(
         self,
         batch_size: int | None = None,
         *,
@@ -581,49 +639,101 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         this peer has computed for longer than its threshold in this step, with
         the samples it has (the loop needs no change). In DiLoCo mode the inner
         optimizer steps now, and the global step is the outer step after
-        ``local_steps`` of these calls. Blocks at most ``averaging_timeout`` for
+        ``local_steps`` of these calls. Waits at most ``averaging_timeout`` for
         averaging, plus the time to download the state when this peer fell
-        behind the swarm.
-        Raises ``ClosedError`` once the peer has stopped, and ``NonFiniteError``
-        (changing nothing: the batch is not counted) if a gradient holds NaN or
-        Inf: averaged in, it would reach the whole group, whose reducers would
+        behind the swarm. The batch's tensor work runs in a worker thread.
+        Raises ``ConfigError`` once closed, and ``NonFiniteError`` (changing
+        nothing: the batch is not counted) if a gradient holds NaN or Inf:
+        averaged in, it would reach the whole group, whose reducers would
         exclude and ban this peer. ``loss`` may be a tensor (on any device): it
         is read at the next global step, not now, so the step does not wait
-        for the device. With ``grad_scaler`` (the ``GradScaler`` of an AMP loop,
-        if it did not call this through ``scaler.step(opt)``) the gradients are
-        unscaled first, and a batch that overflowed is skipped: it returns
-        False, counts for nothing and raises nothing.
+        for the device. With ``grad_scaler`` (the ``GradScaler`` of an AMP
+        loop) the gradients are unscaled first, and a batch that overflowed is
+        skipped: it returns False, counts for nothing and raises nothing. On
+        cancellation a batch already accumulated stays counted; a global step
+        cancelled while averaging applies nothing of the round and the next
+        call starts over from the ready decision.
         """
+        size = self.batch_size_per_step if batch_size is None else batch_size
+        now = await trio.to_thread.run_sync(self._take_batch, size, loss, grad_scaler, self)
+        if now is None or self._quick_decision(size, now) is False:
+            return False
+        return await self._complete(size, now)
+
+    def _take_batch(
+        self,
+        size: int,
+        loss: float | torch.Tensor | None,
+        grad_scaler: torch.amp.GradScaler | None,
+        scaled: Any,
+    ) -> float | None:
+        """The batch's own work, in the calling (not the trio) thread: unscale
+        (``scaled`` is the optimizer the scaler knows), check, accumulate and
+        count it. The monotonic time, or None if the batch overflowed and was
+        skipped. Raises like ``step``."""
         if self._closed:
             raise ConfigError("the optimizer is closed")
-        if grad_scaler is not None and unscale(grad_scaler, self):
+        if grad_scaler is not None and unscale(grad_scaler, scaled):
             log.debug("epoch %d: the scaled gradients overflowed; batch skipped", self.epoch)
-            return False
+            return None
         if not grads_finite(self.params):
             raise NonFiniteError(
                 "this batch's gradients hold NaN or Inf; it was not accumulated"
                 " (a diverging loss: lower the learning rate or clip gradients)"
             )
-        size = self.batch_size_per_step if batch_size is None else batch_size
         strategy = self._strategy
         if strategy.local_steps_left() is None:
             strategy.accumulate(size)  # into accumulators of our own: no lock
         else:
-            self._locked(strategy.accumulate, size)  # a local step changes the parameters
-        now = self._account(size, loss)
-        left = strategy.local_steps_left()
+            self._with_lock(strategy.accumulate, size)  # a local step changes the parameters
+        return self._account(size, loss)
+
+    def _quick_decision(self, size: int, now: float) -> bool | None:
+        """What can be decided without waiting on the trio side (from the
+        tracker's latest reading; callable from any thread): False if the
+        global step is not due (after posting what the trio side should do
+        meanwhile: wake the tracker, begin matchmaking ahead), None if
+        ``_complete`` must decide (a reading too old, a swarm ahead, the step
+        due)."""
+        left = self._strategy.local_steps_left()
+        if left is not None:
+            if left > 0 and not self._out_of_time:
+                self._maybe_prematch_local(left, size)
+                return False
+            return None
+        reading = self._reading
+        if reading is None or reading.epoch not in (self.epoch, self.epoch - 1):
+            return None
+        if reading.swarm.epoch > self.epoch and now >= self._next_catch_up:
+            return None
+        if self._ready(reading, size, now) or self._out_of_time:
+            return None
+        if reading.epoch == self.epoch:
+            self._maybe_begin_matchmaking(reading, now)
+        if reading.epoch != self.epoch or self._near_target(reading, now):
+            # a fresher reading sharpens the estimate (the others' exact
+            # counts once they stopped); the tracker reads in the
+            # background while this peer computes
+            self._hurry(now)
+        return False
+
+    async def _complete(self, size: int, now: float) -> bool:
+        """On the trio thread: decide with fresh readings where needed (and
+        catch up with a swarm that is ahead), then take the global step if it
+        is due; True if it was taken."""
+        left = self._strategy.local_steps_left()
         ready = (
-            self._target_reached(size, now)
+            await self._target_reached(size, now)
             if left is None
-            else self._local_steps_done(left, size, now)
+            else await self._local_steps_done(left, size, now)
         )
         if ready is None:
             return False
         alone, expected = ready
-        self._global_step(alone=alone, expected=expected)
+        await self._global_step(alone=alone, expected=expected)
         return True
 
-    def _target_reached(self, size: int, now: float) -> tuple[bool, int] | None:
+    async def _target_reached(self, size: int, now: float) -> tuple[bool, int] | None:
         """Has the swarm reached the target batch (or this peer its compute
         budget)? (alone, peers to expect) if the global step is due now, None
         if not (or after catching up with a swarm that is ahead)."""
@@ -631,7 +741,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         if reading is None or reading.epoch not in (self.epoch, self.epoch - 1):
             # no reading from this epoch or the step before it (the first step,
             # or a download jumped epochs): read now rather than compute blind
-            if not self._refresh_now(now, force=True):
+            if not await self._refresh_now(now, force=True):
                 return None
             reading = self._reading
             if reading is None or reading.epoch not in (self.epoch, self.epoch - 1):
@@ -641,7 +751,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             log.info(
                 "epoch %d is behind the swarm's %d: downloading its state", self.epoch, swarm.epoch
             )
-            if not self._catch_up(initial=False, min_epoch=swarm.epoch):
+            if not await self._catch_up(initial=False, min_epoch=swarm.epoch):
                 # nobody could send that epoch: train on, try again later
                 self._next_catch_up = now + self.config.progress_ttl / 2
             return None
@@ -657,11 +767,11 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 self._hurry(now)
             return None
         if reading.epoch != self.epoch:
-            self._refresh_now(now, force=True)  # who is in this epoch's round
+            await self._refresh_now(now, force=True)  # who is in this epoch's round
             reading = self._reading
             assert reading is not None
             swarm = reading.swarm
-        if swarm.num_peers <= 1 and self._refresh_now(now, force=True):
+        if swarm.num_peers <= 1 and await self._refresh_now(now, force=True):
             # about to train alone: make sure nobody joined since the last reading
             reading = self._reading
             if reading is not None and reading.epoch == self.epoch:
@@ -672,30 +782,16 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         expected = reading.expected if reading is not None else swarm.num_peers
         return swarm.num_peers <= 1, expected
 
-    def _local_steps_done(self, left: int, size: int, now: float) -> tuple[bool, int] | None:
+    async def _local_steps_done(self, left: int, size: int, now: float) -> tuple[bool, int] | None:
         """With local steps (DiLoCo): are they done (or this peer's compute
         budget spent)? (alone, peers to expect) if the global step is due now,
         None if not (or after catching up with a swarm that is ahead)."""
         if left <= 0:
             self._out_of_time = False  # the local steps ended this round, not the threshold
-        reading = self._reading
         if left > 0 and not self._out_of_time:
-            rate = self._rate.rate
-            lead = self.config.matchmaking_lead
-            if (
-                reading is not None
-                and reading.swarm.num_peers > 1
-                and self._prematch_epoch != self.epoch
-                and rate > 0
-                and left * size / rate <= lead
-            ):
-                # the group is ready when the last local step is
-                self._prematch_epoch = self.epoch
-                self._post(
-                    partial(self._begin_matchmaking, self.epoch, reading.expected, early=True)
-                )
+            self._maybe_prematch_local(left, size)
             return None
-        self._refresh_now(now, force=True)  # who is live now, and how far they are
+        await self._refresh_now(now, force=True)  # who is live now, and how far they are
         reading = self._reading
         if reading is not None and reading.swarm.epoch > self.epoch and now >= self._next_catch_up:
             # the others synchronised without us: our local steps are stale
@@ -704,7 +800,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 self.epoch,
                 reading.swarm.epoch,
             )
-            if self._catch_up(initial=False, min_epoch=reading.swarm.epoch):
+            if await self._catch_up(initial=False, min_epoch=reading.swarm.epoch):
                 return None
             # nobody could send that epoch yet (donors announce it a little
             # later): synchronise with the peers at ours, try again later
@@ -712,6 +808,22 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         peers = 1 if reading is None else reading.swarm.num_peers
         expected = 1 if reading is None else reading.expected
         return peers <= 1, expected
+
+    def _maybe_prematch_local(self, left: int, size: int) -> None:
+        """With local steps left: begin matchmaking ahead once the last of
+        them is within ``matchmaking_lead`` seconds, so the group is ready
+        when the last local step is. Posts; never waits."""
+        reading = self._reading
+        rate = self._rate.rate
+        if (
+            reading is not None
+            and reading.swarm.num_peers > 1
+            and self._prematch_epoch != self.epoch
+            and rate > 0
+            and left * size / rate <= self.config.matchmaking_lead
+        ):
+            self._prematch_epoch = self.epoch
+            self._post(partial(self._begin_matchmaking, self.epoch, reading.expected, early=True))
 
     def _account(self, size: int, loss: float | torch.Tensor | None) -> float:
         """Count a local batch of ``size`` samples; returns the monotonic time."""
@@ -732,7 +844,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     def _read_losses(self) -> None:
         """Fold the losses passed as tensors into ``loss`` (one read of the
-        device per global step, in the training thread)."""
+        device per global step, in a worker thread)."""
         if not self._pending_losses:
             return
         values = torch.stack([t.reshape(()).float() for t in self._pending_losses]).tolist()
@@ -773,33 +885,35 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self.accuracy = accuracy
         self._poke()
 
-    def wait_for_peers(
-        self, count: int, timeout: float, *, stop: threading.Event | None = None
-    ) -> bool:
-        """Block until ``count`` peers (this one included) are in the run, or
-        ``timeout`` seconds pass, or ``stop`` is set (within one poll); True if
-        they are. For starting a run together.
+    async def wait_for_peers(self, count: int, timeout: float) -> bool:
+        """Wait until ``count`` peers (this one included) are in the run, or
+        ``timeout`` seconds pass; True if they are. For starting a run
+        together. On cancellation nothing changes.
 
         Every peer that waits returns within one poll of the moment the last of
         them is ready to train (see ``_wait_poll``), while that last one starts
         at once: the first round, which it opens alone after one target batch,
         stays open for a matchmaking window, and each waiter must be in it."""
-        deadline = time.monotonic() + timeout
-        stop = stop if stop is not None else threading.Event()
+        deadline = trio.current_time() + timeout
         while True:
             # Read, then decide, then sleep: deciding on the reading from before
             # the sleep made a waiter start a whole poll after it could have.
-            reading = self._reading
-            if reading is None or reading.swarm.num_peers < count:
-                self._refresh_now(time.monotonic(), force=True)
-                reading = self._reading
-            if reading is not None and reading.swarm.num_peers >= count:
+            if await self._peers_in_run(count):
                 self._begin_compute()  # waiting is not compute
                 return True
-            if time.monotonic() >= deadline or stop.is_set():
+            if trio.current_time() >= deadline:
                 self._begin_compute()
                 return False
-            stop.wait(self._wait_poll)
+            await trio.sleep(min(self._wait_poll, max(0.0, deadline - trio.current_time())))
+
+    async def _peers_in_run(self, count: int) -> bool:
+        """Whether ``count`` peers are in the run, reading the swarm again
+        unless the latest reading already shows them."""
+        reading = self._reading
+        if reading is None or reading.swarm.num_peers < count:
+            await self._refresh_now(time.monotonic(), force=True)
+            reading = self._reading
+        return reading is not None and reading.swarm.num_peers >= count
 
     @property
     def _wait_poll(self) -> float:
@@ -818,6 +932,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         return reading.swarm
 
     def state_dict(self) -> dict[str, Any]:
+        """The epoch, the inner optimizer's and scheduler's state, the float32
+        masters (if any) and the mode's state (references, not copies)."""
         state = {
             "epoch": self.epoch,
             "optimizer": self.optimizer.state_dict(),
@@ -827,51 +943,52 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             state["masters"] = [m.detach() for m in self._masters]
         return state | self._strategy.mode_state()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        def load() -> None:
-            self.optimizer.load_state_dict(state["optimizer"])
-            if self.scheduler is not None and state.get("scheduler") is not None:
-                self.scheduler.load_state_dict(state["scheduler"])
-            self._strategy.load_mode_state(state)
-            if self._masters is not None:
-                with torch.no_grad():
-                    if "masters" in state:
-                        for m, value in zip(self._masters, state["masters"], strict=True):
-                            m.copy_(value)
-                    else:  # saved without: the model's own values
-                        for m, p in zip(self._masters, self.params, strict=True):
-                            m.copy_(p)
-                self._sync_model()
-            self.epoch = int(state["epoch"])
+    async def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what ``state_dict`` returned, in a worker thread under the
+        state lock (whole on cancellation)."""
+        await self._locked(self._load_state_dict, state)
 
-        self._locked(load)
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        """``load_state_dict``'s work; the caller holds the state lock."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self._strategy.load_mode_state(state)
+        if self._masters is not None:
+            with torch.no_grad():
+                if "masters" in state:
+                    for m, value in zip(self._masters, state["masters"], strict=True):
+                        m.copy_(value)
+                else:  # saved without: the model's own values
+                    for m, p in zip(self._masters, self.params, strict=True):
+                        m.copy_(p)
+            self._sync_model()
+        self.epoch = int(state["epoch"])
 
-    def close(self) -> None:
-        """Save a final checkpoint, stop serving state and leave the progress table."""
+    async def aclose(self) -> None:
+        """Save a final checkpoint, stop serving state and leave the progress
+        table. Idempotent. A ``SwarmError`` on the way out is logged, not
+        raised (the peer may be gone)."""
         if self._closed:
             return
         self._closed = True
+        if not self._started:
+            return
         # Without local steps the state changes only at global steps, so a
         # checkpoint already written at this epoch is the final one.
         unchanged = (
             self._checkpointed_epoch == self.epoch and self._strategy.local_steps_left() is None
         )
         if self._checkpoints is not None and not unchanged:
-            self._save_checkpoint()
+            await self._save_checkpoint()
+        self._donor.cancel()
+        self._tracker.cancel()
+        self._coordinator.cancel()
+        self._cancel_matchmaking()
         try:
-            self.peer.run_sync(self._donor.cancel)
-            self.peer.run_sync(self._tracker.cancel)
-            self.peer.run_sync(self._coordinator.cancel)
-            self.peer.run_sync(self._cancel_matchmaking)
-            self.peer.run(self._progress.withdraw)
+            await self._progress.withdraw()
         except SwarmError as e:
             log.debug("could not withdraw from the swarm cleanly: %s", e)
-
-    def __enter__(self) -> CollaborativeOptimizer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- progress ---------------------------------------------------------------
 
@@ -959,6 +1076,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         async def find(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
             task_status.started()
             try:
+                joining = self._joining
+                if joining is not None:  # the averager is in a weight-0 round
+                    await joining.wait()
                 self._grad_averager.set_grid(await self._agreed_grid(epoch))
                 prematch.group = await self._grad_averager.find_group(
                     round=epoch, expected_peers=expected
@@ -968,7 +1088,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             finally:
                 prematch.done.set()
 
-        prematch.scope = await self.peer.async_peer.start_service(find)
+        prematch.scope = await self.peer.start_service(find)
 
     async def _finish_averaging(self, weight: float, expected: int) -> StepResult:
         """On the trio thread: wait for this epoch's group, then all-reduce."""
@@ -993,7 +1113,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         host = self._staging.host
         return await self._strategy.average(self._grad_averager, group, host, weight, self.epoch)
 
-    def _refresh_now(self, now: float, *, force: bool = False) -> bool:
+    async def _refresh_now(self, now: float, *, force: bool = False) -> bool:
         """Near the target, publish and read right away instead of waiting for
         the tracker: the sooner every peer sees the target reached, the less the
         global batch overshoots it. Rate-limited unless ``force``; True if it
@@ -1006,7 +1126,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             return False
         self._last_poke = now
         try:
-            self.peer.run(self._progress.refresh)
+            await self._progress.refresh()
         except ClosedError:
             raise  # our own peer is gone: training cannot go on
         except SwarmError as e:
@@ -1028,7 +1148,10 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     def _post_sync(self, fn: Callable[[], object]) -> None:
         """Run ``fn()`` on the trio thread soon; returns at once. A peer that
-        stopped runs nothing (the next call that waits raises ``ClosedError``)."""
+        stopped (or an optimizer not started) runs nothing (the next call that
+        waits raises ``ClosedError``)."""
+        if self._token is None:
+            return
         with contextlib.suppress(trio.RunFinishedError):
             self._token.run_sync_soon(fn)
 
@@ -1059,11 +1182,11 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self.epoch,
             self._samples,
             self._rate.rate,
-            self.peer.async_peer.dht.now(),
+            self.peer.dht.now(),
             self.loss,
             self.accuracy,
-            self.peer.async_peer.client_mode,
-            reachability=self.peer.async_peer.reachability.value,
+            self.peer.client_mode,
+            reachability=self.peer.reachability.value,
             device=PeerProgress.device_of(self.params),
             # its count is final: the others count it exactly (``_global_batch``)
             stopped=self._frozen,
@@ -1071,7 +1194,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         )
 
     async def _start_tracker(self) -> trio.CancelScope:
-        return await self.peer.async_peer.start_service(self._progress.serve)
+        return await self.peer.start_service(self._progress.serve)
 
     async def _agreed_grid(self, epoch: int) -> MoshpitGrid:
         """On the trio thread: ``epoch``'s Moshpit grid, the same for every peer
@@ -1082,7 +1205,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         Also starts, in the background, this peer's proposal for a later epoch
         and the read of the next epoch's grid (at most one such task at a
         time, bounded by ``averaging_timeout``). Never raises ``SwarmError``."""
-        dht = self.peer.async_peer.dht
+        dht = self.peer.dht
         timeout = self.config.averaging.matchmaking.request_timeout
         grid = await self._grids.grid(dht, epoch, timeout=timeout)
         if not self._grids_busy:
@@ -1097,12 +1220,12 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 finally:
                     self._grids_busy = False
 
-            self._grids_ahead = await self.peer.async_peer.start_service(ahead)
+            self._grids_ahead = await self.peer.start_service(ahead)
         return grid
 
     # -- the global step ----------------------------------------------------------
 
-    def _global_step(self, *, alone: bool, expected: int) -> None:
+    async def _global_step(self, *, alone: bool, expected: int) -> None:
         """Average what this step accumulated with a group (unless ``alone``)
         and apply the result, as the mode does (see ``Strategy``)."""
         strategy = self._strategy
@@ -1110,16 +1233,21 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._frozen = True  # published with the round's first crossing
         compute, early = self._end_compute()
         started = time.monotonic()
-        self._read_losses()
-        self._locked(strategy.prepare, samples, self._staging.host)
-        # the one device-to-host copy of this step (none for a CPU model)
-        host = self._staging.to_host()
-        self._locked(strategy.staged, host)
+
+        def stage() -> list[torch.Tensor]:
+            self._read_losses()
+            strategy.prepare(samples, self._staging.host)
+            # the one device-to-host copy of this step (none for a CPU model)
+            host = self._staging.to_host()
+            strategy.staged(host)
+            return host
+
+        host = await self._locked(stage)
         result: StepResult | None = None
         if alone:
             log.info("epoch %d: no other peer is training; stepping alone", self.epoch)
         else:
-            result = self._average_gradients(samples, expected)
+            result = await self._average_gradients(samples, expected)
         seconds = time.monotonic() - started
         self._rate.pause()
 
@@ -1130,12 +1258,12 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self._step_scheduler()
             return hook_result
 
-        hook_result = self._locked(apply)
+        hook_result = await self._locked(apply)
         self.last_step = GlobalStep(
             self.epoch, samples, result, seconds, compute, early, hook_result
         )
         self._raise_scheduler_error()
-        self._after_global_step(alone)
+        await self._after_global_step(alone)
 
     def _resync_due(self) -> bool:
         """Whether parameters and state are averaged after this global step:
@@ -1150,7 +1278,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self._resync.observe(lost_fraction(result.allreduce, len(result.group.senders())))
         return self._resync.due(self.epoch)
 
-    def _after_global_step(self, alone: bool) -> None:
+    async def _after_global_step(self, alone: bool) -> None:
         if self._resync_due() and not alone:
             # the peers that just averaged gradients together are the ones to
             # expect: the round closes as soon as they are in (in lossy mode
@@ -1161,9 +1289,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             else:
                 contributors = 0 if step is None else len(step.contributors)
             reading = self._reading
-            self._average_state(contributors or (1 if reading is None else reading.expected))
+            await self._average_state(contributors or (1 if reading is None else reading.expected))
         if self._checkpoints is not None and self.epoch % self.config.checkpoint_every == 0:
-            self._save_checkpoint()
+            await self._save_checkpoint()
         self._poke()
         self._begin_compute()
 
@@ -1194,10 +1322,10 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             grid=self._grids.agreement.default,
         )
 
-    def _average_gradients(self, samples: int, expected: int | None) -> StepResult | None:
+    async def _average_gradients(self, samples: int, expected: int | None) -> StepResult | None:
         result: StepResult | None = None
         try:
-            result = self.peer.run(self._finish_averaging, float(samples), expected or 1)
+            result = await self._finish_averaging(float(samples), expected or 1)
         except LocalTensorError:
             raise  # this peer's own tensors cannot be sent: not the group's fault
         except SwarmError as e:
@@ -1241,7 +1369,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         tensors += [b for b in self.buffers.values() if b.is_floating_point()]
         return tensors
 
-    def _average_state(self, expected: int) -> None:
+    async def _average_state(self, expected: int) -> None:
         """Average parameters, optimizer state and buffers so Moshpit groups do
         not drift. The state is staged to host memory a chunk at a time (one
         reused buffer, ``config.state_chunk_elements`` values) and each chunk
@@ -1275,13 +1403,11 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 group = await averager.find_group(round=self.epoch, expected_peers=expected)
                 if group is None:
                     return averager.skip("no group formed in time")
-                return await averager.average_in_chunks(
-                    group, staging, write_lock=self._state_lock
-                )
+                return await averager.average_in_chunks(group, staging, write_lock=self._state_lock)
             return averager.skip("timed out")
 
         try:
-            result = self.peer.run(average)
+            result = await average()
         except LocalTensorError:
             raise  # this peer's own state cannot be sent: not the group's fault
         except SwarmError as e:
@@ -1303,8 +1429,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                         contributors,
                         members,
                     )
-                self._locked(self._sync_model)
-        self._locked(self._strategy.after_state_averaging)
+                await self._locked(self._sync_model)
+        await self._locked(self._strategy.after_state_averaging)
 
     # -- state sharing ------------------------------------------------------------
 
@@ -1326,7 +1452,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         return self._strategy.shared_params()
 
     async def _start_donor(self) -> trio.CancelScope:
-        peer = self.peer.async_peer
+        peer = self.peer
         return await peer.start_service(
             partial(
                 serve_state,
@@ -1345,14 +1471,48 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self._prematch = None
         self._grids_ahead.cancel()
 
-    def _catch_up(self, *, initial: bool, min_epoch: int | None = None) -> bool:
+    async def _join_formed_group(self) -> None:
+        """A peer about to catch up whose group for this epoch already formed
+        (matchmaking ahead) takes part in its round with weight 0, in the
+        background (``Strategy.join_without_data``): its group-mates lose no
+        member and wait for nobody, and nothing of this peer is averaged in.
+        A group not formed yet is left (``_cancel_matchmaking``), and so is
+        one of a mode that cannot join without data. Bounded by ``averaging_timeout``."""
+        prematch = self._prematch
+        if prematch is None or prematch.group is None or self._joining is not None:
+            return
+        self._prematch = None
+        group, epoch = prematch.group, prematch.epoch
+        averager, strategy = self._grad_averager, self._strategy
+        done = self._joining = trio.Event()
+
+        async def join(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            task_status.started()
+            try:
+                with trio.move_on_after(self.config.averaging_timeout):
+                    result = await strategy.join_without_data(averager, group)
+                    if result is None:  # this mode cannot join without data: left
+                        log.debug("epoch %d: left the group formed ahead to catch up", epoch)
+                    else:
+                        log.info(
+                            "epoch %d: took part in the group's round with weight 0 (catching up)",
+                            epoch,
+                        )
+            except SwarmError as e:
+                log.info("epoch %d: the weight-0 round failed: %s", epoch, e)
+            finally:
+                self._joining = None
+                done.set()
+
+        await self.peer.start_service(join)
+
+    async def _catch_up(self, *, initial: bool, min_epoch: int | None = None) -> bool:
         """Download the swarm's state (of at least ``min_epoch``); True if loaded."""
         # Leaving the group formed ahead costs its members a timeout; joining
-        # it with weight 0 (``Strategy.join_without_data``) would not, but it
-        # races the matchmaking the training thread posts ahead of the next
-        # step on the same averager: it waits for the coordinator to own both.
-        with contextlib.suppress(SwarmError):
-            self.peer.run_sync(self._cancel_matchmaking)
+        # it with weight 0 does not (the coordinator owns both this round and
+        # the next one's matchmaking, which waits for it).
+        await self._join_formed_group()
+        self._cancel_matchmaking()
         template: dict[str, Any] = {
             "params": [p.detach() for p in self._trained],
             "optimizer": UNCHECKED,
@@ -1363,18 +1523,15 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             template["buffers"] = {name: b.detach() for name, b in self.buffers.items()}
         timeout = self.config.load_state_timeout
 
-        async def load() -> LoadedState | None:
-            return await load_state_from_peers(
-                self.peer.async_peer,
+        try:
+            loaded: LoadedState | None = await load_state_from_peers(
+                self.peer,
                 self.run_id,
                 template=template,
                 timeout=timeout,
                 min_version=min_epoch,
                 config=self.config.state_transfer,
             )
-
-        try:
-            loaded = self.peer.run(load)
         except SwarmError as e:
             log.warning("could not load the swarm's state: %s", e)
             return False
@@ -1405,7 +1562,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self.epoch = epoch
             self.state_source = loaded.donor
 
-        self._locked(apply)
+        await self._locked(apply)
         self._poke()
         self._begin_compute()
         log.info("loaded the state of epoch %d from %s", epoch, loaded.donor.short())
@@ -1413,7 +1570,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     # -- checkpoints ----------------------------------------------------------------
 
-    def _save_checkpoint(self) -> None:
+    async def _save_checkpoint(self) -> None:
         assert self._checkpoints is not None
 
         def capture() -> Checkpoint:
@@ -1430,9 +1587,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                 },
             )
 
-        checkpoint = self._locked(capture)
+        checkpoint = await self._locked(capture)
         try:
-            path = self._checkpoints.save(checkpoint)
+            path = await trio.to_thread.run_sync(self._checkpoints.save, checkpoint)
         except OSError as e:
             # A full or failing disk must not cost the run: train on, warn once
             # per kind of failure, and try again at the next checkpoint.
@@ -1449,9 +1606,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._checkpointed_epoch = checkpoint.epoch
         log.info("saved checkpoint %s", path)
 
-    def _resume_from_checkpoint(self) -> None:
+    async def _resume_from_checkpoint(self) -> None:
         assert self._checkpoints is not None
-        checkpoint = self._checkpoints.latest()
+        checkpoint = await trio.to_thread.run_sync(self._checkpoints.latest)
         if checkpoint is None:
             return
         buffers = {
@@ -1479,7 +1636,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self.epoch = checkpoint.epoch
 
         try:
-            self._locked(apply)
+            await self._locked(apply)
         except ProtocolError as e:
             raise ConfigError(f"the checkpoint's DiLoCo state does not fit: {e}") from e
         log.info("resumed from the checkpoint of epoch %d", checkpoint.epoch)

@@ -1,0 +1,206 @@
+"""``AsyncCollaborativeOptimizer``: several peers train in one ``trio.run`` on
+virtual time (``async_trainer_harness.held_clock``)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+import trio.testing
+from async_trainer_harness import held_clock
+from peer_harness import open_peers, trio_wall_clock
+from trainer_harness import FAST
+
+from averaging import NONE
+from swarm import AsyncPeer, PeerID
+from trainer import ArcTopK, AsyncCollaborativeOptimizer, CollaborativeConfig, DiLoCo, load_task
+
+EPOCHS = 8
+PEERS = 3
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> trio.testing.MockClock:
+    return held_clock(monkeypatch)
+
+
+MODES = {
+    "dense": FAST,
+    "diloco": replace(FAST, diloco=DiLoCo(local_steps=3, codec=NONE)),
+    "arc-top-k": replace(FAST, gradient_compression=ArcTopK(rho=0.2)),
+}
+
+
+def _state(opt: AsyncCollaborativeOptimizer) -> list[torch.Tensor]:
+    """The parameters and the mode's shared tensors (DiLoCo's outer momentum,
+    EF21M's shared estimate), copied."""
+    tensors = [p.detach().clone() for p in opt.params]
+    tensors += [t.detach().clone() for t in opt._strategy.state_tensors()]
+    return tensors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MODES))
+async def test_three_async_optimizers_train_digits_together(
+    clock: trio.testing.MockClock, mode: str
+) -> None:
+    """Three peers that start together take every global step together: each
+    step averages all three peers' data, and after each step every pair of
+    them holds identical parameters and mode state (every pair is checked)."""
+    config: CollaborativeConfig = MODES[mode]
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    task = load_task("digits")
+    #: epoch -> peer -> (the step's contributors, the parameters after it)
+    after: dict[int, dict[PeerID, tuple[frozenset[PeerID], list[torch.Tensor]]]] = {}
+    accuracy: dict[PeerID, float] = {}
+
+    async def train(peer: AsyncPeer, seed: int) -> None:
+        model, inner, _ = task.build(seed=0)  # the same initial weights everywhere
+        batches = task.batches(100 + seed, 32)
+        async with AsyncCollaborativeOptimizer.open(
+            peer,
+            run_id="async-digits",
+            params=model.parameters(),
+            optimizer=inner,
+            target_batch_size=192,
+            batch_size_per_step=32,
+            config=config,
+        ) as opt:
+            assert await opt.wait_for_peers(PEERS, timeout=60.0)
+            for _ in range(EPOCHS * 20):  # bounded: ~2 batches per peer per step
+                if opt.epoch >= EPOCHS:
+                    break
+                # the user's compute, on this thread: no virtual time passes
+                loss, size = task.loss(model, next(batches))
+                loss.backward()
+                stepped = await opt.step(size, loss=loss.detach())
+                opt.zero_grad()
+                if stepped:
+                    step = opt.last_step
+                    assert step is not None
+                    params = _state(opt)
+                    after.setdefault(opt.epoch, {})[peer.peer_id] = (step.contributors, params)
+            assert opt.epoch == EPOCHS
+            accuracy[peer.peer_id] = task.run_evaluation(model)["accuracy"]
+
+    async with open_peers(PEERS, seed=3, clock=trio_wall_clock) as peers:
+        everyone = frozenset(p.peer_id for p in peers.alive)
+        async with trio.open_nursery() as nursery:
+            for i, peer in enumerate(peers.alive):
+                nursery.start_soon(train, peer, i)
+
+    assert len(accuracy) == PEERS
+    assert sorted(after) == list(range(1, EPOCHS + 1))
+    for epoch, by_peer in after.items():
+        assert set(by_peer) == everyone, epoch
+        for contributors, _ in by_peer.values():
+            assert contributors == everyone, (epoch, contributors)
+        for (a, (_, pa)), (b, (_, pb)) in itertools.combinations(by_peer.items(), 2):
+            for x, y in zip(pa, pb, strict=True):
+                assert torch.equal(x, y), f"epoch {epoch}: {a.short()} and {b.short()} differ"
+    assert min(accuracy.values()) > 0.5, accuracy  # it trains (8 steps of 192 samples)
+
+
+async def test_tensor_work_never_runs_on_the_trio_thread(
+    clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """The inner optimizer step, the gradient hook and the checkpoint capture of
+    a global step all run in worker threads, never on the event loop's."""
+    torch.manual_seed(0)
+    task = load_task("digits")
+    model, inner, _ = task.build(seed=0)
+    batches = task.batches(0, 32)
+    trio_thread = threading.get_ident()
+    threads: dict[str, set[int]] = {"inner step": set(), "grad hook": set(), "capture": set()}
+
+    def grad_hook(params: list[torch.nn.Parameter]) -> float:
+        threads["grad hook"].add(threading.get_ident())
+        return float(torch.stack([p.grad.norm() for p in params if p.grad is not None]).norm())
+
+    inner.register_step_pre_hook(lambda *_: threads["inner step"].add(threading.get_ident()))
+    # a checkpoint's capture reads the inner optimizer's state_dict
+    inner.register_state_dict_pre_hook(lambda *_: threads["capture"].add(threading.get_ident()))
+    async with (
+        open_peers(1, seed=5, clock=trio_wall_clock) as peers,
+        AsyncCollaborativeOptimizer.open(
+            peers.alive[0],
+            run_id="async-threads",
+            params=model.parameters(),
+            optimizer=inner,
+            target_batch_size=64,
+            batch_size_per_step=32,
+            grad_hook=grad_hook,
+            config=FAST,
+            checkpoint_dir=tmp_path,
+        ) as opt,
+    ):
+        for _ in range(20):  # bounded: a global step every two batches
+            if opt.epoch >= 2:
+                break
+            loss, size = task.loss(model, next(batches))
+            loss.backward()
+            await opt.step(size, loss=loss.detach())
+            opt.zero_grad()
+        assert opt.epoch == 2
+        assert opt.last_step is not None and opt.last_step.hook_result is not None
+    assert all(threads.values()), threads  # each kind of work happened
+    for kind, idents in threads.items():
+        assert trio_thread not in idents, kind
+
+
+async def test_a_peer_that_catches_up_joins_its_formed_group_with_weight_0(
+    clock: trio.testing.MockClock,
+) -> None:
+    """Two peers found their epoch's group ahead of the step; one must catch up
+    instead of averaging. It takes part in the round with weight 0: the other's
+    round completes without waiting out a sender timeout, with the catching-up
+    peer a member but not a contributor, and its own accumulators untouched."""
+    torch.manual_seed(0)
+    task = load_task("digits")
+    batches = task.batches(0, 32)
+    async with open_peers(2, seed=7, clock=trio_wall_clock) as peers:
+        a_peer, b_peer = peers.alive
+        models = [task.build(seed=0) for _ in range(2)]
+        async with (
+            AsyncCollaborativeOptimizer.open(
+                a_peer, run_id="weight-0", params=models[0][0].parameters(),
+                optimizer=models[0][1], target_batch_size=10_000,
+                batch_size_per_step=32, config=FAST,
+            ) as a,
+            AsyncCollaborativeOptimizer.open(
+                b_peer, run_id="weight-0", params=models[1][0].parameters(),
+                optimizer=models[1][1], target_batch_size=10_000,
+                batch_size_per_step=32, config=FAST,
+            ) as b,
+        ):  # fmt: skip
+            for opt, (model, _, _) in zip((a, b), models, strict=True):
+                loss, size = task.loss(model, next(batches))
+                loss.backward()
+                assert not await opt.step(size)  # far from the target: accumulated
+                opt.zero_grad()
+            b_before = [t.clone() for t in b._staging.host]
+            await a._begin_matchmaking(0, 2)
+            await b._begin_matchmaking(0, 2)
+            for opt in (a, b):
+                assert opt._prematch is not None
+                await opt._prematch.done.wait()
+                assert opt._prematch.group is not None
+            await b._join_formed_group()
+            started = trio.current_time()
+            result = await a._finish_averaging(32.0, 2)
+            assert trio.current_time() - started < FAST.averaging.allreduce.sender_timeout
+            assert result.group is not None
+            assert set(result.members) == {a_peer.peer_id, b_peer.peer_id}
+            assert result.contributors == {a_peer.peer_id}
+            joining = b._joining
+            if joining is not None:
+                await joining.wait()
+            assert b._joining is None
+            for x, y in zip(b._staging.host, b_before, strict=True):
+                assert torch.equal(x, y)  # nothing of the round landed in b's own tensors
