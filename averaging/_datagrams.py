@@ -53,6 +53,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import struct
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 
@@ -79,7 +80,14 @@ PIECE_ELEMENTS = (MAX_DATAGRAM_SIZE - HEADER.size - TAG_SIZE) // 4 // 16 * 16
 #: Bytes of a datagram that carries a full piece (1,390).
 FULL_DATAGRAM = HEADER.size + 4 * PIECE_ELEMENTS + TAG_SIZE
 KEY_LABEL = b"swarm/lossy-allreduce/v1/"
+#: The shortest datagram: a header and a tag around no values.
+_MIN_DATAGRAM = HEADER.size + TAG_SIZE
 _MAX_SEQ = 2**32 - 1
+# ``DatagramOpener.open`` finds non-finite values by a dot product with zeros,
+# which numpy reports as an invalid operation: expected, and counted instead.
+warnings.filterwarnings(
+    "ignore", "invalid value encountered in dot", RuntimeWarning, module=__name__
+)
 
 
 class Kind(enum.IntEnum):
@@ -208,9 +216,15 @@ class DatagramOpener:
         self.pair = pair
         self._seen_seq: set[int] = set()
         self._have = bytearray(pair.num_pieces)
-        self._route = (pair.kind, pair.group_tag, pair.round, pair.part, pair.sender)
+        # The header's fields after magic and version that every datagram of
+        # the pair carries (kind, group tag, round, part, sender): one bytes
+        # comparison instead of unpacking and comparing five fields.
+        self._route = _HEADER_HEAD.pack(
+            MAGIC, VERSION, pair.kind, pair.group_tag, pair.round, pair.part, pair.sender
+        )[3:]
         self._num_pieces = pair.num_pieces
         self._part_size = pair.part_size
+        self._zeros = np.zeros(PIECE_ELEMENTS, dtype=np.float32)
         self.received = 0  # pieces accepted
         self.dropped: Counter[str] = Counter()
 
@@ -218,35 +232,43 @@ class DatagramOpener:
         return bool(self._have[piece])
 
     def open(self, datagram: bytes | bytearray | memoryview) -> tuple[int, np.ndarray] | None:
-        """``(piece, values)`` (values: float32, read-only), or None."""
+        """``(piece, values)`` (values: float32, read-only), or None.
+
+        The hot path of the lossy round's receivers (one call per datagram):
+        the checks are ordered and written to cost little next to the AEAD.
+        """
         data = datagram if isinstance(datagram, bytes) else bytes(datagram)
-        if not HEADER.size + TAG_SIZE <= len(data) <= MAX_DATAGRAM_SIZE:
+        size = len(data)
+        if not _MIN_DATAGRAM <= size <= MAX_DATAGRAM_SIZE:
             return self._drop("malformed")
-        magic, version, kind, tag, round_, part, sender, offset, count, seq = HEADER.unpack_from(
-            data
-        )
-        if magic != MAGIC or version != VERSION:
+        if data[:2] != MAGIC or data[2] != VERSION:
             return self._drop("malformed")
-        if (kind, tag, round_, part, sender) != self._route:
+        if data[3 : _HEADER_HEAD.size] != self._route:
             return self._drop("misrouted")
+        offset, count, seq = _HEADER_TAIL.unpack_from(data, _HEADER_HEAD.size)
         piece, rest = divmod(offset, PIECE_ELEMENTS)
         if rest or piece >= self._num_pieces:
             return self._drop("misplaced")
-        if count != min(PIECE_ELEMENTS, self._part_size - offset) or len(data) != (
-            HEADER.size + 4 * count + TAG_SIZE
+        expected = self._part_size - offset
+        if count != (PIECE_ELEMENTS if expected > PIECE_ELEMENTS else expected) or size != (
+            _MIN_DATAGRAM + 4 * count
         ):
             return self._drop("misplaced")
         if seq in self._seen_seq:
             return self._drop("replayed")
+        view = memoryview(data)  # slices of a memoryview copy nothing
         try:
-            plain = self._aead.decrypt(_nonce(seq), data[HEADER.size :], data[: HEADER.size])
+            plain = self._aead.decrypt(_nonce(seq), view[HEADER.size :], view[: HEADER.size])
         except InvalidTag:
             return self._drop("forged")
         self._seen_seq.add(seq)
         if self._have[piece]:
             return self._drop("duplicate")
         values = np.frombuffer(plain, dtype="<f4")
-        if not np.isfinite(values).all():
+        # All finite iff the dot product with zeros is 0: NaN and inf times
+        # 0 are NaN, a finite value times 0 is 0. One BLAS call costs a
+        # fraction of ``np.isfinite(values).all()`` (two ufunc passes).
+        if values.dot(self._zeros[:count]) != 0:
             return self._drop("nonfinite")
         self._have[piece] = 1
         self.received += 1

@@ -120,6 +120,10 @@ class PieceMask:
         return bits[: self.n].astype(bool)
 
 
+def _as_array(values: torch.Tensor | np.ndarray) -> np.ndarray:
+    return values.detach().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
+
+
 def contributor_codes(masks: Mapping[int, PieceMask], n: int) -> np.ndarray:
     """Per piece, the senders whose mask holds it as one integer (bit s for
     sender s): the contributor sets of a whole part at once, vectorised."""
@@ -153,6 +157,7 @@ class PieceReducer:
         # Pieces arrive one datagram at a time: numpy and plain lists cost a
         # few microseconds per piece where torch's dispatch costs tens.
         self._acc_np = self._acc.numpy()
+        self._scratch = np.empty(PIECE_ELEMENTS, dtype=np.float32)  # a weighted piece
         self._weight_sum = [0.0] * self.num_pieces
         self.masks = {s: PieceMask(self.num_pieces) for s in weights}
         self._finished = False
@@ -174,13 +179,19 @@ class PieceReducer:
     def add(self, sender: int, piece: int, values: torch.Tensor | np.ndarray) -> bool:
         """Add ``sender``'s ``piece``; False (and nothing added) if it already
         arrived or the phase is finished. ``ValueError`` for a piece out of
-        range or of the wrong size: the caller checked both (``_datagrams``)."""
+        range or of the wrong size: the caller checked both (``_datagrams``).
+
+        The hot path of a lossy round's reducer (one call per datagram): a
+        few Python operations around one or two numpy calls.
+        """
         mask = self.masks[sender]
         if self._finished or piece in mask:
             return False
         start = piece * PIECE_ELEMENTS
-        end = min(start + PIECE_ELEMENTS, self.part_size)
-        array = values.detach().numpy() if isinstance(values, torch.Tensor) else values
+        end = start + PIECE_ELEMENTS
+        if end > self.part_size:
+            end = self.part_size
+        array = values if type(values) is np.ndarray else _as_array(values)
         if array.size != end - start:
             raise ValueError(f"piece {piece} has {end - start} values, got {array.size}")
         mask.add(piece)
@@ -190,7 +201,9 @@ class PieceReducer:
             if w == 1.0:
                 np.add(acc, array.reshape(-1), out=acc)
             else:
-                acc += np.float32(w) * array.reshape(-1)
+                scratch = self._scratch[: end - start]
+                np.multiply(array.reshape(-1), np.float32(w), out=scratch)
+                np.add(acc, scratch, out=acc)
             self._weight_sum[piece] += w
         return True
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -119,13 +120,27 @@ def test_replays_and_duplicates_are_dropped_and_the_first_copy_stays() -> None:
     assert opener.dropped == {"replayed": 1, "duplicate": 1} and opener.received == 1
 
 
-def test_nonfinite_values_are_dropped() -> None:
+# The module's own filter of this expected warning is undone by pytest's
+# per-test warning capture (the module was imported inside another one).
+@pytest.mark.filterwarnings("ignore:invalid value encountered in dot:RuntimeWarning")
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("piece", [0, 2])  # a full piece and the part's short last one
+def test_nonfinite_values_are_dropped(bad_value: float, piece: int) -> None:
     sealer = DatagramSealer(KEY, PAIR)
-    bad = torch.zeros(PIECE_ELEMENTS)
-    bad[17] = float("nan")
+    start, end = PAIR.piece_bounds(piece)
+    bad = torch.zeros(end - start)
+    bad[end - start - 1] = bad_value
     opener = DatagramOpener(KEY, PAIR)
-    assert opener.open(sealer.seal(0, bad)) is None
-    assert opener.dropped == {"nonfinite": 1}
+    assert opener.open(sealer.seal(piece, bad)) is None
+    assert opener.dropped == {"nonfinite": 1} and opener.received == 0
+
+
+def test_the_largest_finite_values_are_kept() -> None:
+    """The finiteness check must not mistake large finite values for infinite."""
+    big = torch.full((PIECE_ELEMENTS,), float(np.finfo(np.float32).max))
+    big[::2] *= -1
+    opened = DatagramOpener(KEY, PAIR).open(DatagramSealer(KEY, PAIR).seal(0, big))
+    assert opened is not None and np.array_equal(opened[1], big.numpy())
 
 
 def test_sealer_refuses_pieces_out_of_range() -> None:
