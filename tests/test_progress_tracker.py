@@ -152,28 +152,3 @@ async def test_an_observer_reads_the_totals_from_the_tree_when_the_directory_hol
         table = _status_table(status)
         assert "run run: epoch 4, 8 peers" in table
         assert f"a sample of {len(seen.listed)} of the 8 peers" in table
-
-
-async def test_a_newcomer_to_a_large_swarm_counts_everyone_from_its_first_reading() -> None:
-    clock = ManualClock(NOW)
-    config = TrackerConfig(
-        progress_interval=1.0, progress_ttl=30.0, fresh_within=5.0, directory_size=2
-    )
-    async with open_swarm(9, clock, seed=23) as swarm:
-        *nodes, newcomer = swarm.nodes
-        trackers = []
-        for node in nodes:
-            tracker = _tracker(node, clock, [4])
-            tracker.config = config
-            trackers.append(tracker)
-        for advance in (0.0, 0.0, 0.0, 16.0, 16.0, 0.0):
-            clock.advance(advance)
-            async with trio.open_nursery() as nursery:
-                for tracker in trackers:
-                    nursery.start_soon(tracker.refresh)
-        late = _tracker(newcomer, clock, [4])
-        late.config = config
-        # its first reading: the tree's root says the swarm outgrew the
-        # directory, so it writes and reads the tree, and counts all nine
-        reading = await late.refresh()
-        assert (reading.swarm.num_peers, reading.swarm.reported) == (9, 9 * 32)

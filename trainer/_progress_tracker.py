@@ -37,9 +37,6 @@ tree (everyone writes it from half that) and ``expected`` is the tree's
 count of peers at the swarm's epoch (a swarm that large averages on a grid of
 more than one axis, whose rounds do not wait for a count). If the tree cannot
 be read, the directory's records are the reading, and the log says so.
-Before its first reading a tracker has no N: it reads the tree's root once
-(``_seed``), so a peer that joins a large swarm counts it whole from its
-first refresh instead of starting from 1 and the directory's sample.
 
 An observer that writes nothing (``swarm status``) knows no N beforehand:
 ``observe_progress`` reads both and takes the totals from the tree when the
@@ -173,11 +170,9 @@ class ProgressTracker:
         was read (this peer alone if nothing); raises nothing else.
         Cancellation propagates (the reading is then not replaced)."""
         dht, config = self.dht, self.config
-        ttl = config.progress_ttl
-        if self.reading is None:
-            await self._seed(ttl)
         mine = self.record()
         now = dht.now()
+        ttl = config.progress_ttl
         summary: ProgressSummary | None = None
         records: list[PeerProgress] = []
         # see the module docstring: the directory is exact up to 2 * directory_size
@@ -265,20 +260,6 @@ class ProgressTracker:
             swarm, mine.epoch, mine.samples, self._clock(), expected, others, ahead
         )
         return self.reading
-
-    async def _seed(self, ttl: float) -> None:
-        """Before the first reading: learn the swarm's size from the tree's root
-        (one look-up), so that a peer joining a large swarm reads and writes the
-        tree at once instead of counting itself alone and the directory's
-        sample, and growing its count over several refreshes. A failed read
-        is logged and leaves the count at 1 (the directory decides)."""
-        try:
-            summary = await self.tree.read(self.dht, now=self.dht.now(), stale_after=ttl)
-        except SwarmError as e:
-            log.warning("progress tracking: the tree could not be read: %s", e)
-            return
-        if summary is not None:
-            self._peers = max(self._peers, summary.peers)
 
     def wake(self) -> None:
         """Refresh now rather than at the next interval (no-op unless serving)."""
