@@ -14,7 +14,7 @@ import logging
 import math
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -186,6 +186,17 @@ class Averager:
             return
         self.grid = grid
         self.state = MoshpitState(self.state.round, grid.initial_coordinates(self.peer.peer_id))
+
+    def set_matchmaking_time(self, seconds: float) -> None:
+        """Use a matchmaking window of ``seconds`` from the next round on (e.g.
+        adapted to measured rounds); the other matchmaking settings are kept.
+        Raises ``ConfigError`` for a window the matchmaking config refuses
+        (not positive, or shorter than its poll interval)."""
+        matchmaking = replace(self.config.matchmaking, matchmaking_time=seconds)
+        if matchmaking == self.config.matchmaking:
+            return
+        self.config = replace(self.config, matchmaking=matchmaking)
+        self._matchmaker.config = matchmaking
 
     @property
     def mode(self) -> MemberMode:

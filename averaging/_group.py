@@ -14,7 +14,7 @@ import enum
 import hashlib
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from swarm import ConfigError, PeerID
 
@@ -90,6 +90,11 @@ class Group:
     group_id: bytes
     members: tuple[GroupMember, ...]
     local_index: int
+    #: the leader's view of how long the group took to gather: seconds from
+    #: the leader opening its lobby to admitting its last member (the same for
+    #: every member; None from a leader that predates it). Round timing
+    #: (``trainer.RoundTiming``) sizes the next window from it.
+    gathered: float | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.members)
@@ -99,6 +104,10 @@ class Group:
             raise ConfigError(f"local_index {self.local_index} is not a member index (0..{n - 1})")
         if not 1 <= len(self.group_id) <= 64:
             raise ConfigError("group_id must be 1 to 64 bytes")
+        if self.gathered is not None and not (
+            math.isfinite(self.gathered) and self.gathered >= 0
+        ):
+            raise ConfigError(f"gathered must be a finite number >= 0, got {self.gathered}")
         if len({m.peer_id for m in self.members}) != n:
             raise ConfigError("a peer appears twice in the group")
         if not any(m.mode is not MemberMode.CLIENT and m.bandwidth > 0 for m in self.members):

@@ -41,9 +41,15 @@ Wire messages on the stream ``mm.<prefix>`` (msgpack), follower -> leader:
 ``["refused", reason]`` (final for this round), ``["busy", reason]`` (ask again
 soon: the leader has not begun this round yet) or ``["redirect", candidate]``;
 after ``accepted``,
-one of ``["group", group_id, [member, ...]]``, ``["disband", reason]`` or
-``["redirect", candidate]``. The follower's peer id is the one its connection
-proved, never a field of the message.
+one of ``["group", group_id, [member, ...], gathered]``, ``["disband", reason]``
+or ``["redirect", candidate]``. ``gathered`` is the leader's view of how long
+the group took to gather: seconds from its lobby opening to its last member's
+admission (``Group.gathered``; a group message of a leader that predates it
+has 3 items). It is the leader's because only the leader sees every member
+arrive: a follower that came last measures almost nothing from its own start,
+and a window sized from that closes before the late peers come. The
+follower's peer id is the one its connection proved, never a field of the
+message.
 """
 
 from __future__ import annotations
@@ -277,6 +283,19 @@ def order_members(members: list[GroupMember]) -> tuple[GroupMember, ...]:
     return tuple(sorted(members, key=lambda m: bytes(m.peer_id)))
 
 
+def _gathered_from_wire(tail: list[Any]) -> float | None:
+    """The optional last item of a group message: the leader's gathering time,
+    None if absent. Raises ``ProtocolError`` unless it is a finite number >= 0.
+    No upper bound: the leader's window may be longer than this peer's (each
+    adapts its own), and whoever uses it clamps it to its configured bounds."""
+    if not tail:
+        return None
+    gathered = expect_float(tail[0], "group gathered")
+    if gathered < 0:
+        raise ProtocolError(f"group gathered {gathered} is negative")
+    return gathered
+
+
 def validate_group(
     key: str,
     group_id: bytes,
@@ -284,9 +303,11 @@ def validate_group(
     me: PeerID,
     leader: PeerID,
     config: MatchmakingConfig,
+    *,
+    gathered: float | None = None,
 ) -> Group:
     """Check a group a leader announced; raises ``ProtocolError`` if it is not one
-    this peer may accept."""
+    this peer may accept. ``gathered`` is the leader's ``Group.gathered``."""
     if not 1 <= len(members) <= config.target_group_size:
         raise ProtocolError(f"group of {len(members)} members, target {config.target_group_size}")
     ids = [m.peer_id for m in members]
@@ -297,7 +318,7 @@ def validate_group(
     if group_id != group_id_for(key, list(members)):
         raise ProtocolError("group id does not match the key and members")
     try:
-        return Group(group_id, members, ids.index(me))
+        return Group(group_id, members, ids.index(me), gathered=gathered)
     except ConfigError as e:
         raise ProtocolError(f"invalid group: {e}") from e
 
@@ -335,6 +356,10 @@ class Lobby:
         self.following: Candidate | None = None
         self.closed = False
         self.changed = trio.Event()
+        #: when the lobby opened, and when it admitted its latest member
+        #: (trio time): ``form`` reports the span as ``Group.gathered``
+        self.opened = trio.current_time()
+        self.last_admitted = self.opened
 
     def _touch(self) -> None:
         self.changed.set()
@@ -357,6 +382,7 @@ class Lobby:
         if len(self.slots) + 1 >= self.config.target_group_size:
             return ["refused", "group is full"], None
         slot = self.slots[member.peer_id] = _Slot(member)
+        self.last_admitted = trio.current_time()
         self._touch()
         return ["accepted"], slot
 
@@ -388,9 +414,10 @@ class Lobby:
         ordered = order_members(members)
         group_id = group_id_for(self.key, list(ordered))
         wire = [member_to_wire(m) for m in ordered]
+        gathered = self.last_admitted - self.opened
         for slot in self.slots.values():
-            slot.settle(["group", group_id, wire])
-        return Group(group_id, ordered, ordered.index(self.me))
+            slot.settle(["group", group_id, wire, gathered])
+        return Group(group_id, ordered, ordered.index(self.me), gathered=gathered)
 
     def disband(self, reason: str) -> None:
         self.closed = True
@@ -632,8 +659,8 @@ class Matchmaker:
                     wait = max(0.0, leader.join_by - self.peer.dht.now())
                     with trio.fail_after(wait + self.config.request_timeout):
                         outcome = expect_message(await stream.receive(), "join outcome")
-            if outcome[0] == "group" and len(outcome) == 3:
-                _, group_id, members_wire = outcome
+            if outcome[0] == "group" and len(outcome) in (3, 4):
+                group_id, members_wire = outcome[1:3]
                 if not isinstance(members_wire, list):
                     raise ProtocolError("group members must be a list")
                 group = validate_group(
@@ -643,6 +670,7 @@ class Matchmaker:
                     self.peer.peer_id,
                     leader.peer_id,
                     self.config,
+                    gathered=_gathered_from_wire(outcome[3:]),
                 )
                 self._learn_routes(group.members)
                 return group

@@ -20,6 +20,7 @@ and reads the one key ``{run_id}.progress``) for comparison.
     python benchmarks/scale.py                      # 256 peers, 4 steps
     python benchmarks/scale.py --peers 256 1024 --steps 5
     python benchmarks/scale.py --peers 128 --baseline
+    python benchmarks/scale.py --peers 64 --steps 3 --signature-cache 1  # ~no cache
 
 Targets (issue 19): every live peer counted by every peer (at most 1% under);
 bytes per peer per step at 1,024 peers no more than 2x those at 256.
@@ -38,6 +39,7 @@ from typing import Any
 
 import trio
 
+import dht._records
 from averaging import GridAgreement, GridSchedule
 from dht import DHTConfig, DHTNode, open_dht_node
 from dht._aio import open_asyncio_loop
@@ -199,11 +201,24 @@ def main() -> None:
     parser.add_argument("--baseline", action="store_true", help="also run the single-key protocol")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--signature-cache",
+        type=int,
+        default=dht._records.SIGNATURES.capacity,
+        help="verified record signatures remembered (1: about none, the control)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.CRITICAL)
+    dht._records.SIGNATURES = dht._records.SignatureCache(args.signature_cache)
     rows: list[Row] = []
     for n in args.peers:
         rows += trio.run(_run, n, args)
+    cache = dht._records.SIGNATURES
+    print(
+        f"record signatures: {cache.misses} verified, {cache.hits} from the cache "
+        f"(capacity {cache.capacity})",
+        file=sys.stderr,
+    )
     if args.json:
         print(json.dumps([r.__dict__ for r in rows]))
         return

@@ -10,6 +10,7 @@ The single peer is the baseline measured in the same run: it never averages.
 
     python benchmarks/training.py                      # 1, 2, 4 peers, 20 epochs
     python benchmarks/training.py --peers 1 4 --epochs 20 --json
+    python benchmarks/training.py --peers 2 4 --epochs 8 --fixed-timing  # no RoundTiming
 
 Target: averaging and waiting below 15% of wall time with 4 peers.
 """
@@ -62,6 +63,7 @@ def _worker(args: argparse.Namespace) -> None:
         progress_ttl=10.0,
         state_averaging_interval=0,
         load_state_timeout=10.0,
+        adaptive_timing=not args.fixed_timing,
     )
     initial = (args.initial_peer,) if args.initial_peer else ()
     peer_config = PeerConfig(initial_peers=initial)
@@ -124,6 +126,7 @@ def _run_swarm(n: int, args: argparse.Namespace) -> Result:
         str(args.target_batch_size),
         "--batch-size",
         str(args.batch_size),
+        *(["--fixed-timing"] if args.fixed_timing else []),
     ]
     procs: list[subprocess.Popen[str]] = []
     try:
@@ -180,6 +183,11 @@ def main() -> None:
     parser.add_argument("--target-batch-size", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--fixed-timing",
+        action="store_true",
+        help="the configured matchmaking time and averaging timeout, not adapted (RoundTiming)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--initial-peer", help=argparse.SUPPRESS)

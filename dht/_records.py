@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -246,8 +248,51 @@ def validate(record: Record, now: float, limits: RecordLimits) -> None:
         raise RecordRejectedError(RejectReason.FORGED, "owned record without a signature")
     if PeerID.from_public_key(record.public_key) != owner:
         raise RecordRejectedError(RejectReason.FORGED, "public key does not match the owner")
-    if not verify_signature(record.public_key, record.signature, record.signing_payload()):
+    if not SIGNATURES.verify(record.public_key, record.signature, record.signing_payload()):
         raise RecordRejectedError(RejectReason.FORGED, "bad signature")
+
+
+class SignatureCache:
+    """The last ``capacity`` (public key, signature, message) triples that
+    verified, by digest (see the module docstring). Thread-safe: the peers of
+    one process may each run their trio thread. Raises ``ValueError`` for a
+    capacity below 1."""
+
+    def __init__(self, capacity: int = 1 << 15) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        self.capacity = capacity
+        self._verified: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()
+        #: verifications answered from the cache, and run
+        self.hits = 0
+        self.misses = 0
+
+    def verify(self, public_key: bytes, signature: bytes, message: bytes) -> bool:
+        """``verify_signature``, answered from the cache when these exact bytes
+        verified before."""
+        digest = hashlib.blake2b(digest_size=32, person=b"swarm.sigcache")
+        for part in (public_key, signature, message):
+            digest.update(len(part).to_bytes(4, "big"))
+            digest.update(part)
+        key = digest.digest()
+        with self._lock:
+            if key in self._verified:
+                self._verified.move_to_end(key)
+                self.hits += 1
+                return True
+            self.misses += 1
+        if not verify_signature(public_key, signature, message):
+            return False
+        with self._lock:
+            self._verified[key] = None
+            if len(self._verified) > self.capacity:
+                self._verified.popitem(last=False)
+        return True
+
+
+#: the process's cache (``validate``): every node of a process shares it
+SIGNATURES = SignatureCache()
 
 
 def newer(candidate: Record, current: Record | None) -> bool:

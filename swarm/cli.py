@@ -982,8 +982,14 @@ def _status_object(
     live: list[PeerProgress],
     now: float,
     settings: RunSettings | None,
+    *,
+    sampled: bool = False,
 ) -> dict[str, Any]:
-    """``swarm status --json``. ``samples_per_second`` is the run's real
+    """``swarm status --json``. The totals (``epoch``, ``num_peers``, the
+    rates) are the whole swarm's; ``peers`` lists every live peer, or, with
+    ``peers_sampled`` true (a swarm larger than the progress directory), a
+    uniform sample of them while the totals come from the progress tree
+    (``trainer.observe_progress``). ``samples_per_second`` is the run's real
     throughput since it began (samples of completed global steps per second of
     wall time; null without the run's settings), ``compute_samples_per_second``
     the sum of the live peers' compute rates. Each peer's ``loss`` is its running
@@ -1003,6 +1009,7 @@ def _status_object(
         "compute_samples_per_second": swarm.samples_per_second,
         "seconds_since_start": None if settings is None else max(0.0, now - settings.started),
         "num_peers": swarm.num_peers,
+        "peers_sampled": sampled,
         "settings": None if settings is None else settings.to_value(),
         "peers": [
             {
@@ -1034,6 +1041,11 @@ def _status_table(status: dict[str, Any]) -> str:
     if status["compute_samples_per_second"] > 0:  # 0: no live peer measured its rate yet
         head += f", compute {status['compute_samples_per_second']:.0f} samples/s"
     lines = [head]
+    if status.get("peers_sampled"):
+        lines.append(
+            f"totals from the progress tree; listed below: a sample of "
+            f"{len(status['peers'])} of the {status['num_peers']} peers"
+        )
     if status["peers"]:
         lines.append(
             f"{'peer':<40}  {'epoch':>5}  {'compute samples/s':>17}  {'train loss':>10}  "
@@ -1062,7 +1074,7 @@ async def _run_status(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.stale_after) and args.stale_after > 0):
         raise ConfigError(f"--stale-after {args.stale_after} must be positive")
     from dht import DHTConfig, open_dht_node
-    from trainer import estimate, parse_progress, progress_key
+    from trainer import observe_progress
 
     from ._run_settings import read_run_settings
 
@@ -1075,14 +1087,12 @@ async def _run_status(args: argparse.Namespace) -> int:
     async with open_dht_node(
         Identity.generate(), host=host, initial_peers=initial, config=config
     ) as node:
-        records = parse_progress(await node.get(progress_key(args.run_id), latest=True))
+        observed = await observe_progress(node, args.run_id, stale_after=args.stale_after)
         settings = await read_run_settings(node, args.run_id)
         now = node.now()
-    live = sorted(
-        (r for r in records if now - r.time <= args.stale_after), key=lambda r: str(r.peer_id)
+    status = _status_object(
+        args.run_id, observed.swarm, observed.listed, now, settings, sampled=observed.sampled
     )
-    swarm = estimate(live, now=now, target_batch_size=1, stale_after=args.stale_after)
-    status = _status_object(args.run_id, swarm, live, now, settings)
     say(json.dumps(status) if args.json else _status_table(status))
     return EXIT_OK
 

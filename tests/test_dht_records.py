@@ -7,7 +7,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dht._messages import Kind, decode, encode, new_msg_id
-from dht._records import Record, RecordLimits, make_record, merge, owner_marker, validate
+from dht._records import (
+    Record,
+    RecordLimits,
+    SignatureCache,
+    make_record,
+    merge,
+    owner_marker,
+    validate,
+)
 from dht._storage import RecordStorage
 from swarm import Identity, ManualClock, ProtocolError, RecordRejectedError, RejectReason
 
@@ -188,3 +196,47 @@ def test_record_decoder_raises_only_protocol_error(fields: list[object]) -> None
         return
     with contextlib.suppress(RecordRejectedError):
         validate(r, NOW, LIMITS)
+
+
+def test_a_verified_signature_is_remembered_and_a_changed_record_is_verified_afresh() -> None:
+    cache = SignatureCache(capacity=2)
+    r = make_record(
+        "run.progress", 5, NOW + 10, subkey=owner_marker(ALICE.peer_id), signer=ALICE, limits=LIMITS
+    )
+    assert r.public_key is not None and r.signature is not None
+    payload = r.signing_payload()
+    assert cache.verify(r.public_key, r.signature, payload)
+    assert cache.verify(r.public_key, r.signature, payload)
+    assert (cache.hits, cache.misses) == (1, 1)
+    # the same signature over other bytes (a changed value): verified, refused
+    assert not cache.verify(r.public_key, r.signature, payload + b"x")
+    assert not cache.verify(MALLORY.public_key, r.signature, payload)
+    assert (cache.hits, cache.misses) == (1, 3)
+    # bounded: two more verified triples evict the first
+    for value in (6, 7):
+        other = make_record(
+            "run.progress",
+            value,
+            NOW + 10,
+            subkey=owner_marker(ALICE.peer_id),
+            signer=ALICE,
+            limits=LIMITS,
+        )
+        assert other.public_key is not None and other.signature is not None
+        assert cache.verify(other.public_key, other.signature, other.signing_payload())
+    assert cache.verify(r.public_key, r.signature, payload)
+    assert (cache.hits, cache.misses) == (1, 6)
+    with pytest.raises(ValueError):
+        SignatureCache(capacity=0)
+
+
+def test_a_forged_copy_of_a_validated_record_is_still_rejected() -> None:
+    r = make_record(
+        "run.progress", 5, NOW + 10, subkey=owner_marker(ALICE.peer_id), signer=ALICE, limits=LIMITS
+    )
+    validate(r, NOW, LIMITS)
+    validate(r, NOW, LIMITS)  # from the cache
+    forged = Record(r.key, r.subkey, b"\x06", r.expiration, r.public_key, r.signature)
+    with pytest.raises(RecordRejectedError) as caught:
+        validate(forged, NOW, LIMITS)
+    assert caught.value.reason is RejectReason.FORGED

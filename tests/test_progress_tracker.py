@@ -8,7 +8,15 @@ import trio
 from dht_harness import open_swarm
 
 from swarm import ConfigError, ManualClock, PeerID
-from trainer import PeerProgress, ProgressTracker, TrackerConfig, parse_progress, progress_key
+from swarm.cli import _status_object, _status_table
+from trainer import (
+    PeerProgress,
+    ProgressTracker,
+    TrackerConfig,
+    observe_progress,
+    parse_progress,
+    progress_key,
+)
 
 NOW = 1_700_000_000.0
 
@@ -102,3 +110,45 @@ async def test_totals_come_from_the_tree_and_the_directory_holds_a_sample() -> N
         sampled = {t.peer_id for t in trackers if t._rank < 2 * config.directory_size / 8}
         # the sampled peers, and perhaps a peer that counted fewer a moment ago
         assert sampled <= {r.peer_id for r in live}
+
+
+async def test_an_observer_reads_the_totals_from_the_tree_when_the_directory_holds_a_sample() -> (
+    None
+):
+    clock = ManualClock(NOW)
+    config = TrackerConfig(
+        progress_interval=1.0, progress_ttl=30.0, fresh_within=5.0, directory_size=2
+    )
+    async with open_swarm(9, clock, seed=19) as swarm:
+        # the last node observes only, as ``swarm status`` does
+        *nodes, observer = swarm.nodes
+        small = await observe_progress(observer, "run", stale_after=30.0)
+        assert (small.swarm.num_peers, small.listed, small.sampled) == (0, [], False)
+        trackers = []
+        for node in nodes:
+            tracker = _tracker(node, clock, [4])
+            tracker.config = config
+            trackers.append(tracker)
+        # two peers: the directory lists both, and is what the observer reads
+        for tracker in trackers[:2]:
+            await tracker.refresh()
+        pair = await observe_progress(observer, "run", stale_after=30.0)
+        assert (pair.swarm.num_peers, len(pair.listed), pair.sampled) == (2, 2, False)
+        listing = _status_table(_status_object("run", pair.swarm, pair.listed, NOW, None))
+        assert "a sample of" not in listing
+        # eight: four times the directory_size (as in the test above), so the
+        # first records expire and only the sampled peers list themselves
+        for advance in (0.0, 0.0, 0.0, 16.0, 16.0, 0.0):
+            clock.advance(advance)
+            async with trio.open_nursery() as nursery:
+                for tracker in trackers:
+                    nursery.start_soon(tracker.refresh)
+        seen = await observe_progress(observer, "run", stale_after=30.0)
+        assert seen.sampled and len(seen.listed) < 8
+        assert (seen.swarm.num_peers, seen.swarm.reported, seen.swarm.epoch) == (8, 8 * 32, 4)
+        assert seen.swarm.samples_per_second == 8 * 100.0
+        status = _status_object("run", seen.swarm, seen.listed, clock(), None, sampled=True)
+        assert (status["num_peers"], status["peers_sampled"]) == (8, True)
+        table = _status_table(status)
+        assert "run run: epoch 4, 8 peers" in table
+        assert f"a sample of {len(seen.listed)} of the 8 peers" in table

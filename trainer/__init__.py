@@ -9,7 +9,8 @@ Modules:
 - ``_progress``: progress records in the DHT, the swarm's progress estimate, and
   ``ProgressTree``, the aggregation tree that scales it to thousands of peers
 - ``_progress_tracker``: ``ProgressTracker``, the service that publishes this
-  peer's progress and reads the swarm's; ``expected_peers``
+  peer's progress and reads the swarm's; ``expected_peers``; ``observe_progress``,
+  an observer's reading (``swarm status``)
 - ``_global_batch``: whether the swarm has its target batch, estimated between
   readings from the others' records and rates (``Others``)
 - ``_round_timing``: ``RoundTiming``, matchmaking time and averaging timeout from measured rounds
@@ -51,7 +52,14 @@ from ._progress import (
     parse_progress,
     progress_key,
 )
-from ._progress_tracker import ProgressTracker, Reading, TrackerConfig, expected_peers
+from ._progress_tracker import (
+    Observation,
+    ProgressTracker,
+    Reading,
+    TrackerConfig,
+    expected_peers,
+    observe_progress,
+)
 from ._round_timing import RoundTiming, RoundTimingConfig
 from ._strategy import CompressedGradients, DenseGradients, LocalSGD, Strategy, Trainee
 from ._sync_optimizer import CollaborativeOptimizer
@@ -88,6 +96,7 @@ __all__ = [
     "GlobalStep",
     "GradHook",
     "LocalSGD",
+    "Observation",
     "Others",
     "PeerProgress",
     "ProgressSummary",
@@ -120,6 +129,7 @@ __all__ = [
     "model_buffers",
     "model_device",
     "model_dtype",
+    "observe_progress",
     "others_progress",
     "parse_progress",
     "plain_state_dict",

@@ -33,7 +33,10 @@ what of its state checkpoints, donors and newcomers carry.
 Rounds: each gradient round's Moshpit grid is the one agreed for its epoch
 in the DHT and read an epoch ahead (``averaging.GridSchedule``), so peers
 whose estimates of the swarm differ still meet and no round waits for the
-DHT; a state round uses the gradient round's grid.
+DHT; a state round uses the gradient round's grid. A gradient round's
+matchmaking window and all-reduce timeout follow measured rounds
+(``RoundTiming``, ``adaptive_timing``; the configured values are the upper
+bounds).
 
 Devices and precision: accumulators are float32 on the parameters' device;
 the all-reduce averages their host copy (``averaging.HostStaging``, one
@@ -122,6 +125,7 @@ from ._progress import (
     estimate,
 )
 from ._progress_tracker import ProgressTracker, Reading, TrackerConfig, expected_peers
+from ._round_timing import RoundTiming
 from ._strategy import (
     CompressedGradients,
     DenseGradients,
@@ -187,6 +191,10 @@ class CollaborativeConfig:
     #: state, buffers) this many values at a time through one reused host
     #: buffer, not all of it at once; every peer of a run must use the same
     state_chunk_elements: int = 1 << 24
+    #: adapt the gradient round's matchmaking window and all-reduce timeout to
+    #: measured rounds (``RoundTiming``); ``averaging.matchmaking.matchmaking_time``
+    #: and ``averaging_timeout`` stay the upper bounds. False: always use those.
+    adaptive_timing: bool = True
 
     def __post_init__(self) -> None:
         bound = self.averaging.matchmaking.bound
@@ -441,6 +449,13 @@ class AsyncCollaborativeOptimizer:
         self._grids_ahead = trio.CancelScope()
         self._grids_busy = False
         self._grad_averager = self._make_grad_averager()
+        self._timing = RoundTiming.for_rounds(
+            self.config.averaging.matchmaking,
+            averaging_timeout=self.config.averaging_timeout,
+            matchmaking_lead=self.config.matchmaking_lead,
+            progress_interval=self.config.progress_interval,
+            adaptive=self.config.adaptive_timing,
+        )
         drop = self.config.drop_compute
         self._budget = None if drop is None else ComputeBudget(drop, compute_clock)
         #: this step's compute budget is spent (DropCompute): average now
@@ -1072,6 +1087,7 @@ class AsyncCollaborativeOptimizer:
         # one posted ahead by the training thread may run side by side
         prematch = _Prematch(epoch)
         self._prematch = prematch
+        self._grad_averager.set_matchmaking_time(self._timing.matchmaking_time(self._swarm_size()))
 
         async def find(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
             task_status.started()
@@ -1100,13 +1116,29 @@ class AsyncCollaborativeOptimizer:
         with trio.move_on_after(self.config.averaging.matchmaking.bound + 1.0):
             await prematch.done.wait()
         self._prematch = None
-        if prematch.group is None:
+        group, size = prematch.group, self._swarm_size()
+        result: StepResult | None = None
+        took: float | None = None
+        if group is not None:
+            started = trio.current_time()
+            with trio.move_on_after(self._timing.averaging_timeout(size)):
+                result = await self._average_in_group(group, weight)
+                took = trio.current_time() - started
+        wanted = min(expected, self._grad_averager.config.matchmaking.target_group_size)
+        one_group = self._grad_averager.grid.dimensions == 1
+        self._timing.settle(group, took, wanted=wanted, one_group=one_group, swarm_size=size)
+        if group is None:
             prematch.scope.cancel()
             await prematch.done.wait()
             return self._grad_averager.skip("no group formed in time")
-        with trio.move_on_after(self.config.averaging_timeout):
-            return await self._average_in_group(prematch.group, weight)
-        return self._grad_averager.skip("timed out during the all-reduce")
+        if result is None:
+            return self._grad_averager.skip("timed out during the all-reduce")
+        return result
+
+    def _swarm_size(self) -> int:
+        """The live peers of the swarm at the last reading (at least 1)."""
+        reading = self._reading
+        return 1 if reading is None else max(1, reading.swarm.num_peers)
 
     async def _average_in_group(self, group: Group, weight: float) -> StepResult:
         """The all-reduce itself, as the mode does it (see ``Strategy.average``)."""

@@ -37,6 +37,11 @@ tree (everyone writes it from half that) and ``expected`` is the tree's
 count of peers at the swarm's epoch (a swarm that large averages on a grid of
 more than one axis, whose rounds do not wait for a count). If the tree cannot
 be read, the directory's records are the reading, and the log says so.
+
+An observer that writes nothing (``swarm status``) knows no N beforehand:
+``observe_progress`` reads both and takes the totals from the tree when the
+tree counts more live peers than the directory lists (the directory then
+holds a sample).
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from functools import partial
 
 import trio
 
-from dht import RecordDHT, owner_marker
+from dht import DHTValue, RecordDHT, owner_marker
 from swarm import ConfigError, PeerID, SwarmError
 
 from ._global_batch import Others, others_progress
@@ -317,3 +322,49 @@ def expected_peers(
             if now - r.time <= min(stale_after, fresh_within) and r.epoch >= epoch - 1
         ),
     )
+
+
+@dataclass(frozen=True)
+class Observation:
+    """The swarm's progress as an observer reads it (``observe_progress``)."""
+
+    swarm: SwarmProgress
+    #: the live records of the directory, by peer id: every live peer, or a
+    #: sample of them when ``sampled``
+    listed: list[PeerProgress]
+    #: the directory holds a sample: ``swarm``'s totals are the tree's
+    sampled: bool
+
+
+async def observe_progress(
+    dht: RecordDHT, run_id: str, *, stale_after: float, tree: ProgressTree | None = None
+) -> Observation:
+    """Read a run's progress without taking part: the directory's live records
+    (``stale_after`` seconds), and the totals from the progress ``tree``
+    (default ``ProgressTree(run_id)``, the trackers' layout) when it counts more
+    live peers than the directory lists, as it does once the swarm outgrows
+    the directory. Both reads run in parallel; raises what the DHT raises
+    (``SwarmError``); cancellation propagates."""
+    tree = tree or ProgressTree(run_id)
+    found: list[DHTValue | None] = [None]
+    summary: ProgressSummary | None = None
+
+    async def directory() -> None:
+        found[0] = await dht.get(progress_key(run_id), latest=True)
+
+    async def totals() -> None:
+        nonlocal summary
+        summary = await tree.read(dht, now=dht.now(), stale_after=stale_after)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(directory)
+        nursery.start_soon(totals)
+    now = dht.now()
+    listed = sorted(
+        (r for r in parse_progress(found[0]) if now - r.time <= stale_after),
+        key=lambda r: str(r.peer_id),
+    )
+    if summary is not None and summary.peers > len(listed):
+        return Observation(summary.progress(1, now), listed, sampled=True)
+    swarm = estimate(listed, now=now, target_batch_size=1, stale_after=stale_after)
+    return Observation(swarm, listed, sampled=False)

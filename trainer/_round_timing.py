@@ -7,9 +7,17 @@ every round fails (hivemind's users ask for adaptive ones, its issue #676).
 
 The rule, the same shape as TCP's retransmission timer (RFC 6298):
 
-- Each successful round reports how long its group took to form and how long
-  its all-reduce took. Each is smoothed (``mean``, gain 1/8) with its mean
+- Each successful round reports how long its group took to gather and how
+  long its all-reduce took. Each is smoothed (``mean``, gain 1/8) with its mean
   deviation (``deviation``, gain 1/4).
+- The gathering time is the LEADER's view, the same for every member
+  (``Group.gathered``: from the leader opening its lobby to admitting the
+  last member; ``settle``). Each peer's own view is wrong for this: the
+  leader is the peer that began first, and a follower that began last waits
+  almost nothing for its group, so at 2 peers the late peer's window shrank
+  to the floor and the next time it was the one to begin first, its partner
+  came after the window had closed (2 peers were slower with adaptation than
+  without: 0.505 vs 0.32 s/epoch). The leader saw the partner come late.
 - A DHT look-up takes O(log N) hops, so matchmaking time is scaled from the
   swarm size of the measurements to the current one: by
   ``log2(N_now + 1) / log2(N_measured + 1)`` (never below 1: a swarm that
@@ -19,7 +27,9 @@ The rule, the same shape as TCP's retransmission timer (RFC 6298):
   request_timeout + margin * (mean + 4 deviation of the all-reduce), floor,
   configured)``.
 - A round whose group did not form whole (none formed, or fewer members
-  than the peers expected) or whose all-reduce timed out says the bounds were
+  than the peers expected on a one-dimensional grid, where one group holds
+  everyone; on a larger grid nobody knows a group's share in advance) or
+  whose all-reduce timed out says the bounds were
   too short: ``missed`` doubles both (up to the configured values), like
   TCP's timer after a loss, until a whole round is measured again. Without it a window that
   shrank below the spread of the peers' arrival times would stay there: the
@@ -29,6 +39,9 @@ The rule, the same shape as TCP's retransmission timer (RFC 6298):
   overrides.
 
 Pure: times and sizes in, seconds out; the caller measures with its clock.
+The trainer (``CollaborativeOptimizer``, ``adaptive_timing``) sizes each
+gradient round's matchmaking window and all-reduce timeout from it; the state
+round keeps the configured values (it moves more than the gradients do).
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from averaging import Group, MatchmakingConfig
 from swarm import ConfigError
 
 _GAIN = 1 / 8
@@ -92,6 +106,33 @@ class RoundTiming:
     """Matchmaking time and averaging timeout that follow measured rounds
     (see the module docstring)."""
 
+    @classmethod
+    def for_rounds(
+        cls,
+        matchmaking: MatchmakingConfig,
+        *,
+        averaging_timeout: float,
+        matchmaking_lead: float,
+        progress_interval: float,
+        adaptive: bool = True,
+    ) -> RoundTiming:
+        """The trainer's timing: ``matchmaking``'s window and ``averaging_timeout``
+        are the upper bounds. The floor is ``matchmaking_lead +
+        progress_interval`` (a peer may begin matchmaking that long before the
+        target, and the others learn of the target a progress read after it),
+        and never below half a second or a poll (a window shorter than a poll
+        lets followers miss it). Raises ``ConfigError`` as the config does."""
+        floor = max(0.5, matchmaking.poll_interval, matchmaking_lead + progress_interval)
+        return cls(
+            RoundTimingConfig(
+                matchmaking_time=matchmaking.matchmaking_time,
+                averaging_timeout=averaging_timeout,
+                request_timeout=matchmaking.request_timeout,
+                adaptive=adaptive,
+                floor=min(matchmaking.matchmaking_time, floor),
+            )
+        )
+
     def __init__(self, config: RoundTimingConfig) -> None:
         self.config = config
         self._matchmaking: _Smoothed | None = None
@@ -142,3 +183,24 @@ class RoundTiming:
         bound = self.matchmaking_time(swarm_size) + 2 * config.request_timeout
         wanted = bound + config.margin * self._allreduce.high * self._backoff
         return min(config.averaging_timeout, max(bound + config.floor, wanted))
+
+    def settle(
+        self,
+        group: Group | None,
+        allreduce: float | None,
+        *,
+        wanted: int,
+        one_group: bool,
+        swarm_size: int,
+    ) -> None:
+        """Record how a round went: ``group`` is the group it formed (None: none
+        formed), ``allreduce`` the seconds its all-reduce took (None: it timed
+        out). ``wanted`` is how many members a whole group has (the expected
+        peers, at most the target group size), which only ``one_group`` (a
+        one-dimensional grid) lets anyone know. A whole round with the leader's
+        ``Group.gathered`` is measured (``observe``); one without it (a leader
+        that predates it) changes nothing; any other is ``missed``."""
+        if group is None or allreduce is None or (one_group and group.size < wanted):
+            self.missed()
+        elif group.gathered is not None:
+            self.observe(matchmaking=group.gathered, allreduce=allreduce, swarm_size=swarm_size)
