@@ -3,9 +3,12 @@
 Each peer is its own process on 127.0.0.1 (as on real machines; threads would
 share one interpreter lock). For each swarm size it reports the wall time per
 epoch (one global step), the share of wall time the peers spent averaging and
-waiting for the swarm, the samples each global step averaged (summed over the
-peers that took it; the promise is the target batch, give or take one local
-batch per peer) and the test accuracy after a fixed number of epochs.
+waiting for the swarm, the samples each global step averaged (the summed weight
+of the group that averaged it: the samples of the peers whose data is in the
+average; the promise is the target batch, give or take one local batch per
+peer), how many steps a peer took alone (no group formed: its own samples
+only, not counted as a global step) and the test accuracy after a fixed
+number of epochs.
 The single peer is the baseline measured in the same run: it never averages.
 
     python benchmarks/training.py                      # 1, 2, 4 peers, 20 epochs
@@ -35,9 +38,12 @@ class Result:
     epoch_s: float
     averaging_share: float
     accuracy: float
-    #: samples per global step, summed over peers: mean and largest
+    #: samples per global step (the summed weight of each group that
+    #: averaged, over its contributors): mean and largest
     samples_mean: float
     samples_max: int
+    #: peer-steps taken alone (no group, or no other contributor)
+    alone: int = 0
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -72,12 +78,19 @@ def _worker(args: argparse.Namespace) -> None:
         if args.index == 0 and args.peers > 1:
             sys.stdin.readline()  # wait until every peer has joined: start together
         task = load_task("digits")
-        samples: dict[int, int] = {}
+        #: epoch -> [this peer's samples, group id (hex), contributors (hex)]
+        samples: dict[int, list[Any]] = {}
 
         def on_epoch(opt: Any, _report: Any) -> None:
             step = opt.last_step
             if step is not None:
-                samples[step.epoch] = step.samples
+                averaging = step.averaging
+                group = None if averaging is None else averaging.group_id
+                samples[step.epoch] = [
+                    step.samples,
+                    None if group is None else group.hex(),
+                    sorted(bytes(p).hex() for p in step.contributors),
+                ]
 
         report = train(
             peer,
@@ -106,6 +119,7 @@ def _worker(args: argparse.Namespace) -> None:
                 "averaging_s": report.averaging_seconds,
                 "epochs": report.epochs,
                 "accuracy": report.metrics.get("accuracy", float("nan")),
+                "peer_id": bytes(peer.peer_id).hex(),
                 "samples": samples,
             }
         ),
@@ -161,11 +175,8 @@ def _run_swarm(n: int, args: argparse.Namespace) -> Result:
     wall = statistics.mean(r["wall_s"] for r in reports)
     averaging = statistics.mean(r["averaging_s"] for r in reports)
     epochs = min(r["epochs"] for r in reports)
-    per_step: dict[str, int] = {}
-    for r in reports:
-        for epoch, count in r["samples"].items():
-            per_step[epoch] = per_step.get(epoch, 0) + count
-    steps = list(per_step.values()) or [0]
+    steps, alone = _group_weights(reports, alone_is_global=n == 1)
+    steps = steps or [0]
     return Result(
         n,
         wall / max(1, epochs),
@@ -173,7 +184,33 @@ def _run_swarm(n: int, args: argparse.Namespace) -> Result:
         statistics.mean(r["accuracy"] for r in reports),
         statistics.mean(steps),
         max(steps),
+        alone,
     )
+
+
+def _group_weights(
+    reports: list[dict[str, Any]], *, alone_is_global: bool
+) -> tuple[list[int], int]:
+    """The summed weight of every group that averaged a global step (the
+    samples of its contributors, each counted once), and how many peer-steps
+    were taken alone. In a swarm of several peers a step taken alone is no
+    global step (the sum of such peers' samples would be a batch nobody
+    averaged); a single peer's steps are (``alone_is_global``)."""
+    by_peer = {r["peer_id"]: r["samples"] for r in reports}
+    groups: dict[tuple[str, str], int] = {}
+    alone = 0
+    for r in reports:
+        for epoch, (count, group, contributors) in r["samples"].items():
+            if group is None or len(contributors) < 2:
+                alone += 1
+                if alone_is_global:
+                    groups[(epoch, r["peer_id"])] = count
+                continue
+            # members may see different contributors (a failed part): the
+            # largest view is the group's weight in some element of the average
+            weight = sum(by_peer[c][epoch][0] for c in contributors if epoch in by_peer.get(c, {}))
+            groups[(epoch, group)] = max(weight, groups.get((epoch, group), 0))
+    return list(groups.values()), alone
 
 
 def main() -> None:
@@ -208,13 +245,13 @@ def main() -> None:
     )
     print(
         f"{'peers':>5}  {'s/epoch':>8}  {'averaging+waiting':>17}  {'accuracy':>8}"
-        f"  {'samples/step (mean, max)':>24}"
+        f"  {'samples/step (mean, max)':>24}  {'alone':>5}"
     )
     for r in results:
         ratio = r.samples_mean / args.target_batch_size
         print(
             f"{r.peers:>5}  {r.epoch_s:>8.3f}  {r.averaging_share:>17.1%}  {r.accuracy:>8.3f}"
-            f"  {r.samples_mean:>9.0f} ({ratio:.2f}x) {r.samples_max:>6}"
+            f"  {r.samples_mean:>9.0f} ({ratio:.2f}x) {r.samples_max:>6}  {r.alone:>5}"
         )
     largest = max(results, key=lambda r: r.peers)
     verdict = "PASS" if largest.averaging_share < 0.15 else "MISS"
