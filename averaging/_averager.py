@@ -261,22 +261,32 @@ class Averager:
         return self._missed(group, reason)
 
     async def find_group(
-        self, *, round: int | None = None, expected_peers: int | None = None
+        self,
+        *,
+        round: int | None = None,
+        expected_peers: int | None = None,
+        resync: bool | None = None,
     ) -> Group | None:
         """Matchmaking only: the group of this round, or None if none formed.
 
         Returns within ``config.matchmaking.bound``. Follow it with ``average``
-        (or ``skip``) for the same round.
+        (or ``skip``) for the same round. ``resync``: this peer's decision
+        that the group re-synchronises after the round, which the group
+        adopts if this peer leads it (``Group.resync``).
         """
         with self._busy_guard():
-            return await self._match(round, expected_peers)
+            return await self._match(round, expected_peers, resync)
 
-    async def _match(self, round: int | None, expected_peers: int | None) -> Group | None:
+    async def _match(
+        self, round: int | None, expected_peers: int | None, resync: bool | None = None
+    ) -> Group | None:
         if round is not None:
             self.state = MoshpitState(round, self.state.coordinates)
         key = self.state.key(self.grid, self.prefix)
         expected = expected_peers if self.grid.dimensions == 1 else None
-        group = await self._matchmaker.find_group(key, self._member(), expected=expected)
+        group = await self._matchmaker.find_group(
+            key, self._member(), expected=expected, resync=resync
+        )
         if group is None:
             log.info("round %d: no group under %s", self.state.round, key)
         return group

@@ -95,6 +95,12 @@ class Group:
     #: every member; None from a leader that predates it). Round timing
     #: (``trainer.RoundTiming``) sizes the next window from it.
     gathered: float | None = field(default=None, compare=False)
+    #: the leader's decision that the members re-synchronise their state
+    #: right after this round (the same for every member; None from a leader
+    #: that did not decide or predates it). A lossy trainer re-synchronises
+    #: on its own measured loss otherwise, and members whose measurements
+    #: differed held state rounds that nobody else joined (``trainer._drift``).
+    resync: bool | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.members)

@@ -41,13 +41,17 @@ Wire messages on the stream ``mm.<prefix>`` (msgpack), follower -> leader:
 ``["refused", reason]`` (final for this round), ``["busy", reason]`` (ask again
 soon: the leader has not begun this round yet) or ``["redirect", candidate]``;
 after ``accepted``,
-one of ``["group", group_id, [member, ...], gathered]``, ``["disband", reason]``
+one of ``["group", group_id, [member, ...], gathered(, resync)]``, ``["disband", reason]``
 or ``["redirect", candidate]``. ``gathered`` is the leader's view of how long
 the group took to gather: seconds from its lobby opening to its last member's
 admission (``Group.gathered``; a group message of a leader that predates it
 has 3 items). It is the leader's because only the leader sees every member
 arrive: a follower that came last measures almost nothing from its own start,
-and a window sized from that closes before the late peers come. The
+and a window sized from that closes before the late peers come. ``resync``
+(a bool, optional) is the leader's decision that the group re-synchronises
+its state right after the round (``Group.resync``): one decision for the
+group, where each member deciding from its own measurements left some in
+state rounds that nobody joined. The
 follower's peer id is the one its connection proved, never a field of the
 message.
 """
@@ -296,6 +300,16 @@ def _gathered_from_wire(tail: list[Any]) -> float | None:
     return gathered
 
 
+def _resync_from_wire(tail: list[Any]) -> bool | None:
+    """The optional item after ``gathered``: the leader's ``Group.resync``,
+    None if absent. Raises ``ProtocolError`` unless it is a bool."""
+    if not tail:
+        return None
+    if not isinstance(tail[0], bool):
+        raise ProtocolError(f"group resync must be a bool, got {type(tail[0]).__name__}")
+    return tail[0]
+
+
 def validate_group(
     key: str,
     group_id: bytes,
@@ -305,9 +319,11 @@ def validate_group(
     config: MatchmakingConfig,
     *,
     gathered: float | None = None,
+    resync: bool | None = None,
 ) -> Group:
     """Check a group a leader announced; raises ``ProtocolError`` if it is not one
-    this peer may accept. ``gathered`` is the leader's ``Group.gathered``."""
+    this peer may accept. ``gathered`` and ``resync`` are the leader's
+    ``Group.gathered`` and ``Group.resync``."""
     if not 1 <= len(members) <= config.target_group_size:
         raise ProtocolError(f"group of {len(members)} members, target {config.target_group_size}")
     ids = [m.peer_id for m in members]
@@ -318,7 +334,7 @@ def validate_group(
     if group_id != group_id_for(key, list(members)):
         raise ProtocolError("group id does not match the key and members")
     try:
-        return Group(group_id, members, ids.index(me), gathered=gathered)
+        return Group(group_id, members, ids.index(me), gathered=gathered, resync=resync)
     except ConfigError as e:
         raise ProtocolError(f"invalid group: {e}") from e
 
@@ -344,9 +360,16 @@ class Lobby:
     """This peer as a leader for one key: the followers it admitted so far."""
 
     def __init__(
-        self, key: str, me: GroupMember, config: MatchmakingConfig, expected: int | None = None
+        self,
+        key: str,
+        me: GroupMember,
+        config: MatchmakingConfig,
+        expected: int | None = None,
+        resync: bool | None = None,
     ) -> None:
         self.key = key
+        #: sent to the followers with the group if this peer leads it (``Group.resync``)
+        self.resync = resync
         self.me = me
         self.config = config
         #: close as soon as this many members are in (the caller knows how many
@@ -415,9 +438,14 @@ class Lobby:
         group_id = group_id_for(self.key, list(ordered))
         wire = [member_to_wire(m) for m in ordered]
         gathered = self.last_admitted - self.opened
+        message = ["group", group_id, wire, gathered]
+        if self.resync is not None:
+            message.append(self.resync)
         for slot in self.slots.values():
-            slot.settle(["group", group_id, wire, gathered])
-        return Group(group_id, ordered, ordered.index(self.me), gathered=gathered)
+            slot.settle(message)
+        return Group(
+            group_id, ordered, ordered.index(self.me), gathered=gathered, resync=self.resync
+        )
 
     def disband(self, reason: str) -> None:
         self.closed = True
@@ -509,17 +537,19 @@ class Matchmaker:
     # looking for a group
 
     async def find_group(
-        self, key: str, me: GroupMember, *, expected: int | None = None
+        self, key: str, me: GroupMember, *, expected: int | None = None, resync: bool | None = None
     ) -> Group | None:
         """Form or join a group under ``key``; None if none formed in time.
 
         ``expected`` is how many peers (this one included) the caller knows to
         be looking under this key: a leader closes its group as soon as that
         many are in, instead of waiting out ``matchmaking_time``. Returns within
-        ``config.bound`` seconds. Cancellation disbands this peer's followers
-        (they look elsewhere) and propagates.
+        ``config.bound`` seconds. ``resync`` is sent to the followers if this
+        peer leads (``Group.resync``); as a follower it gets the leader's.
+        Cancellation disbands this peer's followers (they look elsewhere) and
+        propagates.
         """
-        lobby = Lobby(key, me, self.config, expected)
+        lobby = Lobby(key, me, self.config, expected, resync)
         join_by = self.peer.dht.now() + self.config.matchmaking_time
         me_candidate = Candidate(me, join_by)
         outcome: list[Group | None] = []
@@ -659,7 +689,7 @@ class Matchmaker:
                     wait = max(0.0, leader.join_by - self.peer.dht.now())
                     with trio.fail_after(wait + self.config.request_timeout):
                         outcome = expect_message(await stream.receive(), "join outcome")
-            if outcome[0] == "group" and len(outcome) in (3, 4):
+            if outcome[0] == "group" and len(outcome) in (3, 4, 5):
                 group_id, members_wire = outcome[1:3]
                 if not isinstance(members_wire, list):
                     raise ProtocolError("group members must be a list")
@@ -670,7 +700,8 @@ class Matchmaker:
                     self.peer.peer_id,
                     leader.peer_id,
                     self.config,
-                    gathered=_gathered_from_wire(outcome[3:]),
+                    gathered=_gathered_from_wire(outcome[3:4]),
+                    resync=_resync_from_wire(outcome[4:]),
                 )
                 self._learn_routes(group.members)
                 return group

@@ -1097,7 +1097,12 @@ class AsyncCollaborativeOptimizer:
                     await joining.wait()
                 self._grad_averager.set_grid(await self._agreed_grid(epoch))
                 prematch.group = await self._grad_averager.find_group(
-                    round=epoch, expected_peers=expected
+                    round=epoch,
+                    expected_peers=expected,
+                    # lossy: whether the group re-synchronises after this
+                    # round is its leader's decision (``_resync_due``, asked
+                    # once the step has advanced the epoch to epoch + 1)
+                    resync=None if self._resync is None else self._resync.due(epoch + 1),
                 )
             except SwarmError as e:
                 log.info("epoch %d: matchmaking failed: %s", epoch, e)
@@ -1300,7 +1305,11 @@ class AsyncCollaborativeOptimizer:
     def _resync_due(self) -> bool:
         """Whether parameters and state are averaged after this global step:
         every ``state_averaging_interval`` epochs, or in lossy mode at the
-        period ``_drift`` chooses from the loss measured in this step."""
+        period ``_drift`` chooses from the measured loss. In lossy mode the
+        group's leader decides for its group (``Group.resync``, sent with the
+        group): the period follows each peer's own measurements, and a member
+        whose measurements put it on a shorter period than its group-mates'
+        waited out a state round's matchmaking alone."""
         if self._resync is None:
             interval = self.config.state_averaging_interval
             return bool(interval) and self.epoch % interval == 0
@@ -1308,6 +1317,8 @@ class AsyncCollaborativeOptimizer:
         result = None if step is None or step.averaging is None else step.averaging
         if result is not None and result.allreduce is not None and result.group is not None:
             self._resync.observe(lost_fraction(result.allreduce, len(result.group.senders())))
+        if result is not None and result.group is not None and result.group.resync is not None:
+            return result.group.resync
         return self._resync.due(self.epoch)
 
     async def _after_global_step(self, alone: bool) -> None:
