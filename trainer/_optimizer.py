@@ -1309,7 +1309,8 @@ class AsyncCollaborativeOptimizer:
         group's leader decides for its group (``Group.resync``, sent with the
         group): the period follows each peer's own measurements, and a member
         whose measurements put it on a shorter period than its group-mates'
-        waited out a state round's matchmaking alone."""
+        waited out a state round's matchmaking alone. A lossy round that
+        formed no group is followed by none."""
         if self._resync is None:
             interval = self.config.state_averaging_interval
             return bool(interval) and self.epoch % interval == 0
@@ -1317,7 +1318,13 @@ class AsyncCollaborativeOptimizer:
         result = None if step is None or step.averaging is None else step.averaging
         if result is not None and result.allreduce is not None and result.group is not None:
             self._resync.observe(lost_fraction(result.allreduce, len(result.group.senders())))
-        if result is not None and result.group is not None and result.group.resync is not None:
+        if result is None or result.group is None:
+            # no group this round: the peers that re-synchronise now do it in
+            # their own groups, whose state rounds close once their members
+            # are in; this peer would wait out the window alone (it catches
+            # up by download when it falls behind)
+            return False
+        if result.group.resync is not None:
             return result.group.resync
         return self._resync.due(self.epoch)
 
