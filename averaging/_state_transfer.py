@@ -499,13 +499,15 @@ async def serve_state(
     next interval. A client-mode peer accepts no connections: it neither
     serves nor announces (this returns from ``start`` and waits).
 
-    ``get_state()`` is called once per upload, in trio, and every tensor it
-    returns is copied before the upload's first ``await``: one upload sends one
-    snapshot even if trio tasks then change the tensors in place. A training
-    loop in another thread changes the state under ``state_lock``: an upload
-    takes it (without waiting: if it is held, the newcomer is told this donor
-    is busy and tries again) from ``get_state`` until the copy is made, so it
-    sends a whole step's state, and the trio thread never waits on training.
+    ``get_state()`` is called once per upload and every tensor it returns is
+    copied at once: one upload sends one snapshot whatever changes the tensors
+    later. Without ``state_lock`` the call and the copy run in trio, before the
+    upload's first ``await``, so trio tasks may change the state in place. An
+    owner that changes its state under ``state_lock`` (a training loop in
+    another thread) gets both in a worker thread holding the lock (taken
+    without waiting: if it is held, the newcomer is told this donor is busy and
+    tries again), so an upload sends a whole step's state and the event loop
+    never waits on training nor on the copy of a model-sized state.
     ``get_version()`` gives the announced version (newcomers prefer the
     highest); by default it is ``metadata["epoch"]`` of ``get_state()``, or 0.
 
@@ -613,19 +615,21 @@ async def _serve_upload(
     uploads.scopes.add(scope)
     try:
         with scope:
-            if state_lock is not None and not state_lock.acquire(blocking=False):
+            snapshot: _Snapshot | None
+            if state_lock is None:
+                snapshot = _snapshot(get_state, version_of, max_bytes)
+            else:
+                # The copy of a model-sized state takes tens of milliseconds or
+                # more: made in a worker thread, under the lock that the owner
+                # changes its state under, it never stalls the event loop.
+                snapshot = await trio.to_thread.run_sync(
+                    _snapshot_under, state_lock, get_state, version_of, max_bytes
+                )
+            if snapshot is None:
                 reason = "this peer is changing its state (a training step)"
                 await stream.send_bytes(encode_refusal(_BUSY, reason))
                 return
-            try:
-                metadata, state = get_state()
-                flat = flatten_state(state)
-                total = sum(tensor.numel() * tensor.element_size() for tensor in flat.tensors)
-                if total <= max_bytes:  # the copy, made before the lock is let go
-                    header, blobs = encode_header(version_of(metadata), metadata, flat)
-            finally:
-                if state_lock is not None:
-                    state_lock.release()
+            total, header, blobs = snapshot
             if total > max_bytes:
                 reason = f"the state is {total} bytes, the newcomer accepts {max_bytes}"
                 await stream.send_bytes(encode_refusal(_REFUSED, reason))
@@ -646,6 +650,40 @@ async def _serve_upload(
             del uploads.by_peer[remote]
     if scope.cancelled_caught:
         raise ClosedError("this peer stopped serving its state during the upload")
+
+
+_Snapshot = tuple[int, bytes, list[bytes]]
+
+
+def _snapshot(
+    get_state: GetState, version_of: Callable[[dict[str, Any]], int], max_bytes: int
+) -> _Snapshot:
+    """The state's total tensor bytes, and its header and data copied now (both
+    empty when the total exceeds ``max_bytes``: nothing is copied for a
+    newcomer that will be refused)."""
+    metadata, state = get_state()
+    flat = flatten_state(state)
+    total = sum(tensor.numel() * tensor.element_size() for tensor in flat.tensors)
+    if total > max_bytes:
+        return total, b"", []
+    header, blobs = encode_header(version_of(metadata), metadata, flat)
+    return total, header, blobs
+
+
+def _snapshot_under(
+    lock: threading.Lock,
+    get_state: GetState,
+    version_of: Callable[[dict[str, Any]], int],
+    max_bytes: int,
+) -> _Snapshot | None:
+    """``_snapshot`` while holding ``lock``, in the calling (worker) thread;
+    None, without waiting, when the lock is held (a step is changing the state)."""
+    if not lock.acquire(blocking=False):
+        return None
+    try:
+        return _snapshot(get_state, version_of, max_bytes)
+    finally:
+        lock.release()
 
 
 async def _send_within(stream: Stream, data: bytes | memoryview, timeout: float) -> None:
@@ -774,12 +812,20 @@ async def _download(
             pass
         else:
             raise ProtocolError(f"{donor.peer_id.short()} sent more than its state")
+    # A pass over every tensor of a model-sized state: off the event loop.
+    state = await trio.to_thread.run_sync(_verified_state, assembler, header, template)
+    return LoadedState(header.metadata, state, header.version, donor.peer_id)
+
+
+def _verified_state(assembler: StateAssembler, header: StateHeader, template: Any) -> Any:
+    """The downloaded state; ``ProtocolError`` if a tensor is not finite or the
+    state does not match ``template`` (when given)."""
     tensors = assembler.tensors()
     check_finite(tensors)
     state = unflatten_state(header.skeleton, tensors)
     if template is not None:
         check_template(state, template)
-    return LoadedState(header.metadata, state, header.version, donor.peer_id)
+    return state
 
 
 async def _receive_within(stream: Stream, timeout: float) -> Any:

@@ -656,3 +656,35 @@ async def test_a_donor_whose_state_lock_is_held_is_busy_until_it_is_released() -
     assert loaded is not None
     assert_identical(loaded.state, state)
     assert lock.acquire(blocking=False)  # the upload let it go
+
+
+@pytest.mark.parametrize("with_lock", [True, False])
+async def test_a_donor_copies_its_state_off_the_event_loop_when_it_has_a_state_lock(
+    with_lock: bool,
+) -> None:
+    # With a lock, the owner changes its state only under it, so the copy of a
+    # model-sized state can run in a worker thread holding it and never stall
+    # the event loop; without one, trio tasks may change the state, so the
+    # snapshot is taken in trio, before the upload's first await.
+    state = make_state()
+    lock = threading.Lock()
+    calls: list[tuple[int, bool]] = []
+
+    def get_state() -> tuple[dict[str, Any], Any]:
+        calls.append((threading.get_ident(), lock.locked()))
+        return {"epoch": 1}, state
+
+    kwargs: dict[str, Any] = {"config": CONFIG, "get_version": lambda: 1}
+    if with_lock:
+        kwargs["state_lock"] = lock
+    with trio.fail_after(10):
+        async with open_swarm() as (nursery, bootstrap):
+            await nursery.start(_run_donor, bootstrap, 2, get_state, kwargs, False)
+            async with open_newcomers(bootstrap, 10) as (newcomer,):
+                loaded = await load(newcomer, timeout=4.0)
+    assert loaded is not None
+    assert_identical(loaded.state, state)
+    [(thread, held)] = calls  # one upload, one snapshot
+    assert (thread != threading.get_ident()) is with_lock
+    assert held is with_lock
+    assert lock.acquire(blocking=False)  # let go after the copy
