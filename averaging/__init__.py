@@ -42,7 +42,7 @@ from ._faults import DatagramFaults, FaultPlan, InjectedFault, MemberFault
 from ._grid import GridAgreement, GridProposal, GridSchedule
 from ._group import Group, GroupMember, MemberMode
 from ._link_meter import LinkMeter
-from ._matchmaking import MatchmakingConfig
+from ._matchmaking import Expected, MatchmakingConfig
 from ._moshpit import MoshpitGrid, MoshpitState
 from ._partition import flat_zeros_like
 from ._robust import CenteredClip
@@ -72,6 +72,7 @@ __all__ = [
     "Codec",
     "CodecKind",
     "DatagramFaults",
+    "Expected",
     "FaultPlan",
     "GridAgreement",
     "GridProposal",

@@ -27,7 +27,7 @@ from ._codecs import NONE, Codec
 from ._faults import FaultPlan
 from ._group import Group, GroupMember, MemberMode
 from ._link_meter import LinkMeter
-from ._matchmaking import Matchmaker, MatchmakingConfig
+from ._matchmaking import Expected, Matchmaker, MatchmakingConfig
 from ._moshpit import MoshpitGrid, MoshpitState
 from ._scheduled import ScheduledRound
 from ._staging import ChunkedStaging
@@ -232,7 +232,7 @@ class Averager:
         *,
         timeout: float | None = None,
         round: int | None = None,
-        expected_peers: int | None = None,
+        expected_peers: Expected | None = None,
     ) -> StepResult:
         """Run one averaging round; returns what happened.
 
@@ -244,7 +244,8 @@ class Averager:
         tensors then keep their local values. Raises ``StepInProgressError`` if
         another step of this averager is running. On cancellation the tensors
         hold whole chunks, each either averaged or local. ``expected_peers``
-        (this one included) lets a group close as soon as they all joined.
+        (how many, or which, this one included) lets a group close as soon as
+        they all joined (``Matchmaker.find_group``).
 
         ``step`` is ``find_group`` then ``average``; callers that can do useful
         work meanwhile (a trainer finishing its batch) call the two apart, or
@@ -264,7 +265,7 @@ class Averager:
         self,
         *,
         round: int | None = None,
-        expected_peers: int | None = None,
+        expected_peers: Expected | None = None,
         resync: bool | None = None,
     ) -> Group | None:
         """Matchmaking only: the group of this round, or None if none formed.
@@ -278,7 +279,7 @@ class Averager:
             return await self._match(round, expected_peers, resync)
 
     async def _match(
-        self, round: int | None, expected_peers: int | None, resync: bool | None = None
+        self, round: int | None, expected_peers: Expected | None, resync: bool | None = None
     ) -> Group | None:
         if round is not None:
             self.state = MoshpitState(round, self.state.coordinates)
@@ -296,7 +297,7 @@ class Averager:
         nursery: trio.Nursery,
         *,
         round: int | None = None,
-        expected_peers: int | None = None,
+        expected_peers: Expected | None = None,
     ) -> ScheduledRound:
         """Begin this round's matchmaking now, in ``nursery``; trigger it later.
 

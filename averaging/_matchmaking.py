@@ -74,6 +74,12 @@ from swarm._wire import expect_bytes, expect_float, expect_int, expect_list, exp
 
 from ._group import MAX_GROUP_SIZE, Group, GroupMember, MemberMode
 
+#: the peers a round waits for (this one included): how many, or which. A
+#: count closes a lobby at that many members, whoever they are; ids close it
+#: once those peers are in, so a member the caller did not count (a peer that
+#: just caught up) never takes the place of one it did
+Expected = int | frozenset[PeerID]
+
 log = logging.getLogger(__name__)
 
 _GROUP_ID_DOMAIN = b"swarm.moshpit.group.v1\x00"
@@ -364,7 +370,7 @@ class Lobby:
         key: str,
         me: GroupMember,
         config: MatchmakingConfig,
-        expected: int | None = None,
+        expected: Expected | None = None,
         resync: bool | None = None,
     ) -> None:
         self.key = key
@@ -372,9 +378,12 @@ class Lobby:
         self.resync = resync
         self.me = me
         self.config = config
-        #: close as soon as this many members are in (the caller knows how many
-        #: peers are looking); never more than the target group size
-        self.capacity = min(config.target_group_size, expected or config.target_group_size)
+        #: close as soon as these peers are in (the caller knows who is
+        #: looking), or as soon as this many members are; never more than the
+        #: target group size
+        self.awaited = expected if isinstance(expected, frozenset) else None
+        count = len(expected) if isinstance(expected, frozenset) else expected
+        self.capacity = min(config.target_group_size, count or config.target_group_size)
         self.slots: dict[PeerID, _Slot] = {}
         self.following: Candidate | None = None
         self.closed = False
@@ -390,7 +399,12 @@ class Lobby:
 
     @property
     def full(self) -> bool:
-        return len(self.slots) + 1 >= self.capacity
+        """Every awaited peer is in (or, given a count, that many members), or
+        the target group size is reached."""
+        members = len(self.slots) + 1
+        if self.awaited is None or members >= self.config.target_group_size:
+            return members >= self.capacity
+        return all(p == self.me.peer_id or p in self.slots for p in self.awaited)
 
     def admit(self, member: GroupMember) -> tuple[list[Any], _Slot | None]:
         """Decide on a join request: the reply and, if admitted, its slot."""
@@ -537,13 +551,20 @@ class Matchmaker:
     # looking for a group
 
     async def find_group(
-        self, key: str, me: GroupMember, *, expected: int | None = None, resync: bool | None = None
+        self,
+        key: str,
+        me: GroupMember,
+        *,
+        expected: Expected | None = None,
+        resync: bool | None = None,
     ) -> Group | None:
         """Form or join a group under ``key``; None if none formed in time.
 
         ``expected`` is how many peers (this one included) the caller knows to
-        be looking under this key: a leader closes its group as soon as that
-        many are in, instead of waiting out ``matchmaking_time``. Returns within
+        be looking under this key, or which: a leader closes its group as soon
+        as that many (those) are in, instead of waiting out
+        ``matchmaking_time``; members it was not told of join too, up to the
+        target group size, but never fill an awaited peer's place. Returns within
         ``config.bound`` seconds. ``resync`` is sent to the followers if this
         peer leads (``Group.resync``); as a follower it gets the leader's.
         Cancellation disbands this peer's followers (they look elsewhere) and

@@ -35,6 +35,7 @@ from swarm import ConfigError, SwarmError
 
 from ._allreduce import withdraw_from_round
 from ._group import Group
+from ._matchmaking import Expected
 
 if TYPE_CHECKING:
     from ._averager import Averager, StepResult
@@ -61,7 +62,7 @@ class ScheduledRound:
     averager's peer.
     """
 
-    def __init__(self, averager: Averager, round: int, expected_peers: int | None) -> None:
+    def __init__(self, averager: Averager, round: int, expected_peers: Expected | None) -> None:
         self._averager = averager
         self.round = round
         self._expected = expected_peers

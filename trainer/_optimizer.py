@@ -87,6 +87,7 @@ from averaging import (
     Averager,
     AveragerConfig,
     ChunkedStaging,
+    Expected,
     GridAgreement,
     GridSchedule,
     Group,
@@ -748,7 +749,7 @@ class AsyncCollaborativeOptimizer:
         await self._global_step(alone=alone, expected=expected)
         return True
 
-    async def _target_reached(self, size: int, now: float) -> tuple[bool, int] | None:
+    async def _target_reached(self, size: int, now: float) -> tuple[bool, Expected] | None:
         """Has the swarm reached the target batch (or this peer its compute
         budget)? (alone, peers to expect) if the global step is due now, None
         if not (or after catching up with a swarm that is ahead)."""
@@ -794,10 +795,12 @@ class AsyncCollaborativeOptimizer:
         # Expect every peer that is still publishing: one whose record shows the
         # last epoch is about to join (a group closed too early would leave it
         # alone), but one that went silent is not waited for.
-        expected = reading.expected if reading is not None else swarm.num_peers
+        expected = reading.waits_for if reading is not None else swarm.num_peers
         return swarm.num_peers <= 1, expected
 
-    async def _local_steps_done(self, left: int, size: int, now: float) -> tuple[bool, int] | None:
+    async def _local_steps_done(
+        self, left: int, size: int, now: float
+    ) -> tuple[bool, Expected] | None:
         """With local steps (DiLoCo): are they done (or this peer's compute
         budget spent)? (alone, peers to expect) if the global step is due now,
         None if not (or after catching up with a swarm that is ahead)."""
@@ -821,7 +824,7 @@ class AsyncCollaborativeOptimizer:
             # later): synchronise with the peers at ours, try again later
             self._next_catch_up = now + self.config.progress_ttl / 2
         peers = 1 if reading is None else reading.swarm.num_peers
-        expected = 1 if reading is None else reading.expected
+        expected = 1 if reading is None else reading.waits_for
         return peers <= 1, expected
 
     def _maybe_prematch_local(self, left: int, size: int) -> None:
@@ -838,7 +841,7 @@ class AsyncCollaborativeOptimizer:
             and left * size / rate <= self.config.matchmaking_lead
         ):
             self._prematch_epoch = self.epoch
-            self._post(partial(self._begin_matchmaking, self.epoch, reading.expected, early=True))
+            self._post(partial(self._begin_matchmaking, self.epoch, reading.waits_for, early=True))
 
     def _account(self, size: int, loss: float | torch.Tensor | None) -> float:
         """Count a local batch of ``size`` samples; returns the monotonic time."""
@@ -1067,9 +1070,11 @@ class AsyncCollaborativeOptimizer:
         if missing > 0 and (rate <= 0 or missing / rate > self.config.matchmaking_lead):
             return
         self._prematch_epoch = self.epoch
-        self._post(partial(self._begin_matchmaking, self.epoch, reading.expected, early=True))
+        self._post(partial(self._begin_matchmaking, self.epoch, reading.waits_for, early=True))
 
-    async def _begin_matchmaking(self, epoch: int, expected: int, *, early: bool = False) -> None:
+    async def _begin_matchmaking(
+        self, epoch: int, expected: Expected, *, early: bool = False
+    ) -> None:
         """On the trio thread: find this epoch's group as a service of the peer.
 
         ``early``: matchmaking ahead of the step, posted by the training thread
@@ -1111,7 +1116,7 @@ class AsyncCollaborativeOptimizer:
 
         prematch.scope = await self.peer.start_service(find)
 
-    async def _finish_averaging(self, weight: float, expected: int) -> StepResult:
+    async def _finish_averaging(self, weight: float, expected: Expected) -> StepResult:
         """On the trio thread: wait for this epoch's group, then all-reduce."""
         # tell the others now that this peer's count is final (``_frozen``)
         self._progress.wake()
@@ -1129,7 +1134,8 @@ class AsyncCollaborativeOptimizer:
             with trio.move_on_after(self._timing.averaging_timeout(size)):
                 result = await self._average_in_group(group, weight)
                 took = trio.current_time() - started
-        wanted = min(expected, self._grad_averager.config.matchmaking.target_group_size)
+        count = len(expected) if isinstance(expected, frozenset) else expected
+        wanted = min(count, self._grad_averager.config.matchmaking.target_group_size)
         one_group = self._grad_averager.grid.dimensions == 1
         self._timing.settle(group, took, wanted=wanted, one_group=one_group, swarm_size=size)
         if group is None:
@@ -1262,7 +1268,7 @@ class AsyncCollaborativeOptimizer:
 
     # -- the global step ----------------------------------------------------------
 
-    async def _global_step(self, *, alone: bool, expected: int) -> None:
+    async def _global_step(self, *, alone: bool, expected: Expected) -> None:
         """Average what this step accumulated with a group (unless ``alone``)
         and apply the result, as the mode does (see ``Strategy``)."""
         strategy = self._strategy
@@ -1372,7 +1378,9 @@ class AsyncCollaborativeOptimizer:
             grid=self._grids.agreement.default,
         )
 
-    async def _average_gradients(self, samples: int, expected: int | None) -> StepResult | None:
+    async def _average_gradients(
+        self, samples: int, expected: Expected | None
+    ) -> StepResult | None:
         result: StepResult | None = None
         try:
             result = await self._finish_averaging(float(samples), expected or 1)

@@ -56,6 +56,7 @@ from functools import partial
 
 import trio
 
+from averaging import Expected
 from dht import DHTValue, RecordDHT, owner_marker
 from swarm import ConfigError, PeerID, SwarmError
 
@@ -87,11 +88,20 @@ class Reading:
     #: peers at the swarm's epoch, and those one behind that are still
     #: publishing (finishing the last step), not a peer that went silent
     expected: int = 1
+    #: which peers those are, when the reading lists every live peer (the
+    #: directory, not the tree's totals); None: only their count is known
+    awaited: frozenset[PeerID] | None = None
     #: the other peers' samples toward this peer's epoch, and toward the next
     #: (for a step taken before the next reading), for deciding between
     #: readings whether the swarm has its target batch (``_global_batch``)
     others: Others | None = None
     ahead: Others | None = None
+
+    @property
+    def waits_for(self) -> Expected:
+        """What this epoch's round waits for: the awaited peers where they are
+        known, else their count (``Averager.find_group``'s ``expected_peers``)."""
+        return self.awaited if self.awaited else self.expected
 
 
 @dataclass(frozen=True)
@@ -225,6 +235,7 @@ class ProgressTracker:
             )
         others: Others | None = None
         ahead: Others | None = None
+        awaited: frozenset[PeerID] | None = None
         if summary is not None:
             swarm = summary.progress(self.target_batch_size, now)
             # the directory holds a sample only: the optimizer then goes by the
@@ -234,13 +245,14 @@ class ProgressTracker:
             swarm = estimate(
                 records, now=now, target_batch_size=self.target_batch_size, stale_after=ttl
             )
-            expected = expected_peers(
+            awaited = awaited_peers(
                 records,
                 now=now,
                 epoch=swarm.epoch,
                 stale_after=ttl,
                 fresh_within=config.fresh_within,
             )
+            expected = max(1, len(awaited))
             # a live peer publishes every interval, and is expected in rounds while
             # its record is younger than fresh_within: an older record is a peer
             # that stalled or died, whose rate would count samples nobody computed
@@ -257,7 +269,7 @@ class ProgressTracker:
             )
         self._peers = max(1, swarm.num_peers)
         self.reading = Reading(
-            swarm, mine.epoch, mine.samples, self._clock(), expected, others, ahead
+            swarm, mine.epoch, mine.samples, self._clock(), expected, awaited, others, ahead
         )
         return self.reading
 
@@ -296,6 +308,31 @@ class ProgressTracker:
             raise failed.exceptions[0] from None
 
 
+def awaited_peers(
+    records: list[PeerProgress],
+    *,
+    now: float,
+    epoch: int,
+    stale_after: float,
+    fresh_within: float,
+) -> frozenset[PeerID]:
+    """The peers an ``epoch`` round should wait for.
+
+    Peers at ``epoch`` or beyond, and peers one epoch behind (still finishing
+    the last step, about to join), whose record is younger than
+    ``fresh_within`` seconds: a live peer publishes every few seconds whatever
+    its training thread does. A peer that went silent (it died, or is stuck) is
+    not waited for, although its record lives until ``stale_after`` and still
+    counts toward the swarm's size: rounds stop waiting for a dead peer within
+    ``fresh_within`` seconds, not after the record's whole lifetime. A peer
+    further behind is not waited for either (it downloads the state first),
+    and when it joins the round after all, it does not take an awaited
+    peer's place (``averaging.Expected``).
+    """
+    fresh = min(stale_after, fresh_within)
+    return frozenset(r.peer_id for r in records if now - r.time <= fresh and r.epoch >= epoch - 1)
+
+
 def expected_peers(
     records: list[PeerProgress],
     *,
@@ -304,24 +341,12 @@ def expected_peers(
     stale_after: float,
     fresh_within: float,
 ) -> int:
-    """How many peers (at least 1) an ``epoch`` round should wait for.
-
-    Peers at ``epoch`` or beyond, and peers one epoch behind (still finishing
-    the last step, about to join), whose record is younger than
-    ``fresh_within`` seconds: a live peer publishes every few seconds whatever
-    its training thread does. A peer that went silent (it died, or is stuck) is
-    not waited for, although its record lives until ``stale_after`` and still
-    counts toward the swarm's size: rounds stop waiting for a dead peer within
-    ``fresh_within`` seconds, not after the record's whole lifetime.
-    """
-    return max(
-        1,
-        sum(
-            1
-            for r in records
-            if now - r.time <= min(stale_after, fresh_within) and r.epoch >= epoch - 1
-        ),
+    """How many peers (at least 1) an ``epoch`` round should wait for: the
+    ``awaited_peers``."""
+    awaited = awaited_peers(
+        records, now=now, epoch=epoch, stale_after=stale_after, fresh_within=fresh_within
     )
+    return max(1, len(awaited))
 
 
 @dataclass(frozen=True)
