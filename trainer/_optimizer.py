@@ -1109,8 +1109,8 @@ class AsyncCollaborativeOptimizer:
                     # once the step has advanced the epoch to epoch + 1)
                     resync=None if self._resync is None else self._resync.due(epoch + 1),
                 )
-            except SwarmError as e:
-                log.info("epoch %d: matchmaking failed: %s", epoch, e)
+            except* SwarmError as failed:  # matchmaking runs tasks side by side
+                log.info("epoch %d: matchmaking failed: %s", epoch, failed.exceptions[0])
             finally:
                 prematch.done.set()
 
@@ -1216,8 +1216,8 @@ class AsyncCollaborativeOptimizer:
         async for job in inbox:
             try:
                 await job()
-            except SwarmError as e:
-                log.info("epoch %d: %s", self.epoch, e)
+            except* SwarmError as failed:  # a job may run DHT requests side by side
+                log.info("epoch %d: %s", self.epoch, failed.exceptions[0])
 
     def _record(self) -> PeerProgress:
         return PeerProgress(
@@ -1260,6 +1260,8 @@ class AsyncCollaborativeOptimizer:
                 try:
                     with trio.move_on_after(self.config.averaging_timeout):
                         await self._grids.prepare(dht, epoch, estimate)
+                except* SwarmError as failed:  # a background service must not end the peer
+                    log.debug("epoch %d: grid ahead: %s", epoch, failed.exceptions[0])
                 finally:
                     self._grids_busy = False
 
@@ -1556,8 +1558,8 @@ class AsyncCollaborativeOptimizer:
                             "epoch %d: took part in the group's round with weight 0 (catching up)",
                             epoch,
                         )
-            except SwarmError as e:
-                log.info("epoch %d: the weight-0 round failed: %s", epoch, e)
+            except* SwarmError as failed:  # the round runs tasks side by side
+                log.info("epoch %d: the weight-0 round failed: %s", epoch, failed.exceptions[0])
             finally:
                 self._joining = None
                 done.set()
