@@ -62,6 +62,20 @@ class ClosedError(SwarmError):
     """The local side closed the resource this operation needed."""
 
 
+class PeerCrashedError(ClosedError):
+    """The peer's background thread ended with an error it did not mean to
+    raise (a bug, or an error a service let escape), so the peer is gone.
+
+    ``crash`` is that error, traceback and all (it is also ``__cause__``); the
+    CLI prints its traceback, since a crash is something to report, not a
+    message for the user to act on.
+    """
+
+    def __init__(self, crash: BaseException) -> None:
+        super().__init__(f"the peer stopped: its thread crashed with {crash!r}")
+        self.crash = crash
+
+
 class BootstrapError(SwarmError):
     """None of the initial peers answered, so the node could not join a swarm."""
 

@@ -27,6 +27,7 @@ from ._connections import ConnectionConfig, Connections, open_connections
 from ._errors import (
     ClosedError,
     ConfigError,
+    PeerCrashedError,
     SwarmError,
     collapse_exception_groups,
     unwrap_single,
@@ -547,7 +548,7 @@ class Peer:
     def close(self) -> None:
         """Stop the peer and join its thread. Idempotent.
 
-        Raises ``ClosedError`` (caused by the error, traceback and all) if the
+        Raises ``PeerCrashedError`` (caused by the error, traceback and all) if the
         peer's thread crashed after it started and no call has reported that yet,
         so a crash is never lost in a background thread.
         """
@@ -567,7 +568,7 @@ class Peer:
         self._error_reported = True
         if self._error is None:
             return ClosedError("the peer stopped")
-        return ClosedError(f"the peer stopped: its thread crashed with {self._error!r}")
+        return PeerCrashedError(self._error)
 
     def _main(self) -> None:
         try:

@@ -33,7 +33,13 @@ import trio
 
 from ._address import parse_address
 from ._announce import announce_host, is_wildcard
-from ._errors import BootstrapError, ConfigError, SwarmError, collapse_exception_groups
+from ._errors import (
+    BootstrapError,
+    ConfigError,
+    PeerCrashedError,
+    SwarmError,
+    collapse_exception_groups,
+)
 from ._identity import Identity
 from ._stdout import say
 from ._throughput import Throughput, ThroughputMeter
@@ -1389,6 +1395,14 @@ def _config_options(args: argparse.Namespace) -> frozenset[str]:
     return frozenset(key.replace("-", "_") for key in read_config_file(path))
 
 
+def _report_failure(command: str, error: SwarmError) -> None:
+    """Say on stderr why ``swarm <command>`` failed; for a crash of the peer's
+    thread (a bug to report), with the crash's traceback, also in the log file."""
+    print(f"swarm {command}: failed: {error}", file=sys.stderr)
+    if isinstance(error, PeerCrashedError):
+        logging.getLogger("swarm").error("the peer's thread crashed", exc_info=error.crash)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     arguments = sys.argv[1:] if argv is None else list(argv)
@@ -1415,7 +1429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"swarm {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except SwarmError as e:
-        print(f"swarm {args.command}: failed: {e}", file=sys.stderr)
+        _report_failure(args.command, e)
         return EXIT_FAILURE
     except KeyboardInterrupt:
         # `swarm dht` leaves cleanly on SIGINT; a second Ctrl-C during training does not.

@@ -7,7 +7,16 @@ import traceback
 import pytest
 import trio
 
-from swarm import BootstrapError, ClosedError, ConfigError, Peer, PeerConfig, open_peer
+from swarm import (
+    BootstrapError,
+    ClosedError,
+    ConfigError,
+    Peer,
+    PeerConfig,
+    PeerCrashedError,
+    open_peer,
+)
+from swarm.cli import _report_failure
 
 
 async def test_peers_listen_on_one_port_and_join() -> None:
@@ -78,6 +87,24 @@ def test_sync_peer_surfaces_a_crash_of_its_thread_with_its_traceback() -> None:
         (leaf,) = leaf.exceptions
     assert isinstance(leaf, RuntimeError) and leaf.__traceback__ is not None
     assert "crash" in "".join(traceback.format_tb(leaf.__traceback__))
+
+
+def test_the_cli_prints_where_the_peers_thread_crashed(caplog: pytest.LogCaptureFixture) -> None:
+    async def failing_service(
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        task_status.started()
+        raise RuntimeError("a service of the peer failed")
+
+    peer = Peer()
+    with pytest.raises(PeerCrashedError) as crashed, peer:
+        peer.run(peer.async_peer.start_service, failing_service)
+        peer.run(trio.sleep_forever)
+    _report_failure("train", crashed.value)
+    # not only the message: the frames of the crash, down to the failing service
+    (record,) = [r for r in caplog.records if r.exc_info]
+    assert record.exc_info is not None and record.exc_info[1] is crashed.value.crash
+    assert "failing_service" in caplog.text and "a service of the peer failed" in caplog.text
 
 
 def test_sync_peer_close_raises_a_crash_nobody_was_told_of() -> None:
