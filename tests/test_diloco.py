@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
-import threading
+from collections import defaultdict
 from dataclasses import replace
 
 import pytest
 import torch
+import trio
+import trio.testing
+from async_trainer_harness import Together, held_clock, train_together
+from peer_harness import Peers
 from trainer_harness import (
     FAST,
     TrainingPeer,
     join_run,
     training_config,
     training_peers,
-    whole_group,
 )
 
 from averaging import NONE
-from swarm import ConfigError, ProtocolError
-from trainer import CollaborativeOptimizer, DiLoCo
+from swarm import ConfigError, PeerID, ProtocolError
+from trainer import AsyncCollaborativeOptimizer, CollaborativeOptimizer, DiLoCo, load_task
 from trainer._diloco import OuterLoop
 
 
@@ -112,96 +115,75 @@ def test_outer_state_round_trips_and_is_checked() -> None:
 DILOCO = replace(FAST, diloco=DiLoCo(local_steps=5))
 
 
-def _snapshot(opt: CollaborativeOptimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _snapshot(
+    opt: CollaborativeOptimizer | AsyncCollaborativeOptimizer,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     params = [p.detach().clone() for p in opt.params]
     momentum = [m.detach().clone() for m in opt.state_dict()["diloco"]["momentum"]]
     return params, momentum
 
 
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> trio.testing.MockClock:
+    return held_clock(monkeypatch)
+
+
 @pytest.mark.parametrize("codec", [None, NONE], ids=["float16", "float32"])
-def test_peers_converge_and_agree_after_each_outer_step(codec: object) -> None:
-    torch.set_num_threads(1)
+async def test_peers_converge_and_agree_after_each_outer_step(
+    clock: trio.testing.MockClock, codec: object
+) -> None:
+    """Three peers on virtual time take 8 outer steps of 5 local steps
+    together: every pair holds identical parameters and outer momentum after
+    each outer step, whichever codec carries the pseudo-gradients."""
     diloco = DiLoCo(local_steps=5) if codec is None else DiLoCo(local_steps=5, codec=NONE)
-    config = replace(FAST, diloco=diloco)
-    states: dict[int, dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
-    groups: dict[int, dict[int, tuple[bytes, ...]]] = {}
-    lock = threading.Lock()
-
-    def recorder(i: int):  # type: ignore[no-untyped-def]
-        def on_epoch(opt: CollaborativeOptimizer, report: object) -> None:
-            step = opt.last_step
-            assert step is not None
-            if whole_group(opt) and step.averaging is not None:
-                with lock:
-                    states.setdefault(opt.epoch, {})[i] = _snapshot(opt)
-                    groups.setdefault(opt.epoch, {})[i] = step.averaging.members
-
-        return on_epoch
-
-    with training_peers(3) as (_, peers):
-        trainers = [
-            TrainingPeer(p, training_config(i, max_epochs=8, optimizer=config))
-            for i, p in enumerate(peers)
-        ]
-        for i, t in enumerate(trainers):
-            t.start(on_epoch=recorder(i))
-        reports = [t.join() for t in trainers]
-    for report in reports:
-        assert report.epochs == 8
-        assert report.local_steps >= 8 * 5
-        assert report.metrics["accuracy"] >= 0.85, report.metrics
-    compared = 0
-    for epoch, by_peer in states.items():
-        for i, j in [(0, 1), (0, 2), (1, 2)]:
-            if i in by_peer and j in by_peer and groups[epoch][i] == groups[epoch][j]:
-                for a, b in zip(
-                    [*by_peer[i][0], *by_peer[i][1]], [*by_peer[j][0], *by_peer[j][1]], strict=True
-                ):
-                    assert torch.equal(a, b), f"epoch {epoch}: peers {i} and {j} differ"
-                compared += 1
-    assert compared >= 1
+    together = await train_together(replace(FAST, diloco=diloco), epochs=8)
+    together.assert_every_step_taken_together(8)
+    assert min(together.local_steps.values()) >= 8 * 5
+    assert min(together.accuracy.values()) >= 0.85, together.accuracy
 
 
-def test_a_newcomer_gets_the_synced_parameters_and_outer_momentum() -> None:
-    torch.set_num_threads(1)
-    snapshots: dict[tuple[int, bytes], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    recorded = threading.Condition()
-    reached = threading.Event()
+async def test_a_newcomer_gets_the_synced_parameters_and_outer_momentum(
+    clock: trio.testing.MockClock,
+) -> None:
+    """A fourth peer joins after outer step 3: it holds its donor's synced
+    parameters and outer momentum of that step, and trains from them."""
+    snapshots: dict[tuple[int, PeerID], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    recorded: defaultdict[tuple[int, PeerID], trio.Event] = defaultdict(trio.Event)
+    joined: list[int] = []
 
-    def record(opt: CollaborativeOptimizer, report: object) -> None:
-        with recorded:
-            snapshots[(opt.epoch, bytes(opt.peer.peer_id))] = _snapshot(opt)
-            recorded.notify_all()
-        if opt.epoch >= 3:
-            reached.set()
+    def record(i: int, opt: AsyncCollaborativeOptimizer) -> None:
+        key = (opt.epoch, opt.peer.peer_id)
+        snapshots[key] = _snapshot(opt)
+        recorded[key].set()
 
-    with training_peers(4) as (_, peers):
-        trainers = [
-            TrainingPeer(p, training_config(i, max_epochs=10, optimizer=DILOCO))
-            for i, p in enumerate(peers[:3])
-        ]
-        for t in trainers:
-            t.start(on_epoch=record)
-        assert reached.wait(60)
-        newcomer = join_run(peers[3], DILOCO, seed=123)
-        try:
-            epoch = newcomer.epoch
-            assert epoch >= 3 and newcomer.state_source is not None
-            key = (epoch, bytes(newcomer.state_source))
-            with recorded:  # the donor records its epoch right after the outer step
-                assert recorded.wait_for(lambda: key in snapshots, timeout=30)
-                expected_params, expected_momentum = snapshots[key]
-            params, momentum = _snapshot(newcomer)
+    async def newcomer(peers: Peers, together: Together) -> None:
+        await together.reached[3].wait()
+        model, inner, _ = load_task("digits").build(seed=123)  # not the run's weights
+        async with AsyncCollaborativeOptimizer.open(
+            await peers.add(),
+            run_id="digits-together",
+            params=model.parameters(),
+            optimizer=inner,
+            target_batch_size=192,
+            batch_size_per_step=32,
+            config=DILOCO,
+        ) as opt:
+            assert opt.epoch >= 3 and opt.state_source is not None
+            key = (opt.epoch, opt.state_source)
+            with trio.fail_after(30):  # the donor records its step once it returns
+                await recorded[key].wait()
+            expected_params, expected_momentum = snapshots[key]
+            params, momentum = _snapshot(opt)
             assert all(torch.equal(a, b) for a, b in zip(params, expected_params, strict=True))
             # the synced parameters (what it would donate) are the ones it trains from
-            synced = newcomer._strategy.shared_params()
+            synced = opt._strategy.shared_params()
             assert all(torch.equal(a, b) for a, b in zip(synced, params, strict=True))
             assert all(torch.equal(a, b) for a, b in zip(momentum, expected_momentum, strict=True))
             assert any(m.abs().sum() > 0 for m in momentum)
-        finally:
-            newcomer.close()
-        for t in trainers:
-            assert t.join().epochs == 10
+            joined.append(opt.epoch)
+
+    await train_together(DILOCO, epochs=10, on_step=record, meanwhile=newcomer)
+    assert joined
 
 
 def test_a_restarted_peer_resumes_the_outer_state_from_its_checkpoint(tmp_path: object) -> None:

@@ -2,25 +2,29 @@
 
 Compute time runs on a virtual clock per peer that each micro-batch advances
 by its cost (the straggler's includes its injected delay), so epoch times are
-exact and no assertion depends on the wall clock.
+exact; the peers run in one ``trio.run`` on trio's virtual clock, so no
+assertion depends on the wall clock.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
-from trainer_harness import FAST, TrainingPeer, training_config, training_peers
+import trio
+import trio.testing
+from async_trainer_harness import held_clock, train_together
+from trainer_harness import FAST
 
 from swarm import ConfigError
 from trainer import (
+    AsyncCollaborativeOptimizer,
     CollaborativeConfig,
-    CollaborativeOptimizer,
     DiLoCo,
     DropCompute,
+    GlobalStep,
     Task,
     choose_threshold,
     load_task,
@@ -133,44 +137,46 @@ class Compute:
         return replace(task, loss=loss)
 
 
-def _train(
-    config: CollaborativeConfig, computes: list[Compute], epochs: int
-) -> tuple[float, list[float], list[dict[int, Any]]]:
-    """Train three peers; returns the virtual time of all epochs (each lasts
-    as long as its slowest peer's compute), the final accuracies, and each
-    peer's ``GlobalStep`` by epoch."""
+async def _train(
+    config: CollaborativeConfig, computes: list[Compute], epochs: int, *, seed: int = 3
+) -> tuple[float, list[float], list[dict[int, GlobalStep]]]:
+    """Train three peers on virtual time; returns the compute time of all
+    epochs (each lasts as long as its slowest peer's compute), the final
+    accuracies, and each peer's ``GlobalStep`` by epoch."""
     marks: list[dict[int, float]] = [{0: 0.0} for _ in computes]
-    steps: list[dict[int, Any]] = [{} for _ in computes]
-    lock = threading.Lock()
 
-    def recorder(i: int):  # type: ignore[no-untyped-def]
-        def on_epoch(opt: CollaborativeOptimizer, report: object) -> None:
-            computes[i].in_epoch = 0
-            with lock:
-                marks[i][opt.epoch] = computes[i].clock.now
-                steps[i][opt.epoch] = opt.last_step
+    def on_step(i: int, opt: AsyncCollaborativeOptimizer) -> None:
+        computes[i].in_epoch = 0
+        marks[i][opt.epoch] = computes[i].clock.now
 
-        return on_epoch
-
-    with training_peers(3) as (_, peers):
-        trainers = [
-            TrainingPeer(p, training_config(i, max_epochs=epochs, optimizer=config))
-            for i, p in enumerate(peers)
-        ]
-        for i, (t, compute) in enumerate(zip(trainers, computes, strict=True)):
-            t.start(on_epoch=recorder(i), task=compute.task(), compute_clock=compute.clock)
-        reports = [t.join() for t in trainers]
+    together = await train_together(
+        config,
+        epochs=epochs,
+        seed=seed,
+        tasks=[compute.task() for compute in computes],
+        compute_clocks=[compute.clock for compute in computes],
+        on_step=on_step,
+    )
     total = 0.0
     for epoch in range(1, epochs + 1):
         lengths = [m[epoch] - m[epoch - 1] for m in marks if epoch in m and epoch - 1 in m]
         total += max(lengths)
-    return total, [r.metrics["accuracy"] for r in reports], steps
+    steps = [
+        {epoch: by_peer[peer][0] for epoch, by_peer in together.after.items()}
+        for peer in together.peer_ids
+    ]
+    return total, [together.accuracy[peer] for peer in together.peer_ids], steps
 
 
 STRAGGLER = {1: 1.5, 2: 1.5, 3: 1.5, 4: 1.5, 5: 1.5, 6: 12.0}
 
 
-def test_diloco_epochs_stop_waiting_for_a_straggler() -> None:
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> trio.testing.MockClock:
+    return held_clock(monkeypatch)
+
+
+async def test_diloco_epochs_stop_waiting_for_a_straggler(clock: trio.testing.MockClock) -> None:
     """DiLoCo with H = 6 local steps of 1 s; one peer takes 1.5 s per local
     step and stalls for 10.5 s more in the last one of every round, so each
     outer step lasts 19.5 s. With a 7 s threshold that peer goes to the outer
@@ -178,7 +184,6 @@ def test_diloco_epochs_stop_waiting_for_a_straggler() -> None:
     accuracy stays within a point of the run without delays (virtual delays
     change no real timing, so the first run, which measures the epoch time
     with delays, trains exactly as a run without)."""
-    torch.set_num_threads(1)
     epochs = 20
     # a leader waits up to 5 s for every peer (the group closes as soon as all
     # three joined): exact epoch times need every outer step taken together,
@@ -186,10 +191,10 @@ def test_diloco_epochs_stop_waiting_for_a_straggler() -> None:
     matchmaking = replace(FAST.averaging.matchmaking, matchmaking_time=5.0)
     patient = replace(FAST, averaging=replace(FAST.averaging, matchmaking=matchmaking))
     diloco = replace(patient, diloco=DiLoCo(local_steps=6))
-    baseline, accuracy, _ = _train(diloco, [Compute(), Compute(), Compute(STRAGGLER)], epochs)
+    baseline, accuracy, _ = await _train(diloco, [Compute(), Compute(), Compute(STRAGGLER)], epochs)
     dropping = replace(diloco, drop_compute=DropCompute(threshold=7.0))
-    total, dropped_accuracy, steps = _train(
-        dropping, [Compute(), Compute(), Compute(STRAGGLER)], epochs
+    total, dropped_accuracy, steps = await _train(
+        dropping, [Compute(), Compute(), Compute(STRAGGLER)], epochs, seed=4
     )
     assert baseline == pytest.approx(19.5 * epochs)
     assert total == pytest.approx(7.5 * epochs)
@@ -200,14 +205,15 @@ def test_diloco_epochs_stop_waiting_for_a_straggler() -> None:
         assert abs(a - b) <= 0.01, (accuracy, dropped_accuracy)
 
 
-def test_a_straggler_stops_at_its_threshold_in_the_standard_mode() -> None:
+async def test_a_straggler_stops_at_its_threshold_in_the_standard_mode(
+    clock: trio.testing.MockClock,
+) -> None:
     """Target 192 samples, 32 per micro-batch: a peer whose micro-batches take
     3 s ends its step after the first one, past the 2.5 s threshold, with the
     samples it computed as its weight; the others fill the global batch."""
-    torch.set_num_threads(1)
     config = replace(FAST, drop_compute=DropCompute(threshold=2.5))
     slow = Compute(dict.fromkeys(range(1, 100), 3.0))
-    _, accuracy, steps = _train(config, [Compute(), Compute(), slow], 20)
+    _, accuracy, steps = await _train(config, [Compute(), Compute(), slow], 20)
     for step in steps[2].values():
         assert step.compute_seconds is not None and step.compute_seconds <= 2.5 + 3.0
         if step.stopped_early:

@@ -1,85 +1,60 @@
-"""Collaborative training in one process: three (then four) peers train digits."""
+"""Collaborative training in one process: three (then four) peers train digits
+(on virtual time with the async optimizer; through the synchronous facade and
+the training loop in threads)."""
 
 from __future__ import annotations
 
 import itertools
 import logging
-import threading
-import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
+import trio
+import trio.testing
+from async_trainer_harness import Together, held_clock, train_together
+from peer_harness import Peers
 from trainer_harness import (
     FAST,
-    TEST_DHT,
     TrainingPeer,
     join_run,
     training_config,
     training_peers,
-    whole_group,
 )
 
-from swarm import NonFiniteError, SwarmError
-from trainer import CollaborativeOptimizer, Task, load_task
+from swarm import ClosedError, NonFiniteError, PeerID
+from trainer import AsyncCollaborativeOptimizer, CollaborativeOptimizer, Task, load_task
 
 
-def _fingerprint(opt: CollaborativeOptimizer) -> list[torch.Tensor]:
+def _fingerprint(opt: CollaborativeOptimizer | AsyncCollaborativeOptimizer) -> list[torch.Tensor]:
     return [p.detach().clone() for p in opt.params]
 
 
-def test_three_peers_train_digits_together() -> None:
-    torch.set_num_threads(1)
-    params: dict[int, dict[int, list[torch.Tensor]]] = {}
-    groups: dict[int, dict[int, tuple[bytes, ...]]] = {}
-    samples: dict[int, dict[int, int]] = {}
-    #: peers whose every step so far averaged every chunk with the whole group
-    clean = {0: True, 1: True, 2: True}
-    lock = threading.Lock()
-
-    def recorder(i: int):  # type: ignore[no-untyped-def]
-        def on_epoch(opt: CollaborativeOptimizer, report: object) -> None:
-            step = opt.last_step
-            assert step is not None
-            with lock:
-                samples.setdefault(step.epoch, {})[i] = step.samples
-                clean[i] = clean[i] and whole_group(opt)
-                if clean[i] and step.averaging is not None:
-                    params.setdefault(opt.epoch, {})[i] = _fingerprint(opt)
-                    groups.setdefault(opt.epoch, {})[i] = step.averaging.members
-
-        return on_epoch
-
-    with training_peers(3) as (_, peers):
-        trainers = [TrainingPeer(p, training_config(i, max_epochs=40)) for i, p in enumerate(peers)]
-        for i, t in enumerate(trainers):
-            t.start(on_epoch=recorder(i))
-        reports = [t.join() for t in trainers]
-
-    for report in reports:
-        assert report.epochs == 40
-        assert report.metrics["accuracy"] >= 0.90, report.metrics
-    # every global step consumed the target batch, summed over the peers, give
-    # or take one local batch per peer (test_global_batch checks it closely)
-    for epoch, by_peer in samples.items():
-        if len(by_peer) == 3:
-            assert sum(by_peer.values()) >= 192 - 3 * 32, (epoch, by_peer)
-    # peers that always averaged every chunk together hold identical parameters
-    # (a step where a member missed a deadline leaves the peers apart until the
-    # next parameter averaging, as designed)
-    compared = 0
-    for epoch, by_peer in params.items():
-        for i, j in [(0, 1), (0, 2), (1, 2)]:
-            if i in by_peer and j in by_peer and groups[epoch][i] == groups[epoch][j]:
-                for a, b in zip(by_peer[i], by_peer[j], strict=True):
-                    assert torch.equal(a, b), f"epoch {epoch}: peers {i} and {j} differ"
-                compared += 1
-    assert compared >= 1
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> trio.testing.MockClock:
+    return held_clock(monkeypatch)
 
 
-def _optimizer_tensors(opt: CollaborativeOptimizer) -> list[torch.Tensor]:
+async def test_three_peers_train_digits_together(clock: trio.testing.MockClock) -> None:
+    """Three peers on virtual time take 40 global steps together: every step
+    averages all three peers' data, every pair holds identical parameters
+    after each, and each step averages the target batch."""
+    together = await train_together(FAST, epochs=40)
+    together.assert_every_step_taken_together(40)
+    assert min(together.accuracy.values()) >= 0.90, together.accuracy
+    # the target batch, give or take one micro-batch per peer (test_global_batch
+    # checks it closely)
+    for epoch, by_peer in together.after.items():
+        samples = sum(step.samples for step, _ in by_peer.values())
+        assert 192 - 3 * 32 <= samples <= 192 + 3 * 32, (epoch, samples)
+
+
+def _optimizer_tensors(
+    opt: CollaborativeOptimizer | AsyncCollaborativeOptimizer,
+) -> list[torch.Tensor]:
     tensors = []
     for p in opt.params:
         for value in opt.optimizer.state.get(p, {}).values():
@@ -88,85 +63,77 @@ def _optimizer_tensors(opt: CollaborativeOptimizer) -> list[torch.Tensor]:
     return tensors
 
 
-def test_a_newcomer_starts_from_the_swarms_exact_state() -> None:
-    torch.set_num_threads(1)
-    snapshots: dict[tuple[int, bytes], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    recorded = threading.Condition()
+async def test_a_newcomer_starts_from_the_swarms_exact_state(
+    clock: trio.testing.MockClock,
+) -> None:
+    """A fourth peer joins after step 4: before it contributes anything it
+    holds exactly the parameters and optimizer state of its donor's epoch."""
+    #: (epoch, peer) -> (parameters, optimizer state) right after that global step
+    snapshots: dict[tuple[int, PeerID], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    recorded: defaultdict[tuple[int, PeerID], trio.Event] = defaultdict(trio.Event)
+    joined: list[int] = []
 
-    def record(opt: CollaborativeOptimizer, report: object) -> None:
-        with recorded:
-            key = (opt.epoch, bytes(opt.peer.peer_id))
-            snapshots[key] = (_fingerprint(opt), _optimizer_tensors(opt))
-            recorded.notify_all()
+    def record(i: int, opt: AsyncCollaborativeOptimizer) -> None:
+        key = (opt.epoch, opt.peer.peer_id)
+        snapshots[key] = (_fingerprint(opt), _optimizer_tensors(opt))
+        recorded[key].set()
 
-    reached = threading.Event()
-
-    def record_and_signal(opt: CollaborativeOptimizer, report: object) -> None:
-        record(opt, report)
-        if opt.epoch >= 4:
-            reached.set()
-
-    with training_peers(4) as (_, peers):
-        trainers = [
-            TrainingPeer(p, training_config(i, max_epochs=12)) for i, p in enumerate(peers[:3])
-        ]
-        trainers[0].start(on_epoch=record_and_signal)
-        for t in trainers[1:]:
-            t.start(on_epoch=record)
-        assert reached.wait(60)
-        # a fourth peer joins mid-run: before it contributes anything it must
-        # hold exactly the parameters and optimizer state of the swarm's epoch
-        newcomer = join_run(peers[3], trainers[0].config.optimizer, seed=123)
-        try:
-            epoch = newcomer.epoch
-            assert epoch >= 4 and newcomer.state_source is not None
-            key = (epoch, bytes(newcomer.state_source))
-            with recorded:  # the donor records its epoch right after stepping
-                assert recorded.wait_for(lambda: key in snapshots, timeout=30)
-                expected_params, expected_state = snapshots[key]
+    async def newcomer(peers: Peers, together: Together) -> None:
+        await together.reached[4].wait()
+        model, inner, _ = load_task("digits").build(seed=123)  # not the run's weights
+        async with AsyncCollaborativeOptimizer.open(
+            await peers.add(),
+            run_id="digits-together",
+            params=model.parameters(),
+            optimizer=inner,
+            target_batch_size=192,
+            batch_size_per_step=32,
+            config=FAST,
+        ) as opt:
+            assert opt.epoch >= 4 and opt.state_source is not None
+            key = (opt.epoch, opt.state_source)
+            with trio.fail_after(30):  # the donor records its step once it returns
+                await recorded[key].wait()
+            expected_params, expected_state = snapshots[key]
             assert all(
-                torch.equal(a, b)
-                for a, b in zip(_fingerprint(newcomer), expected_params, strict=True)
+                torch.equal(a, b) for a, b in zip(_fingerprint(opt), expected_params, strict=True)
             )
             assert all(
                 torch.equal(a, b)
-                for a, b in zip(_optimizer_tensors(newcomer), expected_state, strict=True)
+                for a, b in zip(_optimizer_tensors(opt), expected_state, strict=True)
             )
-        finally:
-            newcomer.close()
-        for t in trainers:
-            assert t.join().epochs == 12
+            joined.append(opt.epoch)
+
+    together = await train_together(FAST, epochs=12, on_step=record, meanwhile=newcomer)
+    assert joined and all(len(by_peer) == 3 for by_peer in together.after.values())
 
 
-def test_the_others_train_on_when_a_peer_is_killed() -> None:
-    torch.set_num_threads(1)
-    epoch_times: dict[int, list[float]] = {0: [], 1: []}
+async def test_the_others_train_on_when_a_peer_is_killed(clock: trio.testing.MockClock) -> None:
+    """A peer dies after step 3 (no goodbye, its progress record left behind):
+    the two others take all 10 steps, none waiting longer than the averaging
+    timeout plus an epoch's compute, and from step 5 on average together."""
+    ended: defaultdict[int, list[float]] = defaultdict(list)
 
-    def timer(i: int):  # type: ignore[no-untyped-def]
-        def on_epoch(opt: CollaborativeOptimizer, report: object) -> None:
-            epoch_times[i].append(time.monotonic())
+    def timer(i: int, opt: AsyncCollaborativeOptimizer) -> None:
+        ended[i].append(trio.current_time())
 
-        return on_epoch
+    async def kill(peers: Peers, together: Together) -> None:
+        await together.reached[3].wait()
+        await peers.kill(peers.alive[2])
 
-    with training_peers(3) as (_, peers):
-        victim_peer = peers[2]
-
-        def kill_at_epoch_3(opt: CollaborativeOptimizer, report: object) -> None:
-            if opt.epoch == 3:
-                victim_peer.close()  # the process "dies": no goodbye, record left behind
-
-        trainers = [TrainingPeer(p, training_config(i, max_epochs=10)) for i, p in enumerate(peers)]
-        trainers[0].start(on_epoch=timer(0))
-        trainers[1].start(on_epoch=timer(1))
-        trainers[2].start(on_epoch=kill_at_epoch_3)
-        survivors = [trainers[0].join(), trainers[1].join()]
-        with pytest.raises(SwarmError):
-            trainers[2].join()
-    bound = FAST.averaging_timeout + 5.0  # averaging timeout plus an epoch's compute
-    for i, report in enumerate(survivors):
-        assert report.epochs == 10
-        gaps = [b - a for a, b in itertools.pairwise(epoch_times[i])]
-        assert max(gaps) < bound, gaps
+    together = await train_together(FAST, epochs=10, on_step=timer, meanwhile=kill)
+    victim = together.peer_ids[2]
+    assert list(together.lost) == [victim] and len(together.accuracy) == 2
+    # its optimizer did not train on alone: its next step said the peer stopped
+    assert isinstance(together.lost[victim], ClosedError), together.lost
+    for i in (0, 1):
+        assert len(ended[i]) == 10
+        gaps = [b - a for a, b in itertools.pairwise(ended[i])]
+        assert max(gaps) < FAST.averaging_timeout + 5.0, gaps
+    survivors = frozenset(together.peer_ids[:2])
+    for epoch in range(5, 11):
+        for step, _ in together.after[epoch].values():
+            assert step.contributors == survivors, (epoch, step.contributors)
 
 
 def test_a_restarted_peer_resumes_from_its_checkpoint(
@@ -204,39 +171,13 @@ def test_a_restarted_peer_resumes_from_its_checkpoint(
             resumed.close()
 
 
-def test_a_client_mode_peer_contributes_without_accepting_connections() -> None:
-    torch.set_num_threads(1)
-    members: list[int] = []
-    with training_peers(2) as (stack, peers):
-        from swarm import Identity, Peer, PeerConfig
-
-        client = stack.enter_context(
-            Peer(
-                Identity.from_seed(b"c" * 32),
-                PeerConfig(
-                    initial_peers=(peers[0].address,),
-                    client_mode=True,
-                    dht=TEST_DHT,
-                ),
-            )
-        )
-        trainers = [
-            TrainingPeer(p, training_config(i, max_epochs=6))
-            for i, p in enumerate([*peers, client])
-        ]
-        for t in trainers[:2]:
-            t.start()
-
-        def record(opt: CollaborativeOptimizer, report: object) -> None:
-            step = opt.last_step
-            if step is not None and step.averaging is not None:
-                members.append(len(step.averaging.members))
-
-        trainers[2].start(on_epoch=record)
-        reports = [t.join() for t in trainers]
-    assert all(r.epochs == 6 for r in reports)
-    # the client averaged in groups with the others: its gradients counted
-    assert members and max(members) == 3
+async def test_a_client_mode_peer_contributes_without_accepting_connections(
+    clock: trio.testing.MockClock,
+) -> None:
+    """Two peers and a client (it dials out, accepts nothing) take every step
+    together: the client's gradients are in every average."""
+    together = await train_together(FAST, epochs=6, peers=2, clients=1)
+    together.assert_every_step_taken_together(6)
 
 
 def test_a_batch_with_nan_gradients_is_refused_and_changes_nothing() -> None:

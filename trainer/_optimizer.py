@@ -468,6 +468,8 @@ class AsyncCollaborativeOptimizer:
         )
         self._closed = False
         self._started = False
+        #: the peer stopped under this open optimizer (its services ended)
+        self._peer_stopped = False
         self._load_state = load_state
         #: held while the state changes (see the module doc); donors try it
         self._state_lock = threading.Lock()
@@ -658,7 +660,8 @@ class AsyncCollaborativeOptimizer:
         ``local_steps`` of these calls. Waits at most ``averaging_timeout`` for
         averaging, plus the time to download the state when this peer fell
         behind the swarm. The batch's tensor work runs in a worker thread.
-        Raises ``ConfigError`` once closed, and ``NonFiniteError`` (changing
+        Raises ``ConfigError`` once closed, ``ClosedError`` once the peer
+        stopped, and ``NonFiniteError`` (changing
         nothing: the batch is not counted) if a gradient holds NaN or Inf:
         averaged in, it would reach the whole group, whose reducers would
         exclude and ban this peer. ``loss`` may be a tensor (on any device): it
@@ -689,6 +692,8 @@ class AsyncCollaborativeOptimizer:
         skipped. Raises like ``step``."""
         if self._closed:
             raise ConfigError("the optimizer is closed")
+        if self._peer_stopped:
+            raise ClosedError("the peer stopped: this optimizer cannot take part in the run")
         if grad_scaler is not None and unscale(grad_scaler, scaled):
             log.debug("epoch %d: the scaled gradients overflowed; batch skipped", self.epoch)
             return None
@@ -1213,11 +1218,16 @@ class AsyncCollaborativeOptimizer:
         """The trio side's work posted by the training thread (``_post``),
         until cancelled."""
         task_status.started()
-        async for job in inbox:
-            try:
-                await job()
-            except* SwarmError as failed:  # a job may run DHT requests side by side
-                log.info("epoch %d: %s", self.epoch, failed.exceptions[0])
+        try:
+            async for job in inbox:
+                try:
+                    await job()
+                except* SwarmError as failed:  # a job may run DHT requests side by side
+                    log.info("epoch %d: %s", self.epoch, failed.exceptions[0])
+        finally:
+            # cancelled by ``aclose``, or by the peer stopping: then the next
+            # ``step`` says so instead of training on alone without a network
+            self._peer_stopped = not self._closed
 
     def _record(self) -> PeerProgress:
         return PeerProgress(
