@@ -86,6 +86,7 @@ from ._codecs import (
     HEADER,
     NONE,
     Codec,
+    CodecKind,
     all_finite,
     decode_split,
     encode_split,
@@ -576,7 +577,7 @@ class _Round:
         gone = {i for i in expected if self.group.members[i].peer_id in withdrawn}
         if gone:
             logger.info("all-reduce: members %s withdrew from this round", sorted(gone))
-            self._completed(reducer.fail_all(gone))
+            await self._completed(reducer.fail_all(gone))
         async with trio.open_nursery() as nursery:
             with self._incoming_receive:
                 with trio.move_on_after(self.config.sender_timeout):
@@ -585,7 +586,7 @@ class _Round:
                         if stream is None:  # a withdrawal notice
                             if sender not in self._connected and sender not in reducer.failed:
                                 logger.info("all-reduce: member %d withdrew", sender)
-                                self._completed(reducer.fail(sender))
+                                await self._completed(reducer.fail(sender))
                             done.set()
                             continue
                         if sender in self._connected or sender in reducer.failed:
@@ -598,7 +599,7 @@ class _Round:
             late = expected - self._connected
             if late:
                 logger.info("all-reduce: senders %s did not connect in time", sorted(late))
-                self._completed(reducer.fail_all(late))
+                await self._completed(reducer.fail_all(late))
 
     async def _serve_sender(self, stream: StreamLike, sender: int, done: trio.Event) -> None:
         """Receive one sender's chunks and stream the averaged chunks back.
@@ -614,7 +615,7 @@ class _Round:
                     await self._reply(stream, sender)
                 except Exception as e:  # per-peer boundary
                     logger.info("all-reduce: replying to member %d failed: %r", sender, e)
-                    self._completed(self.reducer.fail(sender))
+                    await self._completed(self.reducer.fail(sender))
                     await stream.aclose()
                 nursery.cancel_scope.cancel()
         finally:
@@ -647,14 +648,14 @@ class _Round:
                             payload = await scratch.receive(stream, size, check.watch(header))
                     if header is None or payload is None:
                         logger.info("all-reduce: member %d missed sender_timeout", sender)
-                        self._completed(reducer.fail(sender))
+                        await self._completed(reducer.fail(sender))
                         break
-                    values = decode_split(header, payload, expected_length=sizes[chunk])
-                    if not check.all_finite(values):  # excluded, and banned
+                    values, finite = await _decode(header, payload, sizes[chunk], check)
+                    if not finite:  # excluded, and banned
                         self._blame(sender, ProtocolError(f"sent NaN or Inf in chunk {chunk}"))
-                        self._completed(reducer.fail(sender))
+                        await self._completed(reducer.fail(sender))
                         break
-                    self._completed(reducer.add(sender, chunk, values, finite=True))
+                    await self._completed(reducer.add(sender, chunk, values, finite=True))
             # Excluded or finished: drain whatever it still sends, so a slow
             # sender is never blocked writing to us while it waits for results.
             while True:
@@ -663,7 +664,7 @@ class _Round:
             self._blame(sender, e)
             if reducer.expects(sender):
                 logger.info("all-reduce: member %d failed as a sender: %r", sender, e)
-                self._completed(reducer.fail(sender))
+                await self._completed(reducer.fail(sender))
                 await stream.aclose()  # not a clean end: the sender sees it fail
             serving.cancel()
 
@@ -701,8 +702,10 @@ class _Round:
                 await stream.send_bytes_batch(frames)
             self._frame_sent(chunk, sender)
 
-    def _completed(self, chunks: range) -> None:
-        """Encode each newly finished chunk once, for every responder, and wake them."""
+    async def _completed(self, chunks: range) -> None:
+        """Encode each newly finished chunk once, for every responder, and wake
+        them. Shielded: a chunk the reducer finished is always published, also
+        while the caller is being cancelled (encoding takes bounded time)."""
         assert self.reducer is not None
         for chunk in chunks:
             contributors = self.reducer.contributors(chunk)
@@ -716,7 +719,8 @@ class _Round:
             else:
                 # NONE sends the accumulator's own memory: a finished chunk is
                 # not written again, and the accumulator outlives the replies.
-                header, payload = encode_split(values, self.codec)
+                with trio.CancelScope(shield=True):
+                    header, payload = await _encode(values, self.codec)
                 self._frames[chunk] = (prefix + header, payload)
             self._frame_waiters[chunk] = set(self._responders)
             if not self._responders:
@@ -836,7 +840,7 @@ class _Round:
                 # NONE sends the vector's own memory. That is safe: results for
                 # this chunk, which overwrite it, come only once the reducer
                 # has all of it (or has excluded us and ignores the rest).
-                header, payload = encode_split(self.flat[start + a : start + b], self.codec)
+                header, payload = await _encode(self.flat[start + a : start + b], self.codec)
                 frames = (_CHUNK_INDEX.pack(chunk) + header, payload)
                 with self._sending(stream, frames):
                     await stream.send_bytes_batch(frames)
@@ -862,13 +866,13 @@ class _Round:
                         continue
                     with self._receiving(stream, size):
                         payload = await scratch.receive(stream, size, check.watch(blob_header))
-                values = decode_split(blob_header, payload, expected_length=b - a)
                 # Into place only once it is known to be good: a failed chunk
                 # keeps the local values. Our own reducer's float32 results are
                 # finite (``PartReducer``); encoded ones can overflow a codec
                 # (FLOAT16), and another reducer's can be a lie.
                 own = isinstance(stream, _LocalStream) and is_raw_float32(blob_header)
-                if not (own or check.all_finite(values)):
+                values, finite = await _decode(blob_header, payload, b - a, None if own else check)
+                if not finite:
                     raise ProtocolError("the reducer sent NaN or Inf")
                 self.flat[start + a : start + b].copy_(values)
                 self.received.received(part, chunk, contributors)
@@ -1030,6 +1034,55 @@ def _expect_frame(obj: Any, what: str) -> bytes | bytearray | memoryview:
 #: Bytes of payload a ``_FiniteCheck`` lets arrive before it sums them: smaller
 #: pieces cost more in calls than they save.
 _CHECK_BYTES = 256 * 1024
+
+
+#: codec work runs in one worker thread of the trio run at a time: torch
+#: spreads each cast or quantization over the cores already, and several at
+#: once oversubscribe them (three members in one process: 3.2 s for five
+#: rounds against 2.3 s inline, before this limit)
+_CODEC_WORKER: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("codec_worker")
+
+
+def _codec_worker() -> trio.CapacityLimiter:
+    try:
+        return _CODEC_WORKER.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(1)
+        _CODEC_WORKER.set(limiter)
+        return limiter
+
+
+async def _encode(
+    values: torch.Tensor, codec: Codec
+) -> tuple[bytes, bytes | bytearray | memoryview]:
+    """``encode_split`` of a chunk, in a worker thread unless it is only a view
+    (``NONE``): casting or quantizing a chunk of a million values takes
+    milliseconds that the event loop's other streams and DHT replies must not
+    wait for."""
+    if codec.kind is CodecKind.NONE:
+        return encode_split(values, codec)
+    return await trio.to_thread.run_sync(encode_split, values, codec, limiter=_codec_worker())
+
+
+async def _decode(
+    header: bytes | bytearray | memoryview,
+    payload: bytes | bytearray | memoryview,
+    length: int,
+    check: _FiniteCheck | None,
+) -> tuple[torch.Tensor, bool]:
+    """A received chunk's values (``decode_split``, ``length`` of them) and
+    whether they are all finite (True without a ``check``: trusted values).
+    Raw float32 is a view of ``payload``, checked as it arrived, so it stays
+    on this thread; any other codec is decoded and checked in a worker thread
+    (``payload`` must stay untouched until this returns)."""
+
+    def decode() -> tuple[torch.Tensor, bool]:
+        values = decode_split(header, payload, expected_length=length)
+        return values, check is None or check.all_finite(values)
+
+    if is_raw_float32(header):
+        return decode()
+    return await trio.to_thread.run_sync(decode, limiter=_codec_worker())
 
 
 class _FiniteCheck:

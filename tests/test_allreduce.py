@@ -11,15 +11,18 @@ plan says delivered it, and healthy members finish by the round deadline.
 from __future__ import annotations
 
 import struct
-from collections.abc import AsyncIterator, Sequence
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import Any
 
 import pytest
 import torch
 import trio
 
+from averaging import _allreduce
 from averaging._allreduce import (
     ALLREDUCE_STREAM,
     PROTOCOL_VERSION,
@@ -232,6 +235,31 @@ async def test_quantized_codecs_close_to_mean_and_identical(codec: Codec, atol: 
     # Two-step quantization: the reducer keeps what it sent, so all members agree bit for bit.
     assert torch.equal(outcome.outputs[1], outcome.outputs[0])
     assert torch.equal(outcome.outputs[2], outcome.outputs[0])
+
+
+async def test_a_codec_encodes_and_decodes_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Quantizing and dequantizing chunks (senders' parts, reducers' results)
+    runs in worker threads: the event loop's other streams and DHT replies do
+    not wait for it."""
+    threads: dict[str, set[int]] = {"encode": set(), "decode": set()}
+
+    def recorded(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            threads[kind].add(threading.get_ident())
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(_allreduce, "encode_split", recorded("encode", _allreduce.encode_split))
+    monkeypatch.setattr(_allreduce, "decode_split", recorded("decode", _allreduce.decode_split))
+    async with open_peers(3) as nets:
+        groups = make_groups(nets)
+        outcome = await run_round(nets, groups, WEIGHTS[:3], codec=UINT8)
+    check(outcome, WEIGHTS[:3], range(3), uniform(groups, frozenset(range(3))), atol=0.06)
+    assert threads["encode"] and threads["decode"]
+    assert threading.get_ident() not in threads["encode"] | threads["decode"]
 
 
 async def test_client_and_auxiliary_members() -> None:
