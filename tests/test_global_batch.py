@@ -12,6 +12,7 @@ from trainer_harness import TrainingPeer, training_config, training_peers
 
 from swarm import Identity, PeerID, ProtocolError
 from trainer import CollaborativeOptimizer, PeerProgress, others_progress
+from trainer._progress import RateMeter
 
 ME, A, B, C = (Identity.from_seed(bytes([i]) * 32).peer_id for i in range(1, 5))
 
@@ -124,6 +125,19 @@ def test_each_global_step_of_four_peers_averages_the_target_batch() -> None:
     median = totals[len(totals) // 2]
     assert target - slack <= median <= target + slack, (totals, samples)
     assert totals[-1] <= 2.5 * target, (totals, samples)
+
+
+def test_the_rate_others_extrapolate_counts_the_time_between_steps_not_the_round() -> None:
+    rate = RateMeter(alpha=1.0)  # the latest batch only, to read each rule alone
+    rate.update(10.0, 64)
+    rate.update(10.1, 64)
+    assert rate.rate == pytest.approx(640.0)  # a batch of 64 every 0.1 s
+    rate.pause()  # averaging: the round's 2 s are not this peer's compute
+    rate.resume(12.1)  # the step is over: the inner step, an evaluation, data
+    rate.update(12.5, 64)
+    # the others extrapolate this peer from the round's end: the 0.4 s before
+    # its first batch are time per sample as they see it
+    assert rate.rate == pytest.approx(160.0)
 
 
 def test_a_peer_of_unmeasured_rate_counts_at_the_askers_rate() -> None:

@@ -1319,6 +1319,11 @@ class AsyncCollaborativeOptimizer:
         )
         self._raise_scheduler_error()
         await self._after_global_step(alone)
+        # Averaging is not compute, but the time from here to the next batch
+        # is: counted as compute rate, the others extrapolated this peer
+        # from the round's end at its bare batch speed, and with steps of a
+        # few batches each peer stopped after one (2 peers: 0.71x the target).
+        self._rate.resume(time.monotonic())
 
     def _resync_due(self) -> bool:
         """Whether parameters and state are averaged after this global step:

@@ -292,6 +292,12 @@ class RateMeter:
         """Forget the last time: waiting (averaging) is not compute."""
         self._last = None
 
+    def resume(self, now: float) -> None:
+        """Count from ``now`` again: what comes before the next batch (the
+        inner step, the loop's evaluation, loading data) is this peer's time
+        per sample as the others see it, not waiting."""
+        self._last = now
+
 
 # -- the aggregation tree (see the module docstring) ------------------------------------
 
