@@ -14,6 +14,13 @@ The single peer is the baseline measured in the same run: it never averages.
     python benchmarks/training.py                      # 1, 2, 4 peers, 20 epochs
     python benchmarks/training.py --peers 1 4 --epochs 20 --json
     python benchmarks/training.py --peers 2 4 --epochs 8 --fixed-timing  # no RoundTiming
+    python benchmarks/training.py --cli-defaults --peers 1 2 4 8 --epochs 40
+
+``--cli-defaults`` trains with exactly what ``swarm train`` uses when given no
+options (its target batch, matchmaking time, averaging timeout and state
+averaging; ``--target-batch-size`` is ignored), evaluates after every epoch
+and adds the time each swarm took until its peers' mean accuracy first
+reached 90%.
 
 Target: averaging and waiting below 15% of wall time with 4 peers.
 """
@@ -44,6 +51,9 @@ class Result:
     samples_max: int
     #: peer-steps taken alone (no group, or no other contributor)
     alone: int = 0
+    #: seconds from the start until the peers' mean accuracy first reached
+    #: 90% (``--cli-defaults``; None: never, or not evaluated each epoch)
+    to_90: float | None = None
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -57,6 +67,9 @@ def _worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
+    if args.cli_defaults:
+        _train_as_the_cli(args)
+        return
     config = CollaborativeConfig(
         averaging=AveragerConfig(
             matchmaking=MatchmakingConfig(
@@ -82,15 +95,7 @@ def _worker(args: argparse.Namespace) -> None:
         samples: dict[int, list[Any]] = {}
 
         def on_epoch(opt: Any, _report: Any) -> None:
-            step = opt.last_step
-            if step is not None:
-                averaging = step.averaging
-                group = None if averaging is None else averaging.group_id
-                samples[step.epoch] = [
-                    step.samples,
-                    None if group is None else group.hex(),
-                    sorted(bytes(p).hex() for p in step.contributors),
-                ]
+            _record_step(opt, samples)
 
         report = train(
             peer,
@@ -112,6 +117,74 @@ def _worker(args: argparse.Namespace) -> None:
             ),
             on_epoch=on_epoch,
         )
+        _print_report(report, peer, samples, {})
+
+
+def _train_as_the_cli(args: argparse.Namespace) -> None:
+    """``--cli-defaults``: one peer of ``swarm train`` with no options (what
+    its parser and config builders give), evaluated after every epoch."""
+    from swarm import Identity, Peer, PeerConfig
+    from swarm.cli import _collaborative_config, build_parser
+    from trainer import load_task
+    from trainer._loop import TrainingConfig, train
+
+    cli = build_parser().parse_args(["train"])
+    initial = (args.initial_peer,) if args.initial_peer else ()
+    with Peer(
+        Identity.from_seed(bytes([args.index + 1]) * 32), PeerConfig(initial_peers=initial)
+    ) as peer:
+        print(json.dumps({"address": peer.address}), flush=True)
+        if args.index == 0 and args.peers > 1:
+            sys.stdin.readline()  # wait until every peer has joined: start together
+        samples: dict[int, list[Any]] = {}
+        #: epoch -> [seconds since this peer's training started, accuracy]
+        accuracy: dict[int, list[float]] = {}
+        started: list[float] = []
+
+        def on_epoch(opt: Any, report: Any) -> None:
+            _record_step(opt, samples)
+            accuracy[opt.epoch] = [
+                time.monotonic() - started[0],
+                report.metrics.get("accuracy", float("nan")),
+            ]
+
+        report = train(
+            peer,
+            load_task("digits"),
+            TrainingConfig(
+                run_id="bench",
+                target_batch_size=cli.target_batch_size,
+                batch_size=cli.batch_size,
+                max_epochs=args.epochs,
+                eval_every=1,
+                data_seed=args.index,
+                optimizer=_collaborative_config(cli),
+                min_peers=args.peers,
+                min_peers_timeout=60.0,
+                load_state=False,
+            ),
+            on_start=lambda _opt: started.append(time.monotonic()),
+            on_epoch=on_epoch,
+        )
+        _print_report(report, peer, samples, accuracy)
+
+
+def _record_step(opt: Any, samples: dict[int, list[Any]]) -> None:
+    """This peer's samples, group id and contributors of its last global step."""
+    step = opt.last_step
+    if step is not None:
+        averaging = step.averaging
+        group = None if averaging is None else averaging.group_id
+        samples[step.epoch] = [
+            step.samples,
+            None if group is None else group.hex(),
+            sorted(bytes(p).hex() for p in step.contributors),
+        ]
+
+
+def _print_report(
+    report: Any, peer: Any, samples: dict[int, list[Any]], accuracy: dict[int, list[float]]
+) -> None:
     print(
         json.dumps(
             {
@@ -121,10 +194,21 @@ def _worker(args: argparse.Namespace) -> None:
                 "accuracy": report.metrics.get("accuracy", float("nan")),
                 "peer_id": bytes(peer.peer_id).hex(),
                 "samples": samples,
+                "by_epoch": accuracy,
             }
         ),
         flush=True,
     )
+
+
+def _time_to(reports: list[dict[str, Any]], target: float) -> float | None:
+    """Seconds until the peers' mean accuracy after an epoch first reached
+    ``target`` (the slowest peer's time to that epoch), if it did."""
+    epochs = set.intersection(*(set(r["by_epoch"]) for r in reports)) if reports else set()
+    for epoch in sorted(epochs, key=int):
+        if statistics.mean(r["by_epoch"][epoch][1] for r in reports) >= target:
+            return max(r["by_epoch"][epoch][0] for r in reports)
+    return None
 
 
 def _run_swarm(n: int, args: argparse.Namespace) -> Result:
@@ -141,6 +225,7 @@ def _run_swarm(n: int, args: argparse.Namespace) -> Result:
         "--batch-size",
         str(args.batch_size),
         *(["--fixed-timing"] if args.fixed_timing else []),
+        *(["--cli-defaults"] if args.cli_defaults else []),
     ]
     procs: list[subprocess.Popen[str]] = []
     try:
@@ -185,6 +270,7 @@ def _run_swarm(n: int, args: argparse.Namespace) -> Result:
         statistics.mean(steps),
         max(steps),
         alone,
+        _time_to(reports, 0.9),
     )
 
 
@@ -225,6 +311,11 @@ def main() -> None:
         action="store_true",
         help="the configured matchmaking time and averaging timeout, not adapted (RoundTiming)",
     )
+    parser.add_argument(
+        "--cli-defaults",
+        action="store_true",
+        help="train as `swarm train` with no options; evaluate every epoch (time to 90%%)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--initial-peer", help=argparse.SUPPRESS)
@@ -239,19 +330,28 @@ def main() -> None:
     if args.json:
         print(json.dumps([r.__dict__ for r in results]))
         return
+    target, local = args.target_batch_size, args.batch_size
+    if args.cli_defaults:
+        from swarm.cli import build_parser
+
+        cli = build_parser().parse_args(["train"])
+        target, local = cli.target_batch_size, cli.batch_size or "the task's"
     print(
-        f"digits, target batch {args.target_batch_size}, local batch {args.batch_size}, "
-        f"{args.epochs} epochs, {os.cpu_count()} cores ({time.monotonic() - started:.0f}s)"
+        f"digits, target batch {target}, local batch {local}, {args.epochs} epochs,"
+        f"{' swarm train defaults,' if args.cli_defaults else ''}"
+        f" {os.cpu_count()} cores ({time.monotonic() - started:.0f}s)"
     )
     print(
         f"{'peers':>5}  {'s/epoch':>8}  {'averaging+waiting':>17}  {'accuracy':>8}"
-        f"  {'samples/step (mean, max)':>24}  {'alone':>5}"
+        f"  {'samples/step (mean, max)':>24}  {'alone':>5}  {'to 90%':>7}"
     )
     for r in results:
-        ratio = r.samples_mean / args.target_batch_size
+        ratio = r.samples_mean / target
+        to_90 = "-" if r.to_90 is None else f"{r.to_90:.1f}s"
         print(
             f"{r.peers:>5}  {r.epoch_s:>8.3f}  {r.averaging_share:>17.1%}  {r.accuracy:>8.3f}"
             f"  {r.samples_mean:>9.0f} ({ratio:.2f}x) {r.samples_max:>6}  {r.alone:>5}"
+            f"  {to_90:>7}"
         )
     largest = max(results, key=lambda r: r.peers)
     verdict = "PASS" if largest.averaging_share < 0.15 else "MISS"
