@@ -644,10 +644,15 @@ class Matchmaker:
         A leader that refused, disbanded or died is not asked again this round;
         one that was busy or unreachable for a moment is asked again after
         ``poll_interval`` (peers begin a round a little apart, and under load a
-        request can time out).
+        request can time out). The lobby is read again after an eighth of
+        ``poll_interval``, doubling to ``poll_interval``.
         """
         final: set[PeerID] = set()
         retry_at: dict[PeerID, float] = {}
+        # The first reads come quickly, then every ``poll_interval``: a peer
+        # that read the lobby just before its leader announced itself slept a
+        # whole interval, and a step of 30 ms took 550 (two digits peers).
+        pause = self.config.poll_interval / 8
         while True:
             try:
                 found = await self.peer.dht.get(lobby.key)
@@ -678,7 +683,8 @@ class Matchmaker:
                     if result.peer_id != self.peer.peer_id:
                         final.discard(result.peer_id)
                         queue.insert(0, result)
-            await trio.sleep(self.config.poll_interval)
+            await trio.sleep(pause)
+            pause = min(2 * pause, self.config.poll_interval)
 
     def _redirected(self, wire: Any) -> Candidate:
         candidate = Candidate.from_wire(wire)
