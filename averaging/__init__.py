@@ -28,7 +28,14 @@ Modules, pure code first:
   whole (``HostStaging``) or a chunk at a time (``ChunkedStaging``)
 """
 
-from ._allreduce import AllReduceConfig, AllReduceResult, all_reduce, serve_allreduce
+from ._allreduce import (
+    AllReduceConfig,
+    AllReduceResult,
+    all_reduce,
+    listen_to_sender_weights,
+    sender_weights,
+    serve_allreduce,
+)
 from ._arctopk import ArcTopKRound, RowSelection, arc_topk_compress, contraction_bound, select_rows
 from ._averager import (
     Averager,
@@ -101,8 +108,10 @@ __all__ = [
     "contraction_bound",
     "flat_zeros_like",
     "float32_accumulators",
+    "listen_to_sender_weights",
     "load_state_from_peers",
     "select_rows",
+    "sender_weights",
     "serve_allreduce",
     "serve_state",
 ]

@@ -1180,6 +1180,10 @@ class _Registry:
         self._withdrawn: dict[bytes, float] = {}
         #: withdrawal notices of others: (group id, peer) -> until when
         self._notices: dict[tuple[bytes, PeerID], float] = {}
+        #: the weights group-mates announced in the headers of the streams they
+        #: began to this peer: (group id, peer) -> (weight, until when)
+        self._weights: dict[tuple[bytes, PeerID], tuple[float, float]] = {}
+        self._weight_listeners: list[Callable[[bytes, PeerID, float], None]] = []
 
     def _expire(self) -> None:
         now = trio.current_time()
@@ -1187,6 +1191,8 @@ class _Registry:
             del self._withdrawn[gid]
         for key in [k for k, until in self._notices.items() if until <= now]:
             del self._notices[key]
+        for wkey in [k for k, (_, until) in self._weights.items() if until <= now]:
+            del self._weights[wkey]
 
     def withdraw(self, group_id: bytes) -> None:
         """This peer withdrew from ``group_id``: refuse its streams from now on
@@ -1222,6 +1228,33 @@ class _Registry:
         if rnd is not None:
             await rnd.withdraw(stream.remote)
         await stream.send(["ok"])
+
+    def _note_weight(self, group_id: bytes, peer: PeerID, weight: Any) -> None:
+        """A group-mate began its all-reduce to us announcing ``weight``: keep
+        it (bounded, like withdrawal notices) and tell the listeners. A weight
+        that is no finite number >= 0 is left for ``check_header`` to refuse."""
+        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
+            return
+        self._expire()
+        while len(self._weights) >= MAX_WITHDRAWAL_NOTICES:
+            del self._weights[next(iter(self._weights))]
+        self._weights[(group_id, peer)] = (float(weight), trio.current_time() + WITHDRAWAL_TTL)
+        for listener in self._weight_listeners:
+            listener(group_id, peer, float(weight))
+
+    def sender_weights(self, group_id: bytes) -> dict[PeerID, float]:
+        self._expire()
+        return {peer: w for (gid, peer), (w, _) in self._weights.items() if gid == group_id}
+
+    @contextmanager
+    def listen_to_weights(
+        self, listener: Callable[[bytes, PeerID, float], None]
+    ) -> Iterator[None]:
+        self._weight_listeners.append(listener)
+        try:
+            yield
+        finally:
+            self._weight_listeners.remove(listener)
 
     def take_buffer(self, size: int) -> torch.Tensor:
         """An accumulator of at least ``size`` float32 values (contents undefined).
@@ -1273,6 +1306,7 @@ class _Registry:
             return
         fields = expect_list(header, 7, "all-reduce header")
         gid = expect_bytes(fields[1], "group id", max_size=64)
+        self._note_weight(gid, stream.remote, fields[4])
         rnd = await self._rounds.find(
             gid, wait=UNKNOWN_GROUP_WAIT, unless=lambda: gid in self._withdrawn
         )
@@ -1297,6 +1331,22 @@ def serve_allreduce(net: Network) -> None:
     """
     _registry(net)
     serve_lossy_allreduce(net)
+
+
+def sender_weights(net: Network, group_id: bytes) -> dict[PeerID, float]:
+    """The weights that members of group ``group_id`` announced when they began
+    sending their all-reduce to this peer (kept for a while, also when this
+    peer has not started that round yet): a member that began its round has
+    stopped adding to it, and its weight is final."""
+    return _registry(net).sender_weights(group_id)
+
+
+def listen_to_sender_weights(
+    net: Network, listener: Callable[[bytes, PeerID, float], None]
+) -> AbstractContextManager[None]:
+    """While the block runs, ``listener(group_id, peer, weight)`` hears of each
+    weight as ``sender_weights`` keeps it (on the trio thread)."""
+    return _registry(net).listen_to_weights(listener)
 
 
 def _registry(net: Network) -> _Registry:

@@ -30,13 +30,15 @@ from averaging._allreduce import (
     AllReduceResult,
     _registries,
     all_reduce,
+    listen_to_sender_weights,
+    sender_weights,
     serve_allreduce,
 )
 from averaging._codecs import FLOAT16, NONE, UINT4, UINT8, Codec, encode_split
 from averaging._faults import FaultPlan, InjectedFault, MemberFault
 from averaging._group import Group, GroupMember, MemberMode
 from averaging._partition import flat_zeros_like, flatten
-from swarm import ConfigError, Identity, ManualClock, SwarmError
+from swarm import ConfigError, Identity, ManualClock, PeerID, SwarmError
 from swarm._bans import BanList
 from swarm._connections import ConnectionConfig, Connections, Stream, open_connections
 
@@ -260,6 +262,26 @@ async def test_a_codec_encodes_and_decodes_off_the_event_loop(
     check(outcome, WEIGHTS[:3], range(3), uniform(groups, frozenset(range(3))), atol=0.06)
     assert threads["encode"] and threads["decode"]
     assert threading.get_ident() not in threads["encode"] | threads["decode"]
+
+
+async def test_a_member_learns_the_weights_of_group_mates_that_began_before_it() -> None:
+    """The header of a stream a group-mate began carries its weight: the
+    member has it (and its listeners hear of it) before entering the round."""
+    heard: list[tuple[bytes, PeerID, float]] = []
+    async with open_peers(2) as nets:
+        groups = make_groups(nets)
+        serve_allreduce(nets[1])
+        with listen_to_sender_weights(nets[1], lambda *weight: heard.append(weight)):
+            async with trio.open_nursery() as nursery:
+                tensors = [member_data(0)]
+                nursery.start_soon(
+                    partial(all_reduce, nets[0], groups[0], tensors, weight=96.0, config=CONFIG)
+                )
+                await trio.testing.wait_all_tasks_blocked()  # member 1 has not begun
+                assert sender_weights(nets[1], b"group-1") == {nets[0].peer_id: 96.0}
+                assert heard == [(b"group-1", nets[0].peer_id, 96.0)]
+                await all_reduce(nets[1], groups[1], [member_data(1)], weight=32.0, config=CONFIG)
+        assert sender_weights(nets[1], b"another group") == {}
 
 
 async def test_client_and_auxiliary_members() -> None:

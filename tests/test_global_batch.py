@@ -140,6 +140,18 @@ def test_the_rate_others_extrapolate_counts_the_time_between_steps_not_the_round
     assert rate.rate == pytest.approx(160.0)
 
 
+def test_a_group_mate_whose_round_began_counts_exactly_its_announced_weight() -> None:
+    # A's record is a refresh old and still adding; its all-reduce stream
+    # already said it began the round with 96 samples. C began too, unread.
+    records = [_record(A, 5, 64, 1000.0, 100.0), _record(B, 5, 32, 1000.0, 100.0)]
+    others = others_progress(records, me=ME, epoch=5, now=100.0, stale_after=30.0, horizon=1.0)
+    settled = others.settled({A: 96.0, C: 40.0})
+    # A and C exactly, no more; B still extrapolated at its rate
+    assert settled.total(0, 0.05) == pytest.approx(96 + 40 + 32 + 50)
+    assert settled.rate == pytest.approx(1000.0)
+    assert others.settled({}) is others
+
+
 def test_a_peer_of_unmeasured_rate_counts_at_the_askers_rate() -> None:
     # the first step: A has not measured its rate yet; B averages (stopped)
     records = [_record(A, 0, 32, 0.0, 100.0), _record(B, 0, 64, 0.0, 100.0)]

@@ -10,7 +10,7 @@ peer; with 8 peers a step averaged 34 times the target.
 
 The rule here (hivemind's ``ProgressTracker`` extrapolates the same way): the
 others' last records, each extrapolated at its rate from its time to now, plus
-this peer's own samples. Three guards keep it honest:
+this peer's own samples. Four guards keep it honest:
 
 - A record is extrapolated for at most ``horizon`` seconds: a live peer
   publishes every progress interval whatever its training thread does, so an
@@ -21,6 +21,11 @@ this peer's own samples. Three guards keep it honest:
   and from then on count it toward the next epoch at its rate. Without
   that, a peer whose record still showed the last epoch counted for
   nothing, and each peer filled the next target almost alone.
+- A peer whose round for the epoch began counts exactly the weight it
+  announced to this peer (``Others.settled``): the all-reduce streams of a
+  group formed ahead of the step carry it at once, while its record says
+  so only a refresh later, and meanwhile extrapolating it at its rate ended
+  the others' steps short (two peers: 0.74x the target).
 - A live peer that still adds to the epoch adds at least one micro-batch
   (``PeerProgress.batch``): a peer decides whether to stop only after a
   batch, so none ends a step with nothing in it. Extrapolation alone lags
@@ -35,6 +40,7 @@ Pure code: the tracker computes ``Others`` at each reading, the optimizer asks
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from swarm import PeerID
@@ -60,6 +66,8 @@ class Expected:
     #: its micro-batch (0: not published, the asking peer's own is assumed):
     #: a peer still adding counts for at least one
     batch: int = 0
+    #: whose record it is (None: not known)
+    peer: PeerID | None = None
 
     def at(self, elapsed: float, prior: float, prior_batch: int) -> float:
         """Its samples ``elapsed`` (>= 0) seconds after the reading."""
@@ -97,6 +105,17 @@ class Others:
     def rate(self) -> float:
         """The others' summed rate at the reading (samples per second)."""
         return sum(rate for rate, _ in self.rates)
+
+    def settled(self, final: Mapping[PeerID, float]) -> Others:
+        """These peers, with those in ``final`` counted at exactly that many
+        samples and no more (they stopped adding to ``epoch``: their group's
+        round began with that weight, which the readings show only later);
+        a peer of ``final`` without a record yet is added."""
+        if not final:
+            return self
+        peers = [p for p in self.peers if p.peer is None or p.peer not in final]
+        peers += [Expected(samples, peer=peer) for peer, samples in final.items()]
+        return Others(self.epoch, tuple(peers))
 
     def total(self, mine: int, elapsed: float, prior: float = 0.0, prior_batch: int = 0) -> float:
         """The swarm's samples toward ``epoch`` ``elapsed`` seconds after the
@@ -136,12 +155,12 @@ def others_progress(
         if r.epoch == epoch - 1 and now - r.time < horizon:
             # finishing the step before ``epoch`` (whether or not it said it
             # stopped: a short round may end before it publishes again)
-            peers.append(Expected(0.0, rate, horizon, r.batch))
+            peers.append(Expected(0.0, rate, horizon, r.batch, r.peer_id))
         elif r.epoch == epoch and r.stopped:
-            peers.append(Expected(float(r.samples)))
+            peers.append(Expected(float(r.samples), peer=r.peer_id))
         elif r.epoch == epoch:
             since = max(0.0, now - r.time)
             measured = 0.0 if rate is None else rate
             samples = r.samples + measured * min(horizon, since)
-            peers.append(Expected(samples, rate, max(0.0, horizon - since), r.batch))
+            peers.append(Expected(samples, rate, max(0.0, horizon - since), r.batch, r.peer_id))
     return Others(epoch, tuple(peers))

@@ -73,7 +73,7 @@ import math
 import threading
 import time
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -98,7 +98,9 @@ from averaging import (
     StateTransferConfig,
     StepResult,
     chunked_contributors,
+    listen_to_sender_weights,
     load_state_from_peers,
+    sender_weights,
     serve_state,
 )
 from swarm import (
@@ -470,6 +472,11 @@ class AsyncCollaborativeOptimizer:
         self._started = False
         #: the peer stopped under this open optimizer (its services ended)
         self._peer_stopped = False
+        #: (epoch, the samples of group-mates whose round of that epoch began:
+        #: final), replaced whole on the trio thread, read by the training
+        #: thread's decisions (``_ready``)
+        self._finals: tuple[int, Mapping[PeerID, float]] = (-1, {})
+        self._listening = contextlib.ExitStack()
         self._load_state = load_state
         #: held while the state changes (see the module doc); donors try it
         self._state_lock = threading.Lock()
@@ -513,6 +520,9 @@ class AsyncCollaborativeOptimizer:
         self._token = trio.lowlevel.current_trio_token()
         peer = self.peer
         self._coordinator = await peer.start_service(self._serve_inbox, self._inbox_receive)
+        self._listening.enter_context(
+            listen_to_sender_weights(peer.connections, self._note_sender_weight)
+        )
         self._donor = await self._start_donor()
         if self._checkpoints is not None:
             await self._resume_from_checkpoint()
@@ -1004,6 +1014,7 @@ class AsyncCollaborativeOptimizer:
         )
         if self._checkpoints is not None and not unchanged:
             await self._save_checkpoint()
+        self._listening.close()
         self._donor.cancel()
         self._tracker.cancel()
         self._coordinator.cancel()
@@ -1030,6 +1041,9 @@ class AsyncCollaborativeOptimizer:
             # read before this peer's last step ended: the others toward the
             # next epoch, counted from when this one began
             others, elapsed = reading.ahead, now - max(reading.time, self._epoch_began)
+        epoch, finals = self._finals
+        if others is not None and epoch == self.epoch:
+            others = others.settled(finals)  # group-mates whose round began
         if others is None or others.epoch != self.epoch:  # a reading without them
             reported = reading.swarm.reported - reading.samples
             return reported + self._samples >= self.target_batch_size
@@ -1106,7 +1120,7 @@ class AsyncCollaborativeOptimizer:
                 if joining is not None:  # the averager is in a weight-0 round
                     await joining.wait()
                 self._grad_averager.set_grid(await self._agreed_grid(epoch))
-                prematch.group = await self._grad_averager.find_group(
+                group = prematch.group = await self._grad_averager.find_group(
                     round=epoch,
                     expected_peers=expected,
                     # lossy: whether the group re-synchronises after this
@@ -1114,6 +1128,10 @@ class AsyncCollaborativeOptimizer:
                     # once the step has advanced the epoch to epoch + 1)
                     resync=None if self._resync is None else self._resync.due(epoch + 1),
                 )
+                if group is not None:  # its members that began before we knew it
+                    begun = sender_weights(self.peer.connections, group.group_id)
+                    for member, weight in begun.items():
+                        self._note_sender_weight(group.group_id, member, weight)
             except* SwarmError as failed:  # matchmaking runs tasks side by side
                 log.info("epoch %d: matchmaking failed: %s", epoch, failed.exceptions[0])
             finally:
@@ -1150,6 +1168,21 @@ class AsyncCollaborativeOptimizer:
         if result is None:
             return self._grad_averager.skip("timed out during the all-reduce")
         return result
+
+    def _note_sender_weight(self, group_id: bytes, peer: PeerID, weight: float) -> None:
+        """A member of this epoch's group (formed ahead) began the round with
+        ``weight``, its samples: it adds no more, and ``_ready`` counts it at
+        exactly that. Other groups' rounds (state averaging, a past epoch's)
+        are not this step's."""
+        prematch = self._prematch
+        if prematch is None or prematch.epoch != self.epoch or prematch.group is None:
+            return
+        if prematch.group.group_id != group_id:
+            return
+        epoch, finals = self._finals
+        settled = dict(finals) if epoch == self.epoch else {}
+        settled[peer] = weight
+        self._finals = (self.epoch, settled)
 
     def _swarm_size(self) -> int:
         """The live peers of the swarm at the last reading (at least 1)."""
