@@ -24,9 +24,11 @@ application on top of them:
   nobody can dial (``Connections.set_relay_route`` dials through one); an
   unreachable peer stays registered (keepalives; another relay when its own
   leaves) and is announced through its relay (``AsyncPeer.relay_route``)
-- hole punching (``punch``, ``PunchError``, ``AsyncPeer.punch``): two peers
-  behind NATs that reach each other through a relay coordinate a TCP
-  simultaneous open over it, for a direct connection that outlives the relay
+- hole punching (``punch``, ``PunchError``, ``AsyncPeer.punch``, ``PunchConfig``):
+  two peers behind NATs that reach each other through a relay coordinate a
+  TCP simultaneous open over it, for a direct connection that outlives the
+  relay; a peer punches by itself to the peers it dials through a relay
+  (``AsyncPeer.auto_punch``)
 - the peer facade (``open_peer``, ``Peer``, ``PeerConfig``): identity, DHT node
   and connections on one port; ``Peer`` runs trio in a background thread for
   synchronous training loops
@@ -64,7 +66,7 @@ from ._errors import (
     SwarmError,
 )
 from ._identity import Identity, PeerID, verify_signature
-from ._punch import PunchError, punch
+from ._punch import PunchConfig, PunchError, punch
 from ._reachability import Reachability, ReachabilityConfig
 from ._relay import Relay, RelayConfig, keep_relay, open_circuit, serve_relay
 from ._swarm_key import create_swarm_key, load_swarm_key
@@ -106,6 +108,7 @@ __all__ = [  # noqa: RUF022 - grouped: core names, then the peer facade
     "NonFiniteError",
     "PeerCrashedError",
     "PeerUnreachableError",
+    "PunchConfig",
     "PunchError",
     "ProtocolError",
     "Reachability",

@@ -975,6 +975,7 @@ class Connections:
         self._closed = False
         self._traffic = _Traffic()
         self._relay_routes: dict[PeerID, Address] = {}
+        self._relayed_dial_watcher: Callable[[PeerID, Address], None] | None = None
         self._raw_handler: RawHandler | None = None
         self.port = 0
 
@@ -1171,6 +1172,13 @@ class Connections:
         else:
             self._relay_routes[peer_id] = relay
 
+    def watch_relayed_dials(self, watcher: Callable[[PeerID, Address], None] | None) -> None:
+        """Call ``watcher(peer_id, address)`` after each dial that reached
+        ``peer_id`` through its relay route (``address``: what the caller
+        passed), e.g. to punch a direct connection (``_punch.AutoPunch``);
+        ``None`` stops. The watcher must neither block nor raise."""
+        self._relayed_dial_watcher = watcher
+
     def set_raw_handler(self, handler: RawHandler | None) -> None:
         """Serve inbound connections that begin with ``RAW_MAGIC`` with
         ``handler`` instead of a handshake (``None``: refuse them, the default).
@@ -1271,13 +1279,16 @@ class Connections:
         self.report_offence(connection.remote, f"{type(error).__name__}: {error}")
 
     async def _pooled(self, peer_id: PeerID) -> _Connection | None:
-        """Take the most recently used ready connection to ``peer_id``, if any."""
+        """Take the most recently used ready connection to ``peer_id``, if any:
+        a direct one (punched through NATs, ``_punch``) before one through a
+        relay, which then idles out."""
         while True:
             entries = self._pool.get(peer_id, [])
             ready = [entry for entry in entries if entry.ready]
             if not ready:
                 return None
-            entry = ready[-1]
+            direct = [entry for entry in ready if not entry.connection.relayed]
+            entry = (direct or ready)[-1]
             self._unpool(entry)
             entry.scope.cancel()
             await entry.done.wait()
@@ -1329,6 +1340,7 @@ class Connections:
     async def _dial(self, peer_id: PeerID, address: Address) -> _Connection:
         config = self._config
         relay = self._relay_routes.get(peer_id)
+        address_asked = address
         if relay is not None:
             address = relay
         host, port = address
@@ -1364,6 +1376,8 @@ class Connections:
             socket_stream.socket.close()
             raise
         self._dialed.inc()
+        if relay is not None and self._relayed_dial_watcher is not None:
+            self._relayed_dial_watcher(peer_id, address_asked)
         return connection
 
     async def _handshake(

@@ -33,7 +33,7 @@ from ._errors import (
     unwrap_single,
 )
 from ._identity import Identity, PeerID
-from ._punch import PunchError, punch, serve_punch
+from ._punch import AutoPunch, PunchConfig, PunchError, punch, serve_punch
 from ._reachability import (
     Reachability,
     ReachabilityConfig,
@@ -76,6 +76,8 @@ class PeerConfig:
 
     ``relay`` says whether and how much this peer relays for peers that
     nobody can dial (``swarm._relay``; its circuits use this peer's port).
+    ``punch`` says whether it punches direct connections by itself to the
+    peers it reaches only through a relay (``swarm._punch.AutoPunch``).
     """
 
     host: str = "127.0.0.1"
@@ -89,6 +91,7 @@ class PeerConfig:
     bans: BanConfig = field(default_factory=BanConfig)
     reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
     relay: RelayConfig = field(default_factory=RelayConfig)
+    punch: PunchConfig = field(default_factory=PunchConfig)
 
     def __post_init__(self) -> None:
         if self.swarm_key is not None:
@@ -159,6 +162,9 @@ class AsyncPeer:
         #: the address the reachability helpers saw this peer come from (its
         #: NAT's public address, behind one); None until a check was answered
         self.observed_host: str | None = None
+        #: punches direct connections to peers dialed through a relay
+        #: (``swarm._punch``; runs from ``open_peer``), and counts them
+        self.auto_punch = AutoPunch(connections, self, config.punch)
 
     def _guess_host(self) -> str:
         initial = self.config.initial_peers
@@ -390,7 +396,7 @@ class AsyncPeer:
         connections, DHT contacts and keys; ``_counters``), for a registry to
         expose: the figures themselves, not copies."""
         relay = () if self.relay is None else self.relay.metrics
-        return (*self.connections.metrics, *self.dht.metrics, *relay)
+        return (*self.connections.metrics, *self.dht.metrics, *relay, *self.auto_punch.metrics)
 
     def __repr__(self) -> str:
         return f"<AsyncPeer {self.peer_id.short()} at {self.address}>"
@@ -466,7 +472,8 @@ async def open_peer(
                 peer = AsyncPeer(identity, config, dht, connections, services, relay)
                 relay.set_usable(peer.can_relay)
                 serve_dial_back(connections, dht, config.reachability)
-                serve_punch(connections, peer)
+                serve_punch(connections, peer, timeout=config.punch.timeout)
+                await peer.start_service(peer.auto_punch.serve)
                 if config.checks_reachability:
                     if config.initial_peers:
                         await peer.check_reachability()

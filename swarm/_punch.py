@@ -32,21 +32,41 @@ to punch dials only the port it is told at the host it is told: at most
 seconds, and the connection they make is useless to anyone but the
 authenticated peer that asked (the handshake must prove it).
 
+When to punch (``AutoPunch``): whenever this peer dials a peer through a
+relay (it needs that peer: a group member, a stream it opens), it punches
+for a direct connection in the background, at most one attempt at a time per
+remote and ``MAX_PUNCHES`` in all, and after a failure not again for
+``PunchConfig.retry_after`` seconds (doubling per failure in a row). The pool
+then prefers the punched connection to any relayed one (``Connections``).
+Everything a punched connection does when the remote goes (its handshake, the
+pool's watcher, the handler serving it) fails within a per-peer boundary:
+its errors never reach the peer's nursery.
+
 Not done yet: punching UDP for the DHT (a relayed peer's DHT node stays a
 client, so two NATed peers still need a reachable DHT node to find each
-other), and deciding when to punch (callers call ``punch``).
+other).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import socket
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import trio
+from prometheus_client import Counter
 
 from ._connections import Address, Connections, Stream
-from ._errors import PeerUnreachableError, ProtocolError, StreamResetError, SwarmError
+from ._counters import count_of, new_counter
+from ._errors import (
+    ConfigError,
+    PeerUnreachableError,
+    ProtocolError,
+    StreamResetError,
+    SwarmError,
+)
 from ._identity import PeerID
 from ._wire import expect_int, expect_list, expect_str
 
@@ -58,6 +78,35 @@ PUNCH = "swarm.punch"
 ATTEMPT = 0.5
 #: Punches one peer serves at once.
 MAX_PUNCHES = 4
+
+
+@dataclass(frozen=True)
+class PunchConfig:
+    """When a peer punches by itself (``AutoPunch``); validated on construction.
+
+    ``auto=False`` never punches unasked (``AsyncPeer.punch`` still does).
+    ``timeout`` (5 s) bounds one attempt's coordination and its connects.
+    ``retry_after`` (30 s): after a failed attempt, a remote is not punched
+    again for this long, doubled per failure in a row up to
+    ``max_retry_after`` (10 min): behind a symmetric NAT every attempt fails,
+    and each costs both peers a relay stream and a few SYNs.
+    """
+
+    auto: bool = True
+    timeout: float = 5.0
+    retry_after: float = 30.0
+    max_retry_after: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("timeout", "retry_after", "max_retry_after"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"{name}={value} must be a positive number of seconds")
+        if self.max_retry_after < self.retry_after:
+            raise ConfigError(
+                f"max_retry_after={self.max_retry_after} must be at least "
+                f"retry_after={self.retry_after}"
+            )
 
 
 class PunchError(PeerUnreachableError):
@@ -219,3 +268,134 @@ def serve_punch(connections: Connections, me: SeenFromOutside, *, timeout: float
             running.release()
 
     connections.set_handler(PUNCH, handle)
+
+
+class _Remote:
+    """What ``AutoPunch`` remembers of one remote: whether an attempt runs,
+    and after failures, when it may try again."""
+
+    __slots__ = ("failures", "retry_at", "running")
+
+    def __init__(self) -> None:
+        self.running = False
+        self.failures = 0
+        self.retry_at = -math.inf
+
+
+class AutoPunch:
+    """Punches by itself for the remotes this peer dials through a relay
+    (module docstring, "When to punch") while ``serve`` runs.
+
+    ``attempts``, ``successes`` and ``failures`` count this peer's punches
+    (``metrics`` holds the counters behind them).
+    """
+
+    def __init__(
+        self, connections: Connections, me: SeenFromOutside, config: PunchConfig
+    ) -> None:
+        self._connections = connections
+        self._me = me
+        self._config = config
+        self._remotes: dict[PeerID, _Remote] = {}
+        self._running = trio.CapacityLimiter(MAX_PUNCHES)
+        self._nursery: trio.Nursery | None = None
+        self._attempts = new_counter("swarm_punch_attempts", "Hole punches this peer began")
+        self._successes = new_counter(
+            "swarm_punch_successes", "Hole punches that made a direct connection"
+        )
+        self._failures = new_counter("swarm_punch_failures", "Hole punches that failed")
+
+    @property
+    def attempts(self) -> int:
+        return count_of(self._attempts)
+
+    @property
+    def successes(self) -> int:
+        return count_of(self._successes)
+
+    @property
+    def failures(self) -> int:
+        return count_of(self._failures)
+
+    @property
+    def metrics(self) -> tuple[Counter, ...]:
+        return (self._attempts, self._successes, self._failures)
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Punch for every dial of the connections through a relay, until
+        cancelled. Attempts run in a nursery of this call, so cancelling it
+        stops them, and no dial asks for one once it has returned."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self._connections.watch_relayed_dials(self.want_direct)
+            try:
+                task_status.started()
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+                self._connections.watch_relayed_dials(None)
+
+    def want_direct(self, peer_id: PeerID, address: Address) -> None:
+        """This peer needs ``peer_id`` and reaches it only through a relay:
+        punch in the background, unless an attempt to it runs, it failed too
+        recently, this peer does not know the address others see it at, or
+        auto-punching is off or stopped. Never blocks or raises."""
+        host = self._me.observed_host
+        if not self._config.auto or self._nursery is None or host is None:
+            return
+        now = trio.current_time()
+        remote = self._remotes.get(peer_id)
+        if remote is None:
+            self._forget_expired(now)
+            remote = self._remotes[peer_id] = _Remote()
+        if remote.running or now < remote.retry_at:
+            return
+        remote.running = True
+        self._attempts.inc()
+        self._nursery.start_soon(self._attempt, peer_id, address, remote, host)
+
+    def _forget_expired(self, now: float) -> None:
+        """Drop remotes that are free to try again: what is left is bounded by
+        the remotes that failed within ``max_retry_after``."""
+        for peer_id, remote in list(self._remotes.items()):
+            if not remote.running and now >= remote.retry_at:
+                del self._remotes[peer_id]
+
+    async def _attempt(
+        self, peer_id: PeerID, address: Address, remote: _Remote, host: str
+    ) -> None:
+        """One punch from ``host``; the boundary of everything it does with
+        ``peer_id``."""
+        try:
+            async with self._running:
+                try:
+                    await punch(
+                        self._connections, peer_id, address, host, timeout=self._config.timeout
+                    )
+                except Exception as e:  # per-peer boundary: a failed punch leaves the relay
+                    self._failed(peer_id, remote, e)
+                else:
+                    self._successes.inc()
+                    remote.failures = 0
+                    remote.retry_at = -math.inf
+        finally:
+            remote.running = False
+
+    def _failed(self, peer_id: PeerID, remote: _Remote, error: Exception) -> None:
+        self._failures.inc()
+        delay = min(
+            self._config.retry_after * 2**remote.failures, self._config.max_retry_after
+        )
+        remote.failures += 1
+        remote.retry_at = trio.current_time() + delay
+        if isinstance(error, SwarmError):
+            log.info(
+                "no direct connection to %s (%s): through the relay, again in %.0f s",
+                peer_id.short(),
+                error,
+                delay,
+            )
+        else:
+            log.warning(
+                "punch to %s failed unexpectedly", peer_id.short(), exc_info=error
+            )

@@ -141,6 +141,11 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accept no incoming connections (behind NAT); still trains and averages",
     )
+    network.add_argument(
+        "--no-auto-punch",
+        action="store_true",
+        help="never punch a direct connection through NATs to a peer reached through a relay",
+    )
     run = parser.add_argument_group("the run (every peer of a run passes the same values)")
     run.add_argument(
         "--task",
@@ -644,6 +649,7 @@ def _free_port(host: str) -> int:
 
 def _peer_config(args: argparse.Namespace) -> PeerConfig:
     from ._peer import PeerConfig
+    from ._punch import PunchConfig
 
     port = args.port
     if args.announce is None and _is_wildcard(args.host):
@@ -660,6 +666,7 @@ def _peer_config(args: argparse.Namespace) -> PeerConfig:
         announce=args.announce,
         client_mode=args.client_mode,
         swarm_key=_swarm_key(args),
+        punch=PunchConfig(auto=not args.no_auto_punch),
     )
 
 

@@ -126,3 +126,18 @@ def test_swarm_dht_takes_a_config_file_too(tmp_path: Path) -> None:
     config.write_text('port = 31337\ninitial-peer = "10.0.0.1:31337"\nreport_interval = 5\n')
     args = _parse_args(build_parser(), ["dht", "--config", str(config), "--port", "4000"])
     assert (args.port, args.initial_peer, args.report_interval) == (4000, ["10.0.0.1:31337"], 5.0)
+
+
+def test_no_auto_punch_turns_automatic_punching_off_from_a_flag_or_the_file(
+    tmp_path: Path,
+) -> None:
+    from swarm.cli import _peer_config
+
+    config = tmp_path / "run.toml"
+    config.write_text("no-auto-punch = true\n")
+    for argv, auto in [
+        (["train", "--host", "127.0.0.1"], True),
+        (["train", "--host", "127.0.0.1", "--no-auto-punch"], False),
+        (["train", "--host", "127.0.0.1", "--config", str(config)], False),
+    ]:
+        assert _peer_config(_parse_args(build_parser(), argv)).punch.auto is auto, argv

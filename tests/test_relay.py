@@ -26,6 +26,7 @@ from swarm import (
     PeerID,
     PeerUnreachableError,
     ProtocolError,
+    PunchConfig,
     PunchError,
     open_peer,
 )
@@ -33,6 +34,7 @@ from swarm._bans import BanList
 from swarm._connections import Address, Connections, Stream, open_connections
 from swarm._counters import count_of
 from swarm._errors import StreamResetError
+from swarm._punch import PUNCH, AutoPunch
 from swarm._relay import (
     RAW_MAGIC,
     REGISTER,
@@ -408,6 +410,135 @@ async def test_a_punch_needs_both_peers_to_know_the_address_others_see_them_at()
         x.observed_host = HOST
         with pytest.raises(PunchError, match="refused to punch"):
             await x.punch(R.peer_id, r.endpoint)
+
+
+@dataclass
+class _Seen:
+    """A peer's view of its own public address (``_punch.SeenFromOutside``)."""
+
+    observed_host: str | None = HOST
+
+
+async def _until(condition: Any) -> None:
+    """Let the other tasks run until ``condition()`` holds."""
+    while not condition():
+        await trio.testing.wait_all_tasks_blocked(cushion=0.001)
+
+
+@pytest.fixture
+def jumping_clock() -> trio.testing.MockClock:
+    """Real time, plus whatever the test jumps (pytest-trio runs the test on
+    a fixture that is a clock)."""
+    return trio.testing.MockClock(rate=1.0)
+
+
+#: Keepalives rarer than any jump of the tests that jump: registrations stay.
+RARE_KEEPALIVE = RelayConfig(keepalive_interval=3600.0)
+#: Back-off far longer than the tests take between jumps.
+BACKOFF = PunchConfig(retry_after=1000.0, max_retry_after=2000.0)
+
+
+async def test_a_peer_punches_by_itself_one_attempt_at_a_time_and_backs_off(
+    jumping_clock: trio.testing.MockClock,
+) -> None:
+    """Each dial through a relay asks ``AutoPunch`` for a punch: it starts one
+    unless one to that peer runs or failed too recently (``retry_after``,
+    doubled per failure up to ``max_retry_after``). X refuses to punch here
+    (on loopback no punch connects: ``test_punch_nat`` punches through NATs),
+    and every failure stays inside the attempt."""
+    config = BACKOFF
+    async with relayed_swarm(RARE_KEEPALIVE) as s, trio.open_nursery() as nursery:
+        auto = AutoPunch(s.d, _Seen(), config)
+        await nursery.start(auto.serve)
+        refuse = trio.Event()
+
+        async def refuse_to_punch(stream: Stream) -> None:
+            await refuse.wait()
+            raise ProtocolError("no punching here")
+
+        s.x.set_handler(PUNCH, refuse_to_punch)
+        assert await s.d.call(X.peer_id, NOWHERE, "echo", "hi", timeout=10) == "hi"
+        assert auto.attempts == 1
+        await s.d.check_dial(X.peer_id, NOWHERE)  # while it runs: no second one
+        assert auto.attempts == 1
+        refuse.set()
+        await _until(lambda: auto.failures == 1)
+        await s.d.check_dial(X.peer_id, NOWHERE)  # too soon
+        assert auto.attempts == 1
+        expected = 1
+        for wait, starts in [(1000.0, True), (1000.0, False), (1000.0, True), (2000.0, True)]:
+            jumping_clock.jump(wait)
+            await s.d.check_dial(X.peer_id, NOWHERE)
+            expected += starts
+            assert auto.attempts == expected, wait
+            await _until(lambda: auto.failures == expected)  # noqa: B023
+        assert auto.successes == 0
+        # the relay still carries the streams
+        assert await s.d.call(X.peer_id, NOWHERE, "echo", "still", timeout=10) == "still"
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    ("config", "seen"),
+    [(PunchConfig(auto=False), _Seen()), (PunchConfig(), _Seen(observed_host=None))],
+    ids=["turned-off", "no-public-address"],
+)
+async def test_no_automatic_punch_when_off_or_without_a_public_address(
+    config: PunchConfig, seen: _Seen
+) -> None:
+    async with relayed_swarm() as s, trio.open_nursery() as nursery:
+        auto = AutoPunch(s.d, seen, config)
+        await nursery.start(auto.serve)
+        assert await s.d.call(X.peer_id, NOWHERE, "echo", "hi", timeout=10) == "hi"
+        assert auto.attempts == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_pool_prefers_a_direct_connection_to_a_relayed_one() -> None:
+    """With a direct connection to X (a punched one, in life) and a relayed
+    one in the pool, a stream takes the direct one, although the relayed one
+    was used last: the relay forwards none of its bytes."""
+    async with relayed_swarm() as s:
+        started, go = trio.Event(), trio.Event()
+
+        async def wait(stream: Stream) -> None:
+            await stream.receive()
+            started.set()
+            await go.wait()
+            await stream.send("done")
+
+        s.x.set_handler("wait", wait)
+        async with trio.open_nursery() as nursery:
+            # the relayed connection is busy meanwhile, so the call dials directly
+            call = functools.partial(s.d.call, timeout=10)
+            nursery.start_soon(call, X.peer_id, NOWHERE, "wait", "?")
+            await started.wait()
+            s.d.set_relay_route(X.peer_id, None)
+            direct = (HOST, s.x.port)
+            assert await s.d.call(X.peer_id, direct, "echo", "direct", timeout=10) == "direct"
+            s.d.set_relay_route(X.peer_id, s.circuit)
+            go.set()
+        relayed = s.relay.bytes_relayed
+        payload = b"\x00" * 100_000
+        for _ in range(3):
+            assert await s.d.call(X.peer_id, NOWHERE, "echo", payload, timeout=10) == payload
+        # at most the tail of the earlier relayed call, counted after it arrived
+        assert s.relay.bytes_relayed - relayed < len(payload)
+        assert s.relay.circuits_made == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"timeout": 0.0},
+        {"retry_after": float("inf")},
+        {"max_retry_after": -1.0},
+        {"retry_after": 10.0, "max_retry_after": 5.0},
+    ],
+)
+def test_punch_config_is_validated(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError):
+        PunchConfig(**kwargs)
 
 
 async def test_a_relay_that_can_no_longer_be_dialed_ends_its_registrations() -> None:
