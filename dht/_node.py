@@ -356,6 +356,19 @@ class DHTNode:
         found: PeerID | None = await self._loop.call(self._server.proto.ping_only, address)
         return found
 
+    async def punch(self, address: Address, peer_id: PeerID, *, timeout: float = 5.0) -> bool:
+        """Punch a UDP path through NATs to the node ``peer_id`` at
+        ``address`` (the address its packets leave its NAT from), which must
+        call this towards this node at the same moment (coordinated over a
+        connection both hold, ``swarm._punch``). True if it answered within
+        ``timeout`` seconds: it is a contact, and a client node answers its
+        requests (``SwarmProtocol.punch``); False changes nothing."""
+        self._check_open()
+        done: bool = await self._loop.call(
+            self._server.proto.punch, address, bytes(peer_id), timeout
+        )
+        return done
+
     @property
     def client_mode(self) -> bool:
         return self._server.client_mode

@@ -27,7 +27,9 @@ table and crawlers work unchanged, and replaces what kademlia gets wrong for us:
 - a node in client mode answers no requests and flags its own (the optional
   third element of a request body), so nobody pings it back or adds it to a
   routing table: short-lived processes (``swarm status``) and peers behind NAT
-  leave no dead contacts behind;
+  leave no dead contacts behind; except towards the addresses it punched a
+  hole to (``punch``: a peer behind another NAT that pinged it at the same
+  moment), which it answers and is kept as a contact by;
 - ``welcome_if_new`` pushes stored records, which passed validation, as records;
 - in a private swarm every datagram proves the swarm key (``_messages``), and
   datagrams that do not are dropped without a reply;
@@ -94,6 +96,8 @@ _MISSES_TO_EVICT = 2
 #: How long a sender pinged back is not pinged back again, and a newcomer sent
 #: our records is not sent them again (``_ping_back_if_new``, ``welcome_if_new``).
 _CONTACT_MEMORY = 60.0
+#: Seconds between the pings of a punch (``SwarmProtocol.punch``).
+_PUNCH_INTERVAL = 0.25
 #: Most contacts remembered for that.
 _MAX_REMEMBERED_CONTACTS = 4096
 #: Shortest wait before a look-up asks another node in place of a silent one.
@@ -269,6 +273,8 @@ class SwarmProtocol(KademliaProtocol):
         #: a client that still answers pings: while peers check whether they
         #: can reach it (``swarm._reachability``)
         self.answers_pings = False
+        #: addresses a client answers and flags no request to (``punch``)
+        self.punched: set[Address] = set()
         self._proof_key = proof_key
         self.bans = bans
         self.storage: RecordStorage = storage
@@ -366,7 +372,8 @@ class SwarmProtocol(KademliaProtocol):
             self.counters.dropped_datagrams.inc()
             return
         if datagram.kind is messages.Kind.REQUEST:
-            if self.client_mode and not (self.answers_pings and _is_ping(datagram.body)):
+            answers = addr in self.punched or (self.answers_pings and _is_ping(datagram.body))
+            if self.client_mode and not answers:
                 self.counters.ignored_requests.inc()
                 return
             if not self._by_node.allow(bytes(datagram.sender)):
@@ -525,7 +532,8 @@ class SwarmProtocol(KademliaProtocol):
             loop.call_soon(on_reply, (False, None))
             return
         msg_id = messages.new_msg_id()
-        body = [method, args, CLIENT_FLAG] if self.client_mode else [method, args]
+        client = self.client_mode and addr not in self.punched
+        body = [method, args, CLIENT_FLAG] if client else [method, args]
         datagram = messages.encode(
             self._identity, messages.Kind.REQUEST, msg_id, body, proof_key=self._proof_key
         )
@@ -682,6 +690,40 @@ class SwarmProtocol(KademliaProtocol):
         can use."""
         ok, answer = await self.call(addr, "ping", [])
         return answer[0] if ok else None
+
+    async def punch(self, addr: Address, node_id: bytes, timeout: float) -> bool:
+        """Open a path through NATs to node ``node_id`` at ``addr`` (its NAT's
+        address and port), which pings this node at the same time: ping it
+        until it answers or ``timeout`` seconds pass. Each side's first pings
+        open its own NAT for the other's (a port-preserving NAT's filter
+        admits replies from the address it sent to), so a later one gets
+        through. On an answer it is a contact, and a client answers it and
+        flags no requests to it from then on (True); else nothing changes
+        (False: e.g. a symmetric NAT, which maps each destination to another
+        port)."""
+        loop = asyncio.get_event_loop()
+        deadline = loop.time() + timeout
+        known = addr in self.punched
+        self.punched.add(addr)  # its pings are answered while this runs
+        answered: asyncio.Future[None] = loop.create_future()
+
+        def on_reply(result: Result) -> None:
+            if result[0] and not answered.done():
+                answered.set_result(None)
+
+        # a ping every _PUNCH_INTERVAL, not one per request timeout: the first
+        # ones are dropped by the other NAT until the other side's have left
+        while not self._closed and loop.time() < deadline:
+            self.request(addr, "ping", [], node_id, on_reply)
+            try:
+                await asyncio.wait_for(asyncio.shield(answered), _PUNCH_INTERVAL)
+            except TimeoutError:
+                continue
+            self.handle_call_response((True, None), Node(node_id, addr[0], addr[1]))
+            return True
+        if not known:
+            self.punched.discard(addr)
+        return False
 
     async def call_find_node(self, node_to_ask: Node, node_to_find: Node) -> Result:
         return await _awaitable(self.request_find_node, node_to_ask, node_to_find)

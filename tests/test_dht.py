@@ -14,7 +14,7 @@ import trio
 from dht_harness import TEST_CONFIG, open_swarm
 from kademlia.node import Node
 
-from dht import DHTConfig, DHTValue, open_dht_node, owner_marker
+from dht import DHTConfig, DHTNode, DHTValue, open_dht_node, owner_marker
 from dht._records import Record, make_record
 from swarm import (
     BootstrapError,
@@ -321,6 +321,48 @@ async def test_a_client_node_reads_and_writes_but_is_never_kept_as_a_contact() -
             assert answer is None and client._server.proto.ignored_requests == 1
             for node in swarm.nodes:
                 assert client.peer_id not in {c[0] for c in node.contacts()}
+
+
+async def test_two_client_nodes_that_punch_at_once_answer_and_keep_each_other() -> None:
+    """Two client nodes (behind NATs, in life) that punch towards each other
+    at the same moment (``DHTNode.punch``) answer each other's requests and
+    keep each other as contacts, so they read and write records with no
+    full node left; to nobody else do they answer. On loopback no NAT drops
+    the first pings: ``test_punch_nat`` punches through real ones."""
+    clock = ManualClock(NOW)
+    client_config = replace(TEST_CONFIG, client_mode=True)
+    async with (
+        open_dht_node(config=client_config, clock=clock) as a,
+        open_dht_node(config=client_config, clock=clock) as b,
+        open_dht_node(config=TEST_CONFIG, clock=clock) as other,
+    ):
+        results: dict[str, bool] = {}
+
+        async def punch(name: str, node: DHTNode, to: DHTNode) -> None:
+            results[name] = await node.punch((to.host, to.port), to.peer_id, timeout=5)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(punch, "a", a, b)
+            nursery.start_soon(punch, "b", b, a)
+        assert results == {"a": True, "b": True}
+        assert {c[0] for c in a.contacts()} == {b.peer_id}
+        assert {c[0] for c in b.contacts()} == {a.peer_id}
+        assert await a.store("punched", "a", NOW + 50)
+        assert await b.get("punched") == DHTValue("a", NOW + 50)
+        assert await other.ping((a.host, a.port)) is None  # still a client to the rest
+
+
+async def test_a_punch_the_other_node_does_not_take_part_in_fails_and_changes_nothing() -> None:
+    clock = ManualClock(NOW)
+    client_config = replace(TEST_CONFIG, client_mode=True)
+    async with (
+        open_dht_node(config=client_config, clock=clock) as a,
+        open_dht_node(config=client_config, clock=clock) as b,
+    ):
+        assert not await a.punch((b.host, b.port), b.peer_id, timeout=1)
+        assert a.contacts() == [] and b.contacts() == []
+        # a answers b no more than before
+        assert await b.ping((a.host, a.port)) is None
 
 
 def test_config_validation_says_what_to_change() -> None:
