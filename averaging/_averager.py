@@ -201,11 +201,15 @@ class Averager:
     @property
     def mode(self) -> MemberMode:
         """CLIENT while the peer is one, unless others reach it through a relay
-        (``AsyncPeer.relay_route``); else the configured mode. The lossy data
+        (``AsyncPeer.relay_route``) or through connections punched through
+        NATs (``swarm._punch``: those peers can, when its relay has gone);
+        else the configured mode. The lossy data
         plane sends datagrams straight to a reducer's address, which a relay
         does not carry: there a relayed peer stays a client."""
-        relayed = self.peer.relay_route is not None and not self.config.allreduce.lossy
-        if self.peer.client_mode and not relayed:
+        relayed = self.peer.relay_route is not None or bool(
+            self.peer.connections.punched_peers()
+        )
+        if self.peer.client_mode and not (relayed and not self.config.allreduce.lossy):
             return MemberMode.CLIENT
         return self.config.mode
 

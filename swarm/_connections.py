@@ -50,6 +50,11 @@ id (garbage, a bad signature) bans nobody: anyone could have sent it.
 - ``idle_timeout``: the dialer closes a pooled connection idle this long; the
   listener drops a connection that has no stream for twice as long, so the
   dialer closes first and does not reuse a connection the listener is dropping.
+  A connection punched through NATs (``_punch``) has no idle timeout, since
+  nothing can make it again once its relay is gone: TCP keepalives keep the
+  NATs' mappings and notice a remote that vanished. A stream to a peer whose
+  punched connections are all between streams (the end of the last one not
+  confirmed yet) waits for one, up to ``connect_timeout``, before it dials.
 
 Errors: ``PeerUnreachableError`` (refused, unreachable, connection lost),
 ``ProtocolError`` (the remote broke the protocol: bad handshake, identity other
@@ -296,8 +301,12 @@ class _Connection:
         #: carried by a relay's circuit (``_relay``): an authentication failure
         #: may be the relay's doing, so it closes the connection without a ban
         self.relayed = relayed
+        #: made by a punch through NATs (``_punch``): nothing can dial it anew
+        #: once the relay that coordinated it is gone
+        self.punched = False
         self._traffic = traffic or _Traffic()
         self._dialer = dialer
+        self.dialer = dialer
         self.socket = stream.socket
         self.remote = result.remote_peer
         #: the remote's (host, port) as this side sees it (behind a NAT: the NAT's)
@@ -946,6 +955,7 @@ class _Pooled:
     ready: bool  # the listener's handler returned (DONE arrived): reusable now
     scope: trio.CancelScope  # the idle watcher's, cancelled to take the connection
     done: trio.Event  # the idle watcher has exited
+    settled: trio.Event = field(default_factory=trio.Event)  # ready, or the watcher exited
 
 
 class Connections:
@@ -976,6 +986,7 @@ class Connections:
         self._traffic = _Traffic()
         self._relay_routes: dict[PeerID, Address] = {}
         self._relayed_dial_watcher: Callable[[PeerID, Address], None] | None = None
+        self._punched_drop_watcher: Callable[[PeerID], None] | None = None
         self._raw_handler: RawHandler | None = None
         self.port = 0
 
@@ -1083,6 +1094,8 @@ class Connections:
             try:
                 with self._cancelled_on_close():
                     connection = await self._pooled(peer_id)
+                    if connection is None and await self._punched_settled(peer_id):
+                        connection = await self._pooled(peer_id)
                     if connection is None:
                         connection = await self._dial(peer_id, address)
                 stream = Stream(connection, name, opening=pack([name]))
@@ -1179,6 +1192,23 @@ class Connections:
         ``None`` stops. The watcher must neither block nor raise."""
         self._relayed_dial_watcher = watcher
 
+    def watch_punched_drops(self, watcher: Callable[[PeerID], None] | None) -> None:
+        """Call ``watcher(peer_id)`` whenever a punched connection this peer
+        dialed (``adopt_outbound``) to ``peer_id`` ends, for whatever reason
+        (a stream that ended badly, the remote gone): ``_punch.AutoPunch``
+        punches another while it can. ``None`` stops. The watcher must
+        neither block nor raise."""
+        self._punched_drop_watcher = watcher
+
+    def punched_count(self, peer_id: PeerID) -> int:
+        """Live punched connections this peer dialed to ``peer_id`` (those
+        that carry its streams to it)."""
+        return sum(
+            1
+            for c in self._connections
+            if c.punched and c.dialer and c.remote == peer_id and not c.closed
+        )
+
     def set_raw_handler(self, handler: RawHandler | None) -> None:
         """Serve inbound connections that begin with ``RAW_MAGIC`` with
         ``handler`` instead of a handshake (``None``: refuse them, the default).
@@ -1196,7 +1226,7 @@ class Connections:
         if self._closed or self._nursery is None:
             socket_stream.socket.close()
             return
-        serve = functools.partial(self._handle_inbound, relayed=relayed)
+        serve = functools.partial(self._handle_inbound, relayed=relayed, punched=not relayed)
         self._nursery.start_soon(serve, socket_stream)
 
     async def adopt_outbound(self, socket_stream: trio.SocketStream, peer_id: PeerID) -> None:
@@ -1223,6 +1253,7 @@ class Connections:
         except BaseException:
             socket_stream.socket.close()
             raise
+        _mark_punched(connection)
         self._pool_connection(connection, eof=True, ready=True)
 
     async def aclose(self) -> None:
@@ -1257,9 +1288,19 @@ class Connections:
         if scope.cancelled_caught:
             raise ClosedError("the connections were closed")
 
+    def _idle_timeout(self, connection: _Connection) -> float:
+        """How long ``connection`` may sit idle: ``idle_timeout``, but for
+        ever if punched, since nothing can make it again once its relay is
+        gone (TCP keepalives tell when its remote vanished, ``_keep_alive``)."""
+        return math.inf if connection.punched else self._config.idle_timeout
+
     def _drop(self, connection: _Connection) -> None:
         connection.close()
-        self._connections.discard(connection)
+        if connection in self._connections:
+            self._connections.discard(connection)
+            watcher = self._punched_drop_watcher
+            if connection.punched and connection.dialer and watcher is not None:
+                watcher(connection.remote)
         if connection.receive_error is not None:
             self._blame(connection, connection.receive_error)
 
@@ -1295,8 +1336,32 @@ class Connections:
             if not entry.connection.closed:
                 return entry.connection
 
+    async def _punched_settled(self, peer_id: PeerID) -> bool:
+        """Wait (at most ``connect_timeout``) until a punched connection to
+        ``peer_id`` that the pool holds for the end of its last stream (its
+        DONE) is ready or dropped; False at once if there is none. A punched
+        connection cannot be made again without its relay, so a stream that
+        follows another at once waits the moment it takes rather than dial."""
+        waiting = [
+            entry
+            for entry in self._pool.get(peer_id, [])
+            if entry.connection.punched and not entry.ready
+        ]
+        if not waiting:
+            return False
+        with trio.move_on_after(self._config.connect_timeout):
+            await waiting[0].settled.wait()
+        return True
+
+    def punched_peers(self) -> frozenset[PeerID]:
+        """The peers this one holds a live connection with that was punched
+        through NATs (``_punch``), in either direction."""
+        return frozenset(c.remote for c in self._connections if c.punched and not c.closed)
+
     def _pool_connection(self, connection: _Connection, *, eof: bool, ready: bool) -> None:
         entry = _Pooled(connection, eof, ready, trio.CancelScope(), trio.Event())
+        if ready:
+            entry.settled.set()
         assert self._nursery is not None
         self._pool.setdefault(connection.remote, []).append(entry)
         self._nursery.start_soon(self._watch_idle, entry)
@@ -1315,7 +1380,7 @@ class Connections:
         try:
             with entry.scope:
                 with (
-                    trio.move_on_after(self._config.idle_timeout),
+                    trio.move_on_after(self._idle_timeout(entry.connection)),
                     suppress(SwarmError, trio.ClosedResourceError, OSError),
                 ):
                     await self._until_unusable(entry)
@@ -1323,6 +1388,7 @@ class Connections:
                 self._drop(entry.connection)
         finally:
             entry.done.set()
+            entry.settled.set()
 
     async def _until_unusable(self, entry: _Pooled) -> None:
         # Receiving is cancel-safe, so taking the connection mid-frame loses nothing.
@@ -1332,6 +1398,7 @@ class Connections:
                 entry.eof = True
             elif entry.eof and frame.kind is FrameKind.DONE:
                 entry.ready = True
+                entry.settled.set()
             else:  # the stream was not over, or the handler failed (RESET)
                 return
         if not entry.connection.closed:  # a closed socket has no file descriptor to wait on
@@ -1463,10 +1530,10 @@ class Connections:
                 await trio.sleep_forever()
 
     async def _handle_inbound(
-        self, socket_stream: trio.SocketStream, *, relayed: bool = False
+        self, socket_stream: trio.SocketStream, *, relayed: bool = False, punched: bool = False
     ) -> None:
-        """Serve one inbound connection (``relayed``: a relay's circuit); the
-        boundary where its failures stop."""
+        """Serve one inbound connection (``relayed``: a relay's circuit;
+        ``punched``: punched through NATs); the boundary where its failures stop."""
         host = _remote_host(socket_stream)
         from_host = self._inbound_by_host.get(host, 0)
         if (
@@ -1491,6 +1558,8 @@ class Connections:
                     connection = await self._handshake(
                         socket_stream, expected_peer=None, prefix=prefix, relayed=relayed
                     )
+                    if punched:
+                        _mark_punched(connection)
             if raw and self._raw_handler is not None:
                 await self._raw_handler(socket_stream)
             elif connection is not None:
@@ -1519,7 +1588,7 @@ class Connections:
         """Serve the streams a dialer opens on ``connection``, one at a time."""
         remote = connection.remote
         while True:
-            with trio.move_on_after(2 * self._config.idle_timeout) as idle:
+            with trio.move_on_after(2 * self._idle_timeout(connection)) as idle:
                 try:
                     frame = await connection.receive_frame()
                 except PeerUnreachableError:
@@ -1601,6 +1670,27 @@ class Connections:
                 await connection.send_frame(FrameKind.RESET, pack(reason[:_MAX_RESET_REASON]))
                 await connection.linger()
         self._drop(connection)
+
+
+#: TCP keepalive of a punched connection: the first probe after this many
+#: idle seconds, then one every _KEEPALIVE_INTERVAL, and _KEEPALIVE_PROBES
+#: unanswered ones end it. Home routers forget idle TCP mappings after
+#: minutes or hours; the probes keep the mapping and notice a vanished remote.
+_KEEPALIVE_IDLE = 30
+_KEEPALIVE_INTERVAL = 10
+_KEEPALIVE_PROBES = 3
+
+
+def _mark_punched(connection: _Connection) -> None:
+    """``connection`` was punched through NATs: kept without idle timeout,
+    with TCP keepalives instead."""
+    connection.punched = True
+    sock = connection.socket
+    with suppress(OSError, AttributeError):  # without them it only lives less long
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, _KEEPALIVE_IDLE)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, _KEEPALIVE_INTERVAL)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, _KEEPALIVE_PROBES)
 
 
 def _discard_until_eof(stream: Stream, frame: Frame) -> bool:

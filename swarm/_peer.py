@@ -33,7 +33,7 @@ from ._errors import (
     unwrap_single,
 )
 from ._identity import Identity, PeerID
-from ._punch import AutoPunch, PunchConfig, PunchError, punch, serve_punch
+from ._punch import AutoPunch, PunchConfig, PunchError, punch, serve_dht_punch, serve_punch
 from ._reachability import (
     Reachability,
     ReachabilityConfig,
@@ -164,7 +164,7 @@ class AsyncPeer:
         self.observed_host: str | None = None
         #: punches direct connections to peers dialed through a relay
         #: (``swarm._punch``; runs from ``open_peer``), and counts them
-        self.auto_punch = AutoPunch(connections, self, config.punch)
+        self.auto_punch = AutoPunch(connections, self, config.punch, dht)
 
     def _guess_host(self) -> str:
         initial = self.config.initial_peers
@@ -473,6 +473,7 @@ async def open_peer(
                 relay.set_usable(peer.can_relay)
                 serve_dial_back(connections, dht, config.reachability)
                 serve_punch(connections, peer, timeout=config.punch.timeout)
+                serve_dht_punch(connections, dht, peer, timeout=config.punch.timeout)
                 await peer.start_service(peer.auto_punch.serve)
                 if config.checks_reachability:
                     if config.initial_peers:

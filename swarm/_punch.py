@@ -38,13 +38,25 @@ for a direct connection in the background, at most one attempt at a time per
 remote and ``MAX_PUNCHES`` in all, and after a failure not again for
 ``PunchConfig.retry_after`` seconds (doubling per failure in a row). The pool
 then prefers the punched connection to any relayed one (``Connections``).
-Everything a punched connection does when the remote goes (its handshake, the
-pool's watcher, the handler serving it) fails within a per-peer boundary:
-its errors never reach the peer's nursery.
+A stream that ends badly closes its connection, and once the relay is gone
+only a punched connection that is left can coordinate another punch: so a
+peer keeps ``PunchConfig.connections`` punched connections to each remote,
+punches a new one as soon as one ends, and punched connections have no idle
+timeout (TCP keepalives instead). Everything a punched connection does when
+the remote goes (its handshake, the pool's watcher, the handler serving it)
+fails within a per-peer boundary: its errors never reach the peer's nursery.
 
-Not done yet: punching UDP for the DHT (a relayed peer's DHT node stays a
-client, so two NATed peers still need a reachable DHT node to find each
-other).
+The DHT (``punch_dht``, stream ``PUNCH_DHT``): a peer found unreachable keeps
+a client DHT node, which nobody keeps as a contact, so NATed peers need a
+reachable DHT node to find each other. After its first TCP punch to a peer, a
+client node punches a UDP path to that peer's node: over the punched
+connection both send their public host and port (the peer's own port: one
+port for TCP and UDP, kept by a port-preserving NAT), then ping each other
+every 0.25 s (``DHTNode.punch``). Each side's first pings open its NAT for
+the other's, a later one is answered, and from then on each answers the
+other's requests and keeps it as a contact, so their DHT works without any
+reachable node. Through a symmetric NAT (a new public port per destination)
+no ping gets through: counted as a failure, nothing changes.
 """
 
 from __future__ import annotations
@@ -74,6 +86,8 @@ log = logging.getLogger(__name__)
 
 #: Stream name of the punch request.
 PUNCH = "swarm.punch"
+#: Stream name of the DHT (UDP) punch request.
+PUNCH_DHT = "swarm.punch.dht"
 #: Seconds one connect attempt of a punch waits before the next begins.
 ATTEMPT = 0.5
 #: Punches one peer serves at once.
@@ -85,6 +99,10 @@ class PunchConfig:
     """When a peer punches by itself (``AutoPunch``); validated on construction.
 
     ``auto=False`` never punches unasked (``AsyncPeer.punch`` still does).
+    ``connections`` (3): punched connections kept to each remote. A stream
+    that ends badly (a round cancelled) closes its connection, and without
+    the relay that coordinated it nothing can punch another but a punched
+    connection that is left: a new one is punched over it at once.
     ``timeout`` (5 s) bounds one attempt's coordination and its connects.
     ``retry_after`` (30 s): after a failed attempt, a remote is not punched
     again for this long, doubled per failure in a row up to
@@ -93,11 +111,14 @@ class PunchConfig:
     """
 
     auto: bool = True
+    connections: int = 3
     timeout: float = 5.0
     retry_after: float = 30.0
     max_retry_after: float = 600.0
 
     def __post_init__(self) -> None:
+        if not 1 <= self.connections <= MAX_PUNCHES:
+            raise ConfigError(f"connections={self.connections} must be in [1, {MAX_PUNCHES}]")
         for name in ("timeout", "retry_after", "max_retry_after"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
@@ -235,6 +256,72 @@ class SeenFromOutside(Protocol):
     observed_host: str | None
 
 
+class PunchableDHT(Protocol):
+    """What a UDP punch needs of a DHT node (``dht.DHTNode`` is one)."""
+
+    @property
+    def client_mode(self) -> bool: ...
+
+    async def punch(self, address: Address, peer_id: PeerID, *, timeout: float = 5.0) -> bool: ...
+
+
+async def punch_dht(
+    connections: Connections,
+    dht: PunchableDHT,
+    peer_id: PeerID,
+    address: Address,
+    my_host: str,
+    *,
+    timeout: float = 5.0,
+) -> None:
+    """Punch a UDP path between this peer's DHT node and ``peer_id``'s
+    (module docstring, "The DHT"), coordinated over a stream to it (as
+    ``punch``). Raises ``PunchError`` if no ping got through within about
+    ``timeout`` seconds or the other peer refused (nothing changes), and the
+    errors of ``Connections.open_stream``."""
+    try:
+        async with connections.open_stream(peer_id, address, PUNCH_DHT) as stream:
+            with trio.fail_after(timeout):
+                await stream.send(encode_offer(my_host, connections.port))
+                remote = decode_offer(await stream.receive())
+            # the stream stays open while both ping, as in ``punch``
+            punched = await dht.punch(remote, peer_id, timeout=timeout)
+    except trio.TooSlowError as e:
+        raise PunchError(f"{peer_id.short()} did not answer a DHT punch within {timeout} s") from e
+    except StreamResetError as e:
+        raise PunchError(f"{peer_id.short()} refused to punch for the DHT: {e}") from e
+    if not punched:
+        raise PunchError(f"no DHT ping got through to {peer_id.short()} at {remote[0]}:{remote[1]}")
+    log.info("punched a DHT path to %s at %s:%d", peer_id.short(), *remote)
+
+
+def serve_dht_punch(
+    connections: Connections, dht: PunchableDHT, me: SeenFromOutside, *, timeout: float = 5.0
+) -> None:
+    """Take part in the DHT punches other peers ask for on ``connections``
+    (``punch_dht``), from ``me.observed_host`` and this peer's port (refused
+    while the host is unknown). One that fails changes nothing."""
+    running = trio.CapacityLimiter(MAX_PUNCHES)
+
+    async def handle(stream: Stream) -> None:
+        remote = decode_offer(await stream.receive())
+        host = me.observed_host
+        if host is None:
+            raise ProtocolError("this peer does not know its public address")
+        try:
+            running.acquire_nowait()
+        except trio.WouldBlock:
+            raise ProtocolError(f"{MAX_PUNCHES} DHT punches running") from None
+        try:
+            await stream.send(encode_offer(host, connections.port))
+            if not await dht.punch(remote, stream.remote, timeout=timeout):
+                log.debug("DHT punch asked by %s failed", stream.remote.short())
+        finally:
+            running.release()
+
+    connections.set_handler(PUNCH_DHT, handle)
+
+
 def serve_punch(connections: Connections, me: SeenFromOutside, *, timeout: float = 5.0) -> None:
     """Take part in the punches other peers ask for on ``connections``, from
     the address ``me.observed_host`` (refused while it is None). The punched
@@ -274,12 +361,16 @@ class _Remote:
     """What ``AutoPunch`` remembers of one remote: whether an attempt runs,
     and after failures, when it may try again."""
 
-    __slots__ = ("failures", "retry_at", "running")
+    __slots__ = ("address", "dht_punched", "failures", "kept", "retry_at", "running")
 
-    def __init__(self) -> None:
+    def __init__(self, address: Address) -> None:
+        self.address = address  # what the dial through the relay was given
         self.running = False
         self.failures = 0
         self.retry_at = -math.inf
+        #: punched before: punch again when its connections end
+        self.kept = False
+        self.dht_punched = False
 
 
 class AutoPunch:
@@ -291,10 +382,15 @@ class AutoPunch:
     """
 
     def __init__(
-        self, connections: Connections, me: SeenFromOutside, config: PunchConfig
+        self,
+        connections: Connections,
+        me: SeenFromOutside,
+        config: PunchConfig,
+        dht: PunchableDHT | None = None,
     ) -> None:
         self._connections = connections
         self._me = me
+        self._dht = dht
         self._config = config
         self._remotes: dict[PeerID, _Remote] = {}
         self._running = trio.CapacityLimiter(MAX_PUNCHES)
@@ -304,6 +400,10 @@ class AutoPunch:
             "swarm_punch_successes", "Hole punches that made a direct connection"
         )
         self._failures = new_counter("swarm_punch_failures", "Hole punches that failed")
+        self._dht_successes = new_counter(
+            "swarm_dht_punch_successes", "UDP punches that made a DHT node a contact"
+        )
+        self._dht_failures = new_counter("swarm_dht_punch_failures", "UDP punches that failed")
 
     @property
     def attempts(self) -> int:
@@ -318,8 +418,22 @@ class AutoPunch:
         return count_of(self._failures)
 
     @property
+    def dht_successes(self) -> int:
+        return count_of(self._dht_successes)
+
+    @property
+    def dht_failures(self) -> int:
+        return count_of(self._dht_failures)
+
+    @property
     def metrics(self) -> tuple[Counter, ...]:
-        return (self._attempts, self._successes, self._failures)
+        return (
+            self._attempts,
+            self._successes,
+            self._failures,
+            self._dht_successes,
+            self._dht_failures,
+        )
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Punch for every dial of the connections through a relay, until
@@ -328,61 +442,107 @@ class AutoPunch:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self._connections.watch_relayed_dials(self.want_direct)
+            self._connections.watch_punched_drops(self._dropped)
             try:
                 task_status.started()
                 await trio.sleep_forever()
             finally:
                 self._nursery = None
                 self._connections.watch_relayed_dials(None)
+                self._connections.watch_punched_drops(None)
 
     def want_direct(self, peer_id: PeerID, address: Address) -> None:
         """This peer needs ``peer_id`` and reaches it only through a relay:
         punch in the background, unless an attempt to it runs, it failed too
         recently, this peer does not know the address others see it at, or
         auto-punching is off or stopped. Never blocks or raises."""
-        host = self._me.observed_host
-        if not self._config.auto or self._nursery is None or host is None:
+        if not self._config.auto or self._nursery is None:
             return
-        now = trio.current_time()
         remote = self._remotes.get(peer_id)
         if remote is None:
-            self._forget_expired(now)
-            remote = self._remotes[peer_id] = _Remote()
-        if remote.running or now < remote.retry_at:
+            self._forget_expired(trio.current_time())
+            remote = self._remotes[peer_id] = _Remote(address)
+        remote.address = address
+        self._start(peer_id, remote)
+
+    def _dropped(self, peer_id: PeerID) -> None:
+        """A punched connection to ``peer_id`` ended: punch another (over one
+        that is left, or the relay) if it was punched before."""
+        remote = self._remotes.get(peer_id)
+        if remote is not None and remote.kept and self._nursery is not None:
+            self._start(peer_id, remote)
+
+    def _start(self, peer_id: PeerID, remote: _Remote) -> None:
+        host = self._me.observed_host
+        if remote.running or trio.current_time() < remote.retry_at or host is None:
             return
+        if self._connections.punched_count(peer_id) >= self._config.connections:
+            return
+        assert self._nursery is not None
         remote.running = True
         self._attempts.inc()
-        self._nursery.start_soon(self._attempt, peer_id, address, remote, host)
+        self._nursery.start_soon(self._attempt, peer_id, remote, host)
 
     def _forget_expired(self, now: float) -> None:
-        """Drop remotes that are free to try again: what is left is bounded by
-        the remotes that failed within ``max_retry_after``."""
+        """Drop remotes that are free to try again and hold no punched
+        connection: what is left is bounded by the remotes that failed within
+        ``max_retry_after`` and those this peer keeps punched connections to."""
         for peer_id, remote in list(self._remotes.items()):
-            if not remote.running and now >= remote.retry_at:
+            if not (remote.running or remote.kept) and now >= remote.retry_at:
                 del self._remotes[peer_id]
 
-    async def _attempt(
-        self, peer_id: PeerID, address: Address, remote: _Remote, host: str
-    ) -> None:
-        """One punch from ``host``; the boundary of everything it does with
-        ``peer_id``."""
+    async def _attempt(self, peer_id: PeerID, remote: _Remote, host: str) -> None:
+        """Punch from ``host`` until ``config.connections`` punched connections
+        to ``peer_id`` are live, one punch failed, or it made that many; the
+        boundary of everything it does with ``peer_id``."""
         try:
             async with self._running:
-                try:
-                    await punch(
-                        self._connections, peer_id, address, host, timeout=self._config.timeout
-                    )
-                except Exception as e:  # per-peer boundary: a failed punch leaves the relay
-                    self._failed(peer_id, remote, e)
-                else:
+                for punched in range(1, self._config.connections + 1):
+                    try:
+                        await punch(
+                            self._connections,
+                            peer_id,
+                            remote.address,
+                            host,
+                            timeout=self._config.timeout,
+                        )
+                    except Exception as e:  # per-peer boundary: a failed punch leaves the relay
+                        self._failed(peer_id, remote, e)
+                        return
                     self._successes.inc()
                     remote.failures = 0
                     remote.retry_at = -math.inf
+                    remote.kept = True
+                    if not remote.dht_punched:
+                        remote.dht_punched = await self._punch_dht(peer_id, remote.address, host)
+                    enough = self._connections.punched_count(peer_id) >= self._config.connections
+                    if enough or punched == self._config.connections:
+                        return
+                    self._attempts.inc()
         finally:
             remote.running = False
 
+    async def _punch_dht(self, peer_id: PeerID, address: Address, host: str) -> bool:
+        """After a TCP punch, punch for the DHT too while this node is a
+        client (a full node answers anyone already): over the punched
+        connection, so it works once the relay is gone. Whether it is done."""
+        if self._dht is None or not self._dht.client_mode:
+            return True
+        try:
+            await punch_dht(
+                self._connections, self._dht, peer_id, address, host, timeout=self._config.timeout
+            )
+        except Exception as e:  # per-peer boundary, as for the TCP punch
+            self._dht_failures.inc()
+            log.info("no DHT path to %s: %s", peer_id.short(), e)
+            return False
+        self._dht_successes.inc()
+        return True
+
     def _failed(self, peer_id: PeerID, remote: _Remote, error: Exception) -> None:
         self._failures.inc()
+        if self._connections.punched_count(peer_id) == 0:
+            remote.kept = False  # nothing left to punch over but a relay
         delay = min(
             self._config.retry_after * 2**remote.failures, self._config.max_retry_after
         )
