@@ -52,9 +52,10 @@ id (garbage, a bad signature) bans nobody: anyone could have sent it.
   dialer closes first and does not reuse a connection the listener is dropping.
   A connection punched through NATs (``_punch``) has no idle timeout, since
   nothing can make it again once its relay is gone: TCP keepalives keep the
-  NATs' mappings and notice a remote that vanished. A stream to a peer whose
-  punched connections are all between streams (the end of the last one not
-  confirmed yet) waits for one, up to ``connect_timeout``, before it dials.
+  NATs' mappings and notice a remote that vanished. A stream to a peer with
+  no relay route whose punched connections are all between streams (the end
+  of the last one not confirmed yet) waits for one, up to
+  ``connect_timeout``, before it dials.
 
 Errors: ``PeerUnreachableError`` (refused, unreachable, connection lost),
 ``ProtocolError`` (the remote broke the protocol: bad handshake, identity other
@@ -1339,9 +1340,13 @@ class Connections:
     async def _punched_settled(self, peer_id: PeerID) -> bool:
         """Wait (at most ``connect_timeout``) until a punched connection to
         ``peer_id`` that the pool holds for the end of its last stream (its
-        DONE) is ready or dropped; False at once if there is none. A punched
-        connection cannot be made again without its relay, so a stream that
-        follows another at once waits the moment it takes rather than dial."""
+        DONE) is ready or dropped; False at once if there is none, or if a
+        relay route can dial it meanwhile. Without a relay nothing can make a
+        punched connection again, so a stream that follows another at once
+        waits the moment that takes rather than dial an address that NATs
+        hide."""
+        if peer_id in self._relay_routes:
+            return False
         waiting = [
             entry
             for entry in self._pool.get(peer_id, [])
