@@ -9,6 +9,18 @@ no ``--initial-peer``, the others with the join command it prints. Layouts:
 - ``relay``: peer 0 public, peers 1-3 each behind its own NAT: everything that
   reaches a NATed peer goes through peer 0's relay
 - ``public``: all four public, the baseline measured in the same run
+- ``leave``: peer 0 public, peers 1-3 behind NATs that drop unsolicited
+  packets (which hole punching needs on this bed, ``netbed.Nat``); peer 0
+  is stopped (SIGTERM) at epoch ``--leave-at``, and the NATed peers, which punched
+  direct connections and DHT paths to each other by themselves meanwhile,
+  train on without it
+- ``leave-no-punch``: the same with ``--no-auto-punch`` on the NATed peers,
+  the baseline: without a public peer they cannot reach each other
+
+For the ``leave`` layouts it also reports, per NATed peer, the rounds after
+peer 0 was stopped: those in which all three remaining peers contributed (``data
+of 3 of 3 senders``), out of those plus the partial ones and the epochs it
+stepped without an average (``applying local gradients``, ``stepping alone``).
 
 For each it reports the wall time from the first peer's start until the last
 one finished, each peer's final accuracy, per peer the all-reduce rounds that
@@ -21,6 +33,7 @@ every few seconds while it runs; the last scrape is reported, so up to one
 interval of the end is missing).
 
     python benchmarks/nat.py                          # nat, relay and public, 30 epochs
+    python benchmarks/nat.py --layouts leave leave-no-punch --leave-at 10
     python benchmarks/nat.py --layouts nat --swarm-root /tmp/base   # older code
 
 ``--swarm-root DIR`` runs the peers from another source tree (e.g. ``git
@@ -60,7 +73,12 @@ LAYOUTS: dict[str, list[Nat | None]] = {
     "nat": [None, None, Nat(), Nat()],
     "relay": [None, Nat(), Nat(), Nat()],
     "public": [None] * PEERS,
+    "leave": [None, *[Nat(stealth=True)] * 3],
+    "leave-no-punch": [None, *[Nat(stealth=True)] * 3],
 }
+#: Layouts whose peer 0 leaves after ``--leave-at`` epochs.
+LEAVING = ("leave", "leave-no-punch")
+_ALONE = re.compile(r"epoch \d+: .*(applying local gradients|stepping alone)")
 _JOIN = re.compile(r"join with: ((?:\S*/)?swarm \S+ --initial-peer \S+.*)$")
 _ROUND = re.compile(r"all-reduce [0-9a-f]+: data of (\d+) of (\d+) senders in every part")
 _FINISHED = re.compile(r"finished at epoch (\d+): accuracy ([0-9.]+)")
@@ -89,6 +107,10 @@ class PeerResult:
     #: what it relayed for others (public peers; last scrape)
     relay_bytes: int | None = None
     relay_circuits: int | None = None
+    #: leave layouts: after peer 0 was stopped, rounds with every remaining
+    #: peer's data, and all rounds and epochs stepped without an average
+    full_after_leave: int | None = None
+    steps_after_leave: int | None = None
 
 
 @dataclass
@@ -195,7 +217,7 @@ def _wait_all(
 
 
 def run_layout(
-    name: str, epochs: int, swarm_root: str | None, timeout: float, logs: Path
+    name: str, epochs: int, swarm_root: str | None, timeout: float, logs: Path, leave_at: int
 ) -> LayoutResult:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if swarm_root is not None:
@@ -217,6 +239,8 @@ def run_layout(
         join: list[str] = []
         for i in range(PEERS):
             argv = [*swarm, *(train if i == 0 else join), *local]
+            if name == "leave-no-punch" and i > 0:
+                argv.append("--no-auto-punch")
             with (logs / f"{name}-peer{i}.log").open("wb") as log:
                 process = bed.popen(
                     i, argv, stdout=subprocess.PIPE, stderr=log, env=env, cwd=swarm_root
@@ -230,7 +254,12 @@ def run_layout(
                 join = shlex.split(match.group(1))[1:]
         public = [i for i, nat in enumerate(LAYOUTS[name]) if nat is None]
         scraper = _RelayScraper(bed, public)
+        left: float | None = None
         try:
+            if name in LEAVING:  # as a user stops it (Ctrl-C): a clean exit
+                readers[0].wait_for(f"epoch {leave_at}:", timeout)
+                processes[0].terminate()
+                left = time.time()
             reaped = _wait_all(processes, start + timeout)
         finally:
             scraper.stop()
@@ -244,6 +273,12 @@ def run_layout(
                 t for line in log_lines if _ROUND.search(line) and (t := _stamp(line)) is not None
             ]
             relayed = scraper.last.get(i, {})
+            full_after = steps_after = None
+            if left is not None and i > 0:
+                after = [line for line in log_lines if (t := _stamp(line)) is not None and t > left]
+                ended = [m for m in map(_ROUND.search, after) if m is not None]
+                full_after = sum(1 for m in ended if m.group(1) == m.group(2) == str(PEERS - 1))
+                steps_after = len(ended) + sum(1 for line in after if _ALONE.search(line))
             result.peers.append(
                 PeerResult(
                     accuracy=float(finished[-1].group(2)) if finished else None,
@@ -260,6 +295,8 @@ def run_layout(
                     cpu_s=reaped[i][1] if i in reaped else None,
                     relay_bytes=relayed.get("bytes"),
                     relay_circuits=relayed.get("circuits"),
+                    full_after_leave=full_after,
+                    steps_after_leave=steps_after,
                 )
             )
     return result
@@ -271,6 +308,9 @@ def main() -> None:
         "--layouts", nargs="+", choices=sorted(LAYOUTS), default=["nat", "relay", "public"]
     )
     parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument(
+        "--leave-at", type=int, default=10, help="epochs after which peer 0 leaves (leave layouts)"
+    )
     parser.add_argument("--swarm-root", default=None, help="run the peers from this source tree")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per layout")
     parser.add_argument("--json", action="store_true")
@@ -279,7 +319,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="nat-bench-") as directory:
         for name in args.layouts:
             results.append(
-                run_layout(name, args.epochs, args.swarm_root, args.timeout, Path(directory))
+                run_layout(
+                    name, args.epochs, args.swarm_root, args.timeout, Path(directory), args.leave_at
+                )
             )
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=2))
@@ -295,6 +337,11 @@ def main() -> None:
                 if p.relay_bytes is None
                 else f", relayed {p.relay_bytes / 1e6:.1f} MB in {p.relay_circuits} circuits"
             )
+            if p.steps_after_leave is not None:
+                relayed += (
+                    f", after peer 0 left: all {PEERS - 1} in {p.full_after_leave}/"
+                    f"{p.steps_after_leave} rounds"
+                )
             print(
                 f"  peer {i}: accuracy {accuracy} at epoch {p.epoch}, exit {p.exit_code}, "
                 f"rounds with all {PEERS}: {p.full_rounds}/{p.rounds} {p.round_kinds}, "
