@@ -26,7 +26,10 @@ from netbed import Link, Nat, NetBed
 #: the other NATed peer. A NATed peer calls the other through their relay
 #: until it holds three punched connections to it (``PunchConfig``) or a
 #: punch failed, prints "punch S F" (successes and failures), then calls
-#: again ("through the punch: ..."). Once its relay is gone, peer 1 calls
+#: again ("through the punch: ...") and prints "dht punch S F" (its DHT
+#: punches, which follow its first TCP punch). Without a TCP punch, peer 1
+#: tries a DHT punch by hand ("dht punch by hand: ...") and then stores and
+#: reads a record ("dht still works: ..."). Once its relay is gone, peer 1 calls
 #: peer 2 ("after the relay left: ..."), then calls it until a call fails,
 #: waits until no connection from peer 2's host is left, leaves
 #: ``open_peer`` and prints "stopped cleanly": an error of the punched
@@ -34,7 +37,8 @@ from netbed import Link, Nat, NetBed
 #: raise instead.
 PEER = """
 import sys, trio
-from swarm import Identity, PeerConfig, SwarmError, open_peer
+from swarm import Identity, PeerConfig, PunchError, SwarmError, open_peer
+from swarm._punch import punch_dht
 
 IDS = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(3)]
 
@@ -52,8 +56,7 @@ async def call(peer, other, label):
         return False
 
 async def main():
-    index, initial, port, other_host = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    index = int(index)
+    index, initial, port, other_host = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
     config = PeerConfig(host="0.0.0.0", port=port, initial_peers=(initial,) if initial else ())
     async with open_peer(IDS[index], config) as peer:
         peer.connections.set_handler("who", who)
@@ -71,6 +74,18 @@ async def main():
             await trio.sleep(0.2)
         print("punch", auto.successes, auto.failures, flush=True)
         await call(peer, other, "through the punch:")
+        print("dht punch", auto.dht_successes, auto.dht_failures, flush=True)
+        if index == 1 and auto.successes == 0:  # no TCP punch, so no DHT one: try it by hand
+            try:
+                await punch_dht(peer.connections, peer.dht, other, ("10.0.0.1", 1),
+                                peer.observed_host)
+                print("dht punch by hand: punched", flush=True)
+            except PunchError as e:
+                print("dht punch by hand: failed", e, flush=True)
+            stored = await peer.dht.store("after", "punch", peer.dht.now() + 60)
+            found = await peer.dht.get("after")
+            print("dht still works:", stored and found is not None and found.value == "punch",
+                  flush=True)
         if index == 2:
             await trio.sleep_forever()
         while peer.relayed_by is not None:
@@ -116,6 +131,8 @@ async def test_natted_peers_punch_by_themselves_and_survive_the_other_leaving() 
                 assert line == "punch 3 0", line
                 line = await peers[i].read_line_containing("through the punch:", timeout=30)
                 assert line == "through the punch: here", line
+                line = await peers[i].read_line_containing("dht punch", timeout=30)
+                assert line == "dht punch 1 0", line
             peers[0].process.kill()
             line = await peers[1].read_line_containing("after the relay left:", timeout=30)
             assert line == "after the relay left: here", line
@@ -131,7 +148,8 @@ async def test_natted_peers_punch_by_themselves_and_survive_the_other_leaving() 
 @pytest.mark.slow
 async def test_behind_a_symmetric_nat_a_punch_fails_and_the_relay_carries_on() -> None:
     """A symmetric NAT maps each destination to a new port: the automatic
-    punch fails, is counted, and the relay still carries the calls."""
+    punch fails, is counted, and the relay still carries the calls; a DHT
+    punch fails too, and the DHT works through the public node as before."""
     nats = [None, Nat(stealth=True), Nat(symmetric=True, stealth=True)]
     with NetBed([Link()] * 3, nats=nats) as bed:
         async with _peers(bed) as peers:
@@ -140,6 +158,12 @@ async def test_behind_a_symmetric_nat_a_punch_fails_and_the_relay_carries_on() -
                 assert line == "punch 0 1", line
                 line = await peers[i].read_line_containing("through the punch:", timeout=30)
                 assert line == "through the punch: here", line
+                line = await peers[i].read_line_containing("dht punch", timeout=30)
+                assert line == "dht punch 0 0", line
+            line = await peers[1].read_line_containing("dht punch by hand:", timeout=30)
+            assert line.startswith("dht punch by hand: failed no DHT ping got through"), line
+            line = await peers[1].read_line_containing("dht still works:", timeout=30)
+            assert line == "dht still works: True", line
 
 
 #: argv: index, initial peer ("" for the founder), port. Averages a tensor
