@@ -236,7 +236,9 @@ async def test_natted_peers_keep_averaging_after_the_only_public_peer_leaves() -
     """One public peer, three behind port-preserving NATs: the three average
     through relays on the public one and punch, by themselves, direct TCP
     connections and DHT paths to each other; once the public peer is killed
-    they keep averaging among themselves, every peer's data in every round."""
+    they keep averaging among themselves, every peer's data in every round
+    that begins a whole round after the kill (the round it cuts short may
+    lose the public peer's part, and its members wait out their deadlines)."""
     nats = [None, Nat(stealth=True), Nat(stealth=True), Nat(stealth=True)]
     with NetBed([Link()] * 4, nats=nats) as bed:
         founder = f"{bed.addresses[0]}:{PORT}"
