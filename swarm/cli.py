@@ -1037,6 +1037,7 @@ def _status_object(
                 "client": record.client,
                 "device": record.device,
                 "reachability": record.reachability,
+                "punched": record.punched,
                 "age": max(0.0, now - record.time),
             }
             for record in live
@@ -1074,12 +1075,14 @@ def _status_table(status: dict[str, Any]) -> str:
 
 
 def _reachability_cell(peer: dict[str, Any]) -> str:
-    """A peer's reachability (``swarm._reachability``); for a record of an older
-    peer, which has none, ``client`` or ``-``."""
+    """A peer's reachability (``swarm._reachability``), and with how many
+    peers it holds connections punched through NATs (``swarm._punch``), if
+    any; for a record of an older peer, which has none, ``client`` or ``-``."""
     reachability: str | None = peer.get("reachability")
     if reachability is None:
         return "client" if peer["client"] else "-"
-    return reachability
+    punched = peer.get("punched", 0)
+    return f"{reachability},punched:{punched}" if punched else reachability
 
 
 async def _run_status(args: argparse.Namespace) -> int:

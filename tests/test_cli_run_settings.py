@@ -164,6 +164,15 @@ def test_status_names_each_number_for_what_it_is() -> None:
     status = _status_object("digits", swarm, [natted], 1100.0, RUN)
     assert status["peers"][0]["reachability"] == "unreachable"
     assert _status_table(status).splitlines()[2].split()[-2:] == ["unreachable", "unknown"]
+    # and with how many peers it holds connections punched through NATs
+    punched = replace(natted, punched=2)
+    assert PeerProgress.from_value(peer, punched.to_value()) == punched
+    status = _status_object("digits", swarm, [punched], 1100.0, RUN)
+    assert status["peers"][0]["punched"] == 2
+    assert _status_table(status).splitlines()[2].split()[-2:] == [
+        "unreachable,punched:2",
+        "unknown",
+    ]
     # a peer that has not measured its rate yet: no "compute 0 samples/s"
     fresh = replace(record, samples_per_second=0.0)
     unmeasured = estimate([fresh], now=1100.0, target_batch_size=1, stale_after=30.0)

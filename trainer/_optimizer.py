@@ -1277,6 +1277,7 @@ class AsyncCollaborativeOptimizer:
             # its count is final: the others count it exactly (``_global_batch``)
             stopped=self._frozen,
             batch=self._batch,
+            punched=len(self.peer.connections.punched_peers()),
         )
 
     async def _start_tracker(self) -> trio.CancelScope:

@@ -136,6 +136,9 @@ class PeerProgress:
     #: its latest micro-batch (samples; 0: none yet): a peer still adding to
     #: an epoch adds at least one more (``_global_batch``)
     batch: int = 0
+    #: peers it holds connections with that were punched through NATs
+    #: (``swarm._punch``); records of older peers have none: 0
+    punched: int = 0
 
     @staticmethod
     def device_of(tensors: Sequence[torch.Tensor]) -> str:
@@ -155,6 +158,7 @@ class PeerProgress:
             "reachability": self.reachability,
             "stopped": self.stopped,
             "batch": self.batch,
+            "punched": self.punched,
         }
 
     @classmethod
@@ -191,6 +195,7 @@ class PeerProgress:
             value.get("stopped", False) is True,
             # absent from the records of peers older than the field
             expect_int(value.get("batch", 0), "batch", lo=0, hi=2**31),
+            expect_int(value.get("punched", 0), "punched", lo=0, hi=2**16),
         )
 
 
