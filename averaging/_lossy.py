@@ -38,17 +38,18 @@ values (we could not say whose data is in them), and that reducer is in
 ``failed_reducers``; senders left out entirely are in ``failed_senders``.
 Losing a piece is not a failure.
 
-Pacing. Nothing else protects a link from a sender flooding it: each sender
-paces its datagrams to one rate per remote peer (``Pacer``), set from what
-that peer reported for the previous phases (``_pacing``). What makes the
-reports true and the rate reachable on a busy machine:
+Pacing. Nothing else protects a link from a sender flooding it: each peer
+paces all the datagrams it sends to one rate (``Pacer``), set from what the
+remotes reported for the previous flows, each burst of each flow at its turn
+on one schedule (``_pacing``). What makes the reports true and the rate
+reachable on a busy machine:
 
 - arrivals are timed by the kernel (``SO_TIMESTAMPNS``), not when the reader
   gets to them, so a receiver short of CPU does not slow its senders down;
 - a sender sends bursts of ``BURST`` seconds at its rate (``MIN_BURST`` to
   ``MAX_BURST`` datagrams) in one system call where the kernel segments UDP
-  (``UDP_SEGMENT``), and one that fell behind catches up by ``MAX_LAG`` at
-  most, rather than in one long burst;
+  (``UDP_SEGMENT``), and one that fell behind catches up by
+  ``_pacing.MAX_LAG`` at most, rather than in one long burst;
 - the reader gathers ``GATHER`` seconds of datagrams per wake-up.
 
 Restrictions: only the ``NONE`` codec (raw float32) and the weighted mean
@@ -91,7 +92,7 @@ from ._datagrams import (
 )
 from ._faults import DatagramFilter, FaultPlan
 from ._group import Group, MemberMode
-from ._pacing import Pacer, PacerRegistry
+from ._pacing import PacerRegistry, Sending
 from ._partition import Partition
 from ._pieces import PieceMask, PieceReducer, contributor_codes
 from ._rounds import RoundsByGroup
@@ -129,9 +130,6 @@ MAX_BURST = 32
 #: batch rather than per datagram. Arrival times are the kernel's, so the
 #: wait does not distort what the receiver reports.
 GATHER = 0.002
-#: A sender that fell behind its schedule (its CPU was busy) sends at most
-#: this much late traffic at once, rather than one long burst at line rate.
-MAX_LAG = 0.005
 # Linux socket options that Python's ``socket`` module does not name.
 _SO_TIMESTAMPNS = 35  # a kernel receive timestamp with each datagram
 _SO_SNDBUFFORCE = 32  # buffers beyond net.core.*mem_max (root only)
@@ -448,22 +446,21 @@ class _LossyRound:
         values: np.ndarray,
         pieces: Iterable[int],
         address: tuple[str, int],
-        pacer: Pacer,
-    ) -> float:
-        """Seal and send ``pieces`` of ``values`` (the whole part), paced at
-        ``pacer.rate`` in bursts of ``BURST`` seconds; return the seconds the
-        sending took, counted as the receiver will see it (to the end of the
-        last burst at the paced rate). On cancellation, what was sent is sent."""
+    ) -> Sending:
+        """Seal and send ``pieces`` of ``values`` (the whole part) in bursts
+        of ``BURST`` seconds at the pacer's rate, each at its turn in the
+        peer's one schedule (``_pacing.Schedule``); return what the pacer is
+        told of it. On cancellation, what was sent is sent."""
         data = memoryview(np.ascontiguousarray(values, dtype="<f4").data).cast("B")
+        pacer, schedule = self.pacers.pacer, self.pacers.schedule
+        seq0 = sealer.seq
         rate = pacer.rate
         per_burst = max(MIN_BURST, min(MAX_BURST, int(rate * BURST / FULL_DATAGRAM)))
         part_bytes = 4 * values.size
         first: float | None = None
-        start = last = 0.0
-        last_bytes = 0
+        end = late = 0.0
         sent_bytes = 0
         burst: list[bytes] = []
-        burst_bytes = 0
         pending = iter(pieces)
         while True:
             burst.clear()
@@ -479,22 +476,25 @@ class _LossyRound:
             if not burst:
                 break
             now = trio.current_time()
+            rate = pacer.rate
+            start, lag = schedule.reserve(now, burst_bytes, rate)
             if first is None:
-                first = start = now
-            due = start + sent_bytes / rate
-            if due > now:
-                await trio.sleep(due - now)
+                first = start  # a flow's first turn may come after an idle spell
             else:
-                if due < now - MAX_LAG:  # behind schedule: catch up one lag at most
-                    start += now - MAX_LAG - due
+                late += lag
+            if start > now:
+                await trio.sleep(start - now)
+            else:
                 await trio.lowlevel.checkpoint()
             await self._send_burst(burst, address)
-            last = trio.current_time()
-            last_bytes = burst_bytes
+            end = start + burst_bytes / rate
             sent_bytes += burst_bytes
-        if first is None:
-            return 0.0
-        return last - first + last_bytes / rate
+        span = 0.0 if first is None else end - first
+        # What share of the schedule this flow had: the others took the rest.
+        share = min(1.0, sent_bytes / span / rate) if span > 0 else 1.0
+        # The rate of its last burst is the one the report speaks for: the
+        # schedule follows the pacer from burst to burst.
+        return Sending(sealer.seq - seq0, span, rate, share, late)
 
     # ----------------------------------------------------------------- reducer
 
@@ -602,10 +602,9 @@ class _LossyRound:
             sealer = DatagramSealer(stream.export_key(key_label(Kind.RESULT, gid, round_)), down)
             result = reducer.result()
             address = (self.group.members[sender].host, port)
-            pacer = self.pacers.pacer(stream.remote)
             pieces = (p for p in range(down.num_pieces) if reducer.has_result(p))
-            span = await self._send_datagrams(sealer, result.numpy(), pieces, address, pacer)
-            await stream.send(["sent", sealer.seq, span])
+            sent = await self._send_datagrams(sealer, result.numpy(), pieces, address)
+            await stream.send(["sent", sealer.seq, sent.span])
             # What the sender got back only feeds our pacer: wait for it
             # briefly, not for a retransmission (``_end_of_sending``).
             with trio.move_on_after(GOT_WAIT):
@@ -616,7 +615,7 @@ class _LossyRound:
                     raise ProtocolError("expected the results received")
                 received = expect_int(got[1], "results received", lo=0, hi=sealer.seq)
                 arrival = expect_float(got[2], "seconds")
-                self.pacers.sender_report(stream.remote, sealer.seq, received, span, arrival)
+                self.pacers.sender_report(stream.remote, sent, received, arrival)
         except Exception as e:  # per-peer boundary: this sender only
             logger.info("lossy all-reduce: serving member %d failed: %r", sender, e)
             self._sender_done(sender, failed=not self.reduced.is_set())
@@ -678,20 +677,16 @@ class _LossyRound:
                 self._all_inbound.append(inbound)
                 up = Pair(Kind.PART, self.tag, round_, part, me, part_size)
                 sealer = DatagramSealer(stream.export_key(key_label(Kind.PART, gid, round_)), up)
-                pacer = self.pacers.pacer(member.peer_id)
                 values = self.flat[lo:hi].numpy()
                 address = (member.host, port)
-                span = await self._send_datagrams(
-                    sealer, values, range(up.num_pieces), address, pacer
-                )
-                await stream.send(["sent", sealer.seq, span])
+                sent = await self._send_datagrams(sealer, values, range(up.num_pieces), address)
+                await stream.send(["sent", sealer.seq, sent.span])
                 report = expect_list(await stream.receive(), 4, "reducer report")
                 if expect_str(report[0], "marker") != "report":
                     raise ProtocolError("expected the reducer's report")
                 received = expect_int(report[1], "pieces received", lo=0, hi=sealer.seq)
-                self.pacers.sender_report(
-                    member.peer_id, sealer.seq, received, span, expect_float(report[2], "seconds")
-                )
+                arrival = expect_float(report[2], "seconds")
+                self.pacers.sender_report(member.peer_id, sent, received, arrival)
                 masks = self._parse_masks(report[3], got.n)
                 codes = contributor_codes(masks, got.n)
                 nonzero = np.flatnonzero(codes)

@@ -2,44 +2,76 @@
 
 UDP has no congestion control, and a sender that bursts a part at memory speed
 fills the bottleneck's queue (a home uplink's, or the receiver's downlink's)
-and loses most of it. So each peer paces the datagrams it sends to one remote
-peer at a rate (bytes per second) kept per remote, learnt from what that
-remote reported for earlier phases (``_lossy``): how many datagrams it got and
-over how many seconds they arrived (first to last, by the kernel's receive
+and loses most of it. So each peer paces all the datagrams it sends at one
+rate (bytes per second, ``Pacer``), learnt from what the remotes reported
+about earlier flows (``_lossy``): how many datagrams each got and over how
+many seconds they arrived (first to last, by the kernel's receive
 timestamps, so that a receiver busy with other work does not make the path
 look slow), against how many were sent and over how many seconds.
 
-Two signs that the rate is above what the path delivers (*congestion*):
+One rate for all flows, one schedule. A peer sends several flows at once
+(our values of each part to its reducer; our reduced part back to each
+member), and the two phases of a round overlap (our reduced part goes out
+while our values may still be on their way to a slower reducer). Each burst
+of any flow takes its turn on one timeline at the rate (``Schedule``), so
+together they never exceed it, concurrent flows share it equally, and a
+flow that ends leaves its share to the others; a flow reports for the
+``share`` of the rate it had. Why not a rate per remote peer, as before: the
+flows of one peer share its uplink, the usual bottleneck of a home link, and
+independent rates that back off in one queue keep the shares that the queue
+happened to give them (the fast start's first overshoot left the four peers
+of a 50 Mbit/s bed at 8.5 to 18 Mbit/s per flow, and they stayed so), while
+a round lasts as long as its slowest flow. With one rate a flow slower than
+its share (a receiver's slow downlink) brings the whole rate down to what
+keeps it at its path's speed: the phase cannot end before that flow does,
+so the others lose nothing, and they load the other peers' downlinks less.
+
+Two signs in a flow's report that the rate is above what its path delivers
+(*congestion*):
 
 - a queue: the datagrams took longer to arrive than to send (arrival span
   more than ``SLACK`` times the send span plus ``SLACK_SECONDS``); with
   kernel timestamps a path that keeps up shows spans equal to within a
   burst;
-- loss above the path's own: ``base_loss``, the loss of the latest reports
-  that showed no queue (a link's random loss, which no rate avoids), plus
-  ``LOSS_MARGIN`` and three standard deviations of the report's sample.
+- loss above the path's own: ``Path.base_loss``, kept per remote peer, the
+  loss of its latest reports that showed no queue (a link's random loss,
+  which no rate avoids), plus ``LOSS_MARGIN`` and three standard deviations
+  of the report's sample.
 
 The rule, one update per report of at least ``MIN_SAMPLE`` datagrams:
 
-- Nothing received at all: halve.
-- Congestion: the rate that came through the bottleneck is ``received
-  bytes / arrival span``, divided by ``1 - base_loss`` (random loss after
-  the bottleneck thins the arrivals without slowing them); set the rate
-  to ``BACKOFF`` of it, which drains the queue the phase built, and leave
-  the fast start.
-- Otherwise, if the sender did send at its rate (a sender short of CPU
-  learns nothing about the path): in the fast start double (from
-  ``INITIAL_RATE``, a few reports reach any home link), after it probe up
-  by ``PROBE``.
+- Nothing received at all: nothing changes (``Pacer.report`` says why).
+- Congestion: the rate that came through the flow's bottleneck is
+  ``received bytes / arrival span``, divided by ``1 - base_loss`` (random
+  loss after the bottleneck thins the arrivals without slowing them) and by
+  the flow's share; set the rate to ``BACKOFF`` of it, which drains the
+  queue the phase built, and leave the fast start.
+- Otherwise, unless the flow's bursts left well behind their turns (a
+  sender short of CPU did not test the rate; ``LATE``): in the fast start
+  multiply the rate by ``FAST_START`` (from ``INITIAL_RATE``, a few reports
+  reach any home link), after it probe up: by ``PROBE`` for the first three
+  reports after a congestion, then by twice as much more with each report
+  that saw none (``MAX_PROBE`` at most), so that a rate knocked far below
+  the path's (another peer's overshoot, a busy spell) climbs back in a few
+  reports.
 
-On a clean link the rate then cycles between ``BACKOFF`` and ``BACKOFF *
-PROBE**2`` of the bottleneck (three reports: two probes, one back-off), and
-the probe above the bottleneck by a few percent for one phase builds a queue
-of a few percent of that phase, which the bottleneck's buffer holds: the
-lossy mode fills the link without raising its loss rate. Random loss does
-not slow the arrivals and is learnt as the base, so unlike loss-based
-congestion control (CUBIC; the Mathis bound) the rate does not collapse on a
-lossy link.
+Stale reports. Each report names the rate of the flow's last burst
+(``paced_at``) and is judged against that: one about a rate that another
+report has changed since never raises the rate (a newer report already
+spoke for a newer rate), and one that saw congestion lowers it at most to
+its own back-off, so congestion on any flow counts. Judging a flow paced at
+8 Mbit/s against a rate raised to 16 meanwhile looked like a sender short
+of CPU and kept the rate from rising: that, not the CPU, held the senders
+of issue 18's second pass at half the link.
+
+On a clean link the rate then cycles between ``BACKOFF`` and about
+``BACKOFF * PROBE**3`` of the bottleneck (a back-off, then probes until one
+finds the queue), and the probe above the bottleneck by a few percent for
+one phase builds a queue of a few percent of that phase, which the
+bottleneck's buffer holds: the lossy mode fills the link without raising
+its loss rate much. Random loss does not slow the arrivals and is learnt as
+the base, so unlike loss-based congestion control (CUBIC; the Mathis bound)
+the rate does not collapse on a lossy link.
 """
 
 from __future__ import annotations
@@ -52,17 +84,22 @@ from swarm import PeerID
 
 logger = logging.getLogger(__name__)
 
-#: First rate towards a peer: 8 Mbit/s. A member sends to all others at
-#: once, so a group of 4 starts at 24 Mbit/s: under a 50 Mbit/s link, and
-#: 20% over a 20 Mbit/s one for the first phase of a run only; the fast
-#: start reaches 64 Mbit/s per receiver in four reports (two rounds).
-INITIAL_RATE = 1e6
+#: First rate: 24 Mbit/s for all flows together, 8 Mbit/s to each of the
+#: three others of a group of 4: under a 50 Mbit/s link, and 20% over a 20
+#: Mbit/s one for the first phase of a run only; the fast start reaches 192
+#: Mbit/s in four reports (two rounds).
+INITIAL_RATE = 3e6
 MIN_RATE = 64e3
 MAX_RATE = 5e9
-#: Fast start: the factor per report until the first congestion.
-FAST_START = 2.0
-#: After it: the factor per report that finds out whether the path has more.
+#: Fast start: the factor per report until the first congestion (at most
+#: 50% over the bottleneck when it ends: doubling lost half of the phase
+#: that found the bottleneck).
+FAST_START = 1.5
+#: After it: the factor of the first three reports after a congestion that
+#: find out whether the path has more; from the fourth, its excess over 1
+#: doubles with each report that saw no congestion, up to ``MAX_PROBE``.
 PROBE = 1.04
+MAX_PROBE = 1.25
 #: The share of the delivered rate to settle at after congestion.
 BACKOFF = 0.95
 #: A queue: arrival span > SLACK * send span + SLACK_SECONDS.
@@ -72,8 +109,13 @@ SLACK_SECONDS = 0.003
 LOSS_MARGIN = 0.01
 #: Weight of the newest report without congestion in ``base_loss``.
 BASE_SMOOTHING = 0.3
-#: A sender that sent at less than this share of its rate was short of CPU.
-ACHIEVED = 0.8
+#: A flow whose bursts left later than their schedule for more than this
+#: share of its span was sent by a sender short of CPU.
+LATE = 0.2
+#: A burst whose turn passed more than this many seconds ago (the sender's
+#: CPU was busy) goes at once, and the schedule restarts from it rather than
+#: catching up in one long burst at line rate.
+MAX_LAG = 0.005
 #: Fewer datagrams than this say nothing about a rate.
 MIN_SAMPLE = 16
 #: Bytes on the wire per datagram the rate is counted in (a full piece).
@@ -81,80 +123,178 @@ DATAGRAM_BYTES = 1390
 
 
 @dataclass
+class Path:
+    """What reports taught about the path to one remote peer."""
+
+    #: The path's own loss rate, from reports without a queue (None: none yet).
+    base_loss: float | None = None
+
+
+@dataclass
 class Pacer:
-    """The send rate towards one remote peer, bytes per second, and what the
-    rule (module docstring) has learnt about the path."""
+    """The send rate of all of a peer's flows together, bytes per second, and
+    where the rule (module docstring) stands."""
 
     rate: float = INITIAL_RATE
     #: Still in the fast start: no congestion seen yet.
     fast_start: bool = True
-    #: The path's own loss rate, from reports without a queue (None: none yet).
-    base_loss: float | None = None
+    #: Probes since the last congestion (from the third, each raises more).
+    probes: int = 0
 
-    def report(self, sent: int, received: int, send_span: float, arrival_span: float) -> bool:
-        """Update from one report: ``sent`` datagrams over ``send_span``
-        seconds, ``received`` of them arriving over ``arrival_span`` seconds.
-        Nonsense (negative, more received than sent, not finite) and samples
-        under ``MIN_SAMPLE`` are ignored. Returns whether it saw congestion."""
+    def report(
+        self,
+        path: Path,
+        sent: int,
+        received: int,
+        send_span: float,
+        arrival_span: float,
+        paced_at: float,
+        share: float = 1.0,
+        late: float = 0.0,
+    ) -> bool:
+        """Update from one flow's report: ``sent`` datagrams over ``send_span``
+        seconds, which were ``share`` of what the schedule sent at ``paced_at``
+        bytes per second (``rate`` when the flow began), its bursts ``late``
+        seconds behind their turns in all, ``received`` of them arriving over
+        ``arrival_span`` seconds, on ``path``. Nonsense (negative, more
+        received than sent, not finite, a share outside (0, 1]) and samples
+        under ``MIN_SAMPLE`` are ignored, and so is a flow of which nothing
+        arrived: that path is blocked (a firewall that admits no datagram) or
+        gone, not slow, and says nothing about the rate. Returns whether it
+        saw congestion."""
         if (
             sent < MIN_SAMPLE
-            or not 0 <= received <= sent
-            or not (math.isfinite(send_span) and math.isfinite(arrival_span))
+            or not 0 < received <= sent
+            or not all(map(math.isfinite, (send_span, arrival_span, paced_at, share, late)))
             or send_span < 0
             or arrival_span < 0
+            or paced_at <= 0
+            or not 0 < share <= 1
+            or late < 0
         ):
             return False
-        if received == 0:
-            self.rate = max(MIN_RATE, self.rate / 2)
-            self.fast_start = False
-            return True
+        # Exact: ``paced_at`` is a value this pacer handed out, unchanged
+        # unless a report changed it since.
+        stale = paced_at != self.rate
         loss = 1 - received / sent
         queue = arrival_span > send_span * SLACK + SLACK_SECONDS
-        base = self.base_loss
+        base = path.base_loss
         lossy = base is not None and loss > base + LOSS_MARGIN + 3 * math.sqrt(
             max(base, 1.0 / sent) * (1 - base) / sent
         )
         if queue or lossy:
             kept = 1 - (base or 0.0)
-            delivered = received * DATAGRAM_BYTES / max(arrival_span, 1e-6) / kept
-            self.rate = min(MAX_RATE, max(MIN_RATE, BACKOFF * delivered))
-            self.fast_start = False
+            delivered = received * DATAGRAM_BYTES / max(arrival_span, 1e-6) / kept / share
+            self._lower(min(MAX_RATE, max(MIN_RATE, BACKOFF * delivered)), stale)
             return True
-        self.base_loss = loss if base is None else base + BASE_SMOOTHING * (loss - base)
-        achieved = sent * DATAGRAM_BYTES / send_span if send_span > 0 else math.inf
-        if achieved >= ACHIEVED * self.rate:
-            factor = FAST_START if self.fast_start else PROBE
-            self.rate = min(MAX_RATE, self.rate * factor)
+        path.base_loss = loss if base is None else base + BASE_SMOOTHING * (loss - base)
+        if not stale and late <= LATE * send_span:
+            self.rate = min(MAX_RATE, self.rate * self.probe_factor)
+            self.probes += 1
         return False
+
+    @property
+    def probe_factor(self) -> float:
+        """What the next report without congestion multiplies the rate by."""
+        if self.fast_start:
+            return FAST_START
+        return min(MAX_PROBE, 1 + (PROBE - 1) * 2 ** min(max(self.probes - 2, 0), 16))
+
+    def _lower(self, rate: float, stale: bool) -> None:
+        """After congestion: ``rate``, or where a newer report set a lower
+        rate since the phase began, that one."""
+        self.rate = min(self.rate, rate) if stale else rate
+        self.fast_start = False
+        self.probes = 0
+
+
+@dataclass(frozen=True)
+class Sending:
+    """How one flow of datagrams was sent, for ``PacerRegistry.sender_report``."""
+
+    datagrams: int
+    #: Seconds from its first burst's turn to the end of its last one's.
+    span: float
+    #: The pacer's rate (bytes per second) at its last burst.
+    paced_at: float
+    #: The share of the schedule's rate it had (the other flows had the rest).
+    share: float
+    #: Seconds its bursts left behind their turns in all (the sender was busy).
+    late: float
+
+
+@dataclass
+class Schedule:
+    """When each burst of a peer's datagrams leaves: one timeline at the
+    pacer's rate that all its flows share, whichever phase or round they
+    belong to, so that together they never send faster than the rate.
+
+    Bursts take turns in the order they are asked for: flows that each ask
+    for their next burst once the last one left share the rate equally, and
+    one that ends leaves its share to the others at once.
+    """
+
+    #: When the turn of the next burst comes (seconds, the caller's clock).
+    next: float = -math.inf
+
+    def reserve(self, now: float, size: int, rate: float) -> tuple[float, float]:
+        """The turn of a burst of ``size`` bytes at ``rate`` bytes per second,
+        asked for at ``now``: ``(start, late)``, ``start`` when it may leave
+        and ``late`` how long before ``now`` minus ``MAX_LAG`` its turn came
+        (0 when it is on time: what the sender lost by being busy elsewhere,
+        or the time the timeline had nothing to send)."""
+        start = self.next
+        late = 0.0
+        if start < now - MAX_LAG:
+            late = now - MAX_LAG - start if math.isfinite(start) else 0.0
+            start = now - MAX_LAG
+        self.next = start + size / rate
+        return start, late
 
 
 class PacerRegistry:
-    """One ``Pacer`` per remote peer, kept across rounds."""
+    """A peer's ``Pacer`` and a ``Path`` per remote peer, kept across rounds."""
 
     def __init__(self) -> None:
-        self._pacers: dict[PeerID, Pacer] = {}
+        self.pacer = Pacer()
+        self.schedule = Schedule()
+        self._paths: dict[PeerID, Path] = {}
 
-    def pacer(self, peer: PeerID) -> Pacer:
-        pacer = self._pacers.get(peer)
-        if pacer is None:
-            pacer = self._pacers[peer] = Pacer()
-        return pacer
+    def path(self, peer: PeerID) -> Path:
+        path = self._paths.get(peer)
+        if path is None:
+            path = self._paths[peer] = Path()
+        return path
 
     def sender_report(
-        self, peer: PeerID, sent: int, received: int, send_span: float, arrival_span: float
+        self, peer: PeerID, sending: Sending, received: int, arrival_span: float
     ) -> None:
-        """What ``peer`` reported about the datagrams we sent it."""
-        pacer = self.pacer(peer)
+        """What ``peer`` reported about a flow we sent it: ``received`` of its
+        datagrams arrived over ``arrival_span`` seconds (``Pacer.report``)."""
+        pacer = self.pacer
         before = pacer.rate
-        congested = pacer.report(sent, received, send_span, arrival_span)
-        # The timeline of each path's rates (benchmarks/allreduce.py --pacing-log).
+        sent, span = sending.datagrams, sending.span
+        congested = pacer.report(
+            self.path(peer),
+            sent,
+            received,
+            span,
+            arrival_span,
+            sending.paced_at,
+            sending.share,
+            sending.late,
+        )
+        # The timeline of the rate (benchmarks/allreduce.py --pacing-log).
         logger.debug(
-            "pacing to %s: sent %d in %.3f s (%.1f Mbit/s), %d arrived in %.3f s"
-            " (%.1f Mbit/s)%s: rate %.1f -> %.1f Mbit/s",
+            "pacing to %s: sent %d in %.3f s (%.1f Mbit/s, %.0f%% of %.1f, %.3f s late),"
+            " %d arrived in %.3f s (%.1f Mbit/s)%s: rate %.1f -> %.1f Mbit/s",
             peer.hex()[:8],
             sent,
-            send_span,
-            sent * DATAGRAM_BYTES * 8e-6 / send_span if send_span > 0 else 0.0,
+            span,
+            sent * DATAGRAM_BYTES * 8e-6 / span if span > 0 else 0.0,
+            100 * sending.share,
+            sending.paced_at * 8e-6,
+            sending.late,
             received,
             arrival_span,
             received * DATAGRAM_BYTES * 8e-6 / arrival_span if arrival_span > 0 else 0.0,

@@ -14,9 +14,13 @@ from averaging._pacing import (
     DATAGRAM_BYTES,
     FAST_START,
     INITIAL_RATE,
+    MAX_LAG,
+    MAX_PROBE,
     MIN_SAMPLE,
     PROBE,
     Pacer,
+    Path,
+    Schedule,
 )
 from averaging._pieces import PieceMask, PieceReducer, contributor_codes
 from swarm import ProtocolError
@@ -179,52 +183,176 @@ def test_unbiased_for_the_group_mean_with_equal_weights_exactly() -> None:
     assert torch.allclose(expectation / mass, group_mean, atol=1e-6, rtol=0)
 
 
+def span_at(rate: float, datagrams: int = 1000) -> float:
+    """Seconds that ``datagrams`` full datagrams take at ``rate`` bytes per second."""
+    return datagrams * DATAGRAM_BYTES / rate
+
+
 def test_pacer_starts_fast_and_settles_under_a_bottleneck() -> None:
-    pacer = Pacer()
+    pacer, path = Pacer(), Path()
     # The fast start doubles while the datagrams arrive as fast as they left.
-    rate = INITIAL_RATE
-    pacer.report(1000, 1000, send_span=1000 * DATAGRAM_BYTES / rate, arrival_span=0.5)
+    span = span_at(INITIAL_RATE)
+    pacer.report(path, 1000, 1000, span, span, paced_at=INITIAL_RATE)
     assert pacer.rate == INITIAL_RATE * FAST_START
     # A queue: 1000 datagrams sent in 0.1 s arrived over 0.2 s.
-    assert pacer.report(1000, 1000, send_span=0.1, arrival_span=0.2)
+    assert pacer.report(path, 1000, 1000, 0.1, 0.2, paced_at=pacer.rate)
     assert pacer.rate == pytest.approx(BACKOFF * 1000 * DATAGRAM_BYTES / 0.2)
     assert not pacer.fast_start
     # After it, a path that keeps up is probed gently.
     before = pacer.rate
-    span = 1000 * DATAGRAM_BYTES / before
-    assert not pacer.report(1000, 1000, send_span=span, arrival_span=span)
+    span = span_at(before)
+    assert not pacer.report(path, 1000, 1000, span, span, paced_at=before)
     assert pacer.rate == pytest.approx(before * PROBE)
 
 
-def test_pacer_learns_random_loss_as_the_base_and_backs_off_only_above_it() -> None:
-    pacer = Pacer()
-    span = 1000 * DATAGRAM_BYTES / INITIAL_RATE
+def test_pacer_learns_random_loss_per_path_and_backs_off_only_above_it() -> None:
+    pacer, lossy, clean = Pacer(), Path(), Path()
+    span = span_at(INITIAL_RATE)
     # 10% random loss, no queue: the path's own loss, and the rate still grows.
-    assert not pacer.report(1000, 900, send_span=span, arrival_span=span)
-    assert pacer.base_loss == pytest.approx(0.1)
+    assert not pacer.report(lossy, 1000, 900, span, span, paced_at=INITIAL_RATE)
+    assert lossy.base_loss == pytest.approx(0.1)
     assert pacer.rate == INITIAL_RATE * FAST_START
     # The same loss again: still no congestion.
-    span = 1000 * DATAGRAM_BYTES / pacer.rate
-    assert not pacer.report(1000, 905, send_span=span, arrival_span=span)
+    span = span_at(pacer.rate)
+    assert not pacer.report(lossy, 1000, 905, span, span, paced_at=pacer.rate)
+    # Another path has none of it: the same loss there is congestion.
+    clean.base_loss = 0.0
+    rate = pacer.rate
+    assert pacer.report(clean, 1000, 900, span, span, paced_at=rate)
+    assert pacer.rate == pytest.approx(BACKOFF * 900 * DATAGRAM_BYTES / span)
     # 30% lost without a queue (a drop-tail queue that overflowed): congestion,
     # and the rate drops to what came through, random loss added back.
     before = pacer.rate
-    assert pacer.report(1000, 700, send_span=span, arrival_span=span)
-    base = pacer.base_loss
+    span = span_at(before)
+    assert pacer.report(lossy, 1000, 700, span, span, paced_at=before)
+    base = lossy.base_loss
     assert base is not None and base == pytest.approx(0.1 + 0.3 * (0.095 - 0.1))
     assert pacer.rate == pytest.approx(BACKOFF * 700 * DATAGRAM_BYTES / span / (1 - base))
     assert pacer.rate < before
 
 
-def test_pacer_ignores_small_or_nonsense_reports_and_a_sender_short_of_cpu() -> None:
-    pacer = Pacer()
-    pacer.report(MIN_SAMPLE - 1, 0, send_span=1.0, arrival_span=0.0)  # too few: no change
-    pacer.report(100, 101, send_span=1.0, arrival_span=1.0)  # nonsense: ignored
-    pacer.report(100, 100, send_span=float("nan"), arrival_span=1.0)
+def test_pacer_ignores_nonsense_a_sender_short_of_cpu_and_a_blocked_path() -> None:
+    pacer, path = Pacer(), Path()
+    rate = INITIAL_RATE
+    pacer.report(path, MIN_SAMPLE - 1, 0, 1.0, 0.0, paced_at=rate)  # too few
+    pacer.report(path, 100, 101, 1.0, 1.0, paced_at=rate)  # more received than sent
+    pacer.report(path, 100, 100, float("nan"), 1.0, paced_at=rate)
+    pacer.report(path, 100, 100, 1.0, 1.0, paced_at=0.0)
+    pacer.report(path, 100, 100, 1.0, 1.0, paced_at=float("inf"))
+    pacer.report(path, 100, 100, 1.0, 1.0, paced_at=rate, share=0.0)
+    pacer.report(path, 100, 100, 1.0, 1.0, paced_at=rate, share=1.5)
+    assert pacer.rate == INITIAL_RATE and path.base_loss is None
+    # Its bursts left half a span behind their turns (its CPU was busy): the
+    # rate was not tested.
+    span = 2 * span_at(INITIAL_RATE)
+    assert not pacer.report(path, 1000, 1000, span, span, paced_at=rate, late=span / 2)
     assert pacer.rate == INITIAL_RATE
-    # Sent at a tenth of its rate (its CPU was busy): the path was not tested.
-    span = 10 * 1000 * DATAGRAM_BYTES / INITIAL_RATE
-    assert not pacer.report(1000, 1000, send_span=span, arrival_span=span)
+    pacer.report(path, 100, 100, 1.0, 1.0, paced_at=rate, late=-1.0)  # nonsense
     assert pacer.rate == INITIAL_RATE
-    pacer.report(100, 0, send_span=1.0, arrival_span=0.0)  # nothing came through
-    assert pacer.rate == INITIAL_RATE / 2
+    # Nothing came through: a blocked path, whose flow must not slow the others.
+    assert not pacer.report(path, 1000, 0, span_at(rate), 0.0, paced_at=rate)
+    assert pacer.rate == INITIAL_RATE and pacer.fast_start
+
+
+def test_a_flow_reports_for_its_share_of_the_rate() -> None:
+    """A flow paced at a third of the rate that delivered a third of the
+    bottleneck says the whole rate was the bottleneck's; one that did send at
+    its share of the rate was not short of CPU."""
+    pacer, path = Pacer(rate=6e6, fast_start=False), Path()
+    flow = 6e6 / 3
+    # 1000 datagrams at 2 MB/s arrived at 1.5 MB/s: the phase's rate was
+    # 3 x 1.5 MB/s at the bottleneck.
+    assert pacer.report(path, 1000, 1000, span_at(flow), span_at(1.5e6), 6e6, share=1 / 3)
+    assert pacer.rate == pytest.approx(BACKOFF * 4.5e6)
+    rate = pacer.rate
+    span = span_at(rate / 3)
+    assert not pacer.report(path, 1000, 1000, span, span, paced_at=rate, share=1 / 3)
+    assert pacer.rate == pytest.approx(rate * PROBE)
+
+
+def test_pacer_judges_a_report_by_the_rate_its_phase_was_paced_at() -> None:
+    """Two flows paced at the first rate overlap; the first report doubles
+    the rate. The second, about a flow that did send at the rate it was paced
+    at, is no sign of a sender short of CPU, and being stale it neither
+    raises the rate again nor lowers it."""
+    pacer, path = Pacer(), Path()
+    first = pacer.rate
+    span = span_at(first)
+    assert not pacer.report(path, 1000, 1000, span, span, paced_at=first)
+    doubled = pacer.rate
+    assert doubled == first * FAST_START
+    assert not pacer.report(path, 1000, 1000, span, span, paced_at=first)
+    assert pacer.rate == doubled and pacer.fast_start
+    # The next phase, paced at the doubled rate, doubles it again: the rate
+    # is not held where a stale report found it.
+    span = span_at(doubled)
+    assert not pacer.report(path, 1000, 1000, span, span, paced_at=doubled)
+    assert pacer.rate == doubled * FAST_START
+
+
+def test_a_stale_congested_report_lowers_the_rate_at_most_to_its_back_off() -> None:
+    pacer, path = Pacer(rate=4e6, fast_start=False), Path()
+    # A phase at 4 MB/s built a queue: delivered 2 MB/s.
+    span = span_at(4e6)
+    assert pacer.report(path, 1000, 1000, span, span_at(2e6), paced_at=4e6)
+    assert pacer.rate == pytest.approx(BACKOFF * 2e6)
+    lowered = pacer.rate
+    # A report about an overlapping flow at 4 MB/s that delivered 3 MB/s
+    # comes later: it must not raise the rate back.
+    assert pacer.report(path, 1000, 1000, span, span_at(3e6), paced_at=4e6)
+    assert pacer.rate == lowered
+    # One that delivered less lowers it further.
+    assert pacer.report(path, 1000, 1000, span, span_at(1e6), paced_at=4e6)
+    assert pacer.rate == pytest.approx(BACKOFF * 1e6)
+
+
+def test_the_probe_accelerates_until_a_congestion() -> None:
+    pacer, path = Pacer(rate=1e6, fast_start=False), Path()
+    factors = []
+    for _ in range(7):
+        before = pacer.rate
+        span = span_at(before)
+        assert not pacer.report(path, 1000, 1000, span, span, paced_at=before)
+        factors.append(pacer.rate / before)
+    expected = [PROBE, PROBE, PROBE, 2 * PROBE - 1, 4 * PROBE - 3, MAX_PROBE, MAX_PROBE]
+    assert factors == pytest.approx(expected)
+    # A congestion starts the probe over.
+    rate = pacer.rate
+    assert pacer.report(path, 1000, 1000, span_at(rate), 2 * span_at(rate), paced_at=rate)
+    assert pacer.probe_factor == PROBE
+
+
+def test_flows_on_one_schedule_take_turns_and_never_exceed_the_rate() -> None:
+    """Three flows ask for bursts of 1,000 bytes at 1 MB/s, each as soon as
+    its last one left: each burst starts 1 ms after the one before it,
+    whichever flow it is for, and no flow's burst waits longer than the
+    others' turns."""
+    schedule = Schedule()
+    rate = 1e6
+    # (when a flow asks for its next burst, in which order, which flow)
+    asks = [(0.0, i, flow) for i, flow in enumerate("abc")]
+    starts: list[tuple[float, str]] = []
+    for n in range(30):
+        asks.sort()
+        now, _, flow = asks.pop(0)
+        start, late = schedule.reserve(now, 1000, rate)
+        assert late == 0.0
+        starts.append((start, flow))
+        asks.append((max(start, now), 3 + n, flow))  # asks again once it left
+    times = [t for t, _ in starts]
+    assert times == pytest.approx([-MAX_LAG + i * 1e-3 for i in range(30)])
+    assert [f for _, f in starts[:6]] == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_a_late_burst_goes_at_once_and_the_schedule_restarts_from_it() -> None:
+    schedule = Schedule()
+    start, late = schedule.reserve(10.0, 1000, 1e6)
+    assert (start, late) == (10.0 - MAX_LAG, 0.0)  # an idle timeline: not late
+    # Its turn came at 10.0 - MAX_LAG + 0.001; asked 50 ms later, the burst
+    # goes at once, 50 ms behind its turn less the lag allowed.
+    start, late = schedule.reserve(10.05, 1000, 1e6)
+    assert start == pytest.approx(10.05 - MAX_LAG)
+    assert late == pytest.approx(0.05 - 0.001)
+    # The next turn follows that burst, not the turns that were missed.
+    start, late = schedule.reserve(10.05, 1000, 1e6)
+    assert start == pytest.approx(10.05 - MAX_LAG + 0.001) and late == 0.0
