@@ -58,6 +58,7 @@ Restrictions: only the ``NONE`` codec (raw float32) and the weighted mean
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import secrets
@@ -135,6 +136,9 @@ _SO_TIMESTAMPNS = 35  # a kernel receive timestamp with each datagram
 _SO_SNDBUFFORCE = 32  # buffers beyond net.core.*mem_max (root only)
 _SO_RCVBUFFORCE = 33
 _UDP_SEGMENT = 103  # UDP segmentation offload: one send, many datagrams
+#: What a kernel or device that cannot segment a send answers: no checksum
+#: offload (EIO), a size or count over its limits (EINVAL, EMSGSIZE).
+_SEGMENT_REFUSED = frozenset({errno.EIO, errno.EINVAL, errno.EMSGSIZE, errno.EOPNOTSUPP})
 _TIMESPEC = struct.Struct("@qq")
 
 
@@ -283,6 +287,48 @@ def _tune(sock: socket.socket) -> tuple[bool, bool]:
     return segmented, stamped
 
 
+async def send_burst(
+    sock: socket.socket, burst: list[bytes], address: tuple[str, int], segmented: bool
+) -> bool:
+    """Send the datagrams of ``burst`` from the non-blocking ``sock``, in one
+    system call if ``segmented`` (``UDP_SEGMENT`` is set on ``sock``: the
+    kernel cuts the buffer into datagrams of the first one's size, so every
+    datagram but the last must be that size, as all but a part's last piece
+    are ``FULL_DATAGRAM`` bytes). Returns whether to go on segmenting: a
+    device or a kernel that refuses a segmented send (``_SEGMENT_REFUSED``)
+    gets the burst again one datagram at a time, and from then on only so.
+    A datagram the kernel refuses otherwise (ENOBUFS, an ICMP error from a
+    peer that left) is lost, as one dropped on the way would be."""
+    if segmented and len(burst) > 1:
+        while True:
+            try:
+                sock.sendto(b"".join(burst), address)
+                return True
+            except BlockingIOError:
+                await _wait_for_buffer()
+            except OSError as e:
+                if e.errno not in _SEGMENT_REFUSED:
+                    return True
+                break
+        segmented = False
+    for datagram in burst:
+        while True:
+            try:
+                sock.sendto(datagram, address)
+                break
+            except BlockingIOError:
+                await _wait_for_buffer()
+            except OSError:
+                break
+    return segmented
+
+
+async def _wait_for_buffer() -> None:
+    """The send buffer is full. Several tasks send on one socket, and only one
+    may wait for it to become writable: poll."""
+    await trio.sleep(0.001)
+
+
 class _LossyRound:
     """One member's state for one lossy round: its reducer and sender roles."""
 
@@ -413,33 +459,6 @@ class _LossyRound:
             if not inbound.complete.is_set():
                 await self.settled()
 
-    async def _send_burst(self, burst: list[bytes], address: tuple[str, int]) -> None:
-        """Send the datagrams of ``burst``, in one system call where the
-        kernel segments (every datagram but the last is ``FULL_DATAGRAM``
-        bytes: only a part's last piece is shorter). One the kernel refuses
-        (ENOBUFS, unreachable) is lost, like one dropped on the way."""
-        while True:
-            try:
-                if self.segmented and len(burst) > 1:
-                    self.sock.sendto(b"".join(burst), address)
-                else:
-                    for i, datagram in enumerate(burst):
-                        try:
-                            self.sock.sendto(datagram, address)
-                        except BlockingIOError:
-                            burst = burst[i:]
-                            raise
-                return
-            except BlockingIOError:
-                # The send buffer is full. Several tasks send on this socket,
-                # and only one may wait for it to become writable: poll.
-                await trio.sleep(0.001)
-            except OSError:
-                if self.segmented and len(burst) > 1:
-                    self.segmented = False  # a device without segmentation: one by one
-                    continue
-                return
-
     async def _send_datagrams(
         self,
         sealer: DatagramSealer,
@@ -486,7 +505,7 @@ class _LossyRound:
                 await trio.sleep(start - now)
             else:
                 await trio.lowlevel.checkpoint()
-            await self._send_burst(burst, address)
+            self.segmented = await send_burst(self.sock, burst, address, self.segmented)
             end = start + burst_bytes / rate
             sent_bytes += burst_bytes
         span = 0.0 if first is None else end - first

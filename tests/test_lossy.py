@@ -11,6 +11,8 @@ alone holds its own values.
 from __future__ import annotations
 
 import logging
+import random
+import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 
@@ -20,10 +22,10 @@ import trio
 
 from averaging import AllReduceConfig, AllReduceResult, all_reduce
 from averaging._codecs import FLOAT16
-from averaging._datagrams import PIECE_ELEMENTS
+from averaging._datagrams import FULL_DATAGRAM, PIECE_ELEMENTS
 from averaging._faults import DatagramFaults, FaultPlan
 from averaging._group import Group, GroupMember, MemberMode
-from averaging._lossy import LOSSY_STREAM, LOSSY_VERSION
+from averaging._lossy import LOSSY_STREAM, LOSSY_VERSION, _tune, send_burst
 from swarm import ConfigError, Identity, SwarmError
 from swarm._connections import ConnectionConfig, Connections, open_connections
 
@@ -211,3 +213,51 @@ async def test_control_streams_that_break_the_rules_are_refused() -> None:
             await refused([LOSSY_VERSION, b"nope", 0, 1, 1.0, TOTAL, 9], "no lossy all-reduce")
     assert results[0].failed_senders == {1} and results[0].failed_reducers == {1}
     assert torch.equal(x, member_data(0))
+
+
+def burst_of(n: int, last: int, seed: int) -> list[bytes]:
+    """``n`` datagrams of distinct random bytes, all full but the last (``last`` bytes)."""
+    rng = random.Random(seed)
+    sizes = [FULL_DATAGRAM] * (n - 1) + [last]
+    return [rng.randbytes(size) for size in sizes]
+
+
+async def receive_all(receiver: socket.socket, n: int) -> list[bytes]:
+    got = []
+    with trio.fail_after(5):
+        while len(got) < n:
+            await trio.lowlevel.wait_readable(receiver)
+            got.append(receiver.recv(2048))
+    return got
+
+
+@pytest.mark.parametrize(
+    "n, last, segment, stays_segmented",
+    [
+        (32, 100, True, True),  # one segmented send, cut into 32 datagrams
+        (32, 100, False, False),  # no segmentation: one send per datagram
+        (1, FULL_DATAGRAM, True, True),  # a single datagram needs no segmentation
+        # 66,720 bytes: over what one send may carry; the kernel refuses, and
+        # the burst goes again one datagram at a time, as do all after it
+        (48, FULL_DATAGRAM, True, False),
+    ],
+)
+async def test_a_burst_arrives_as_exactly_its_datagrams(
+    n: int, last: int, segment: bool, stays_segmented: bool
+) -> None:
+    with (
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender,
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as receiver,
+    ):
+        for sock in (sender, receiver):
+            sock.setblocking(False)
+        segmented, _ = _tune(sender)  # large buffers; UDP_SEGMENT where Linux has it
+        assert segmented, "this kernel segments UDP sends (Linux 4.18 and later)"
+        receiver.bind(("127.0.0.1", 0))
+        burst = burst_of(n, last, seed=n)
+        address = receiver.getsockname()
+        assert await send_burst(sender, burst, address, segment) is stays_segmented
+        assert await receive_all(receiver, n) == burst
+        # and nothing more came
+        with pytest.raises(BlockingIOError):
+            receiver.recv(2048)
