@@ -356,3 +356,23 @@ def test_a_late_burst_goes_at_once_and_the_schedule_restarts_from_it() -> None:
     # The next turn follows that burst, not the turns that were missed.
     start, late = schedule.reserve(10.05, 1000, 1e6)
     assert start == pytest.approx(10.05 - MAX_LAG + 0.001) and late == 0.0
+
+
+def test_a_path_whose_loss_comes_in_bursts_learns_its_spread() -> None:
+    """Reports of a path with 10% loss in bursts stray by several points
+    either way: after a few, a report 6 points over the base is the path's
+    own loss, not congestion; loss three times the base still is."""
+    pacer, path = Pacer(rate=4e6, fast_start=False), Path()
+    rng = random.Random(7)
+    congested = 0
+    for _ in range(40):
+        rate = pacer.rate
+        span = span_at(rate)
+        received = 1000 - round(1000 * rng.choice([0.05, 0.08, 0.10, 0.12, 0.15]))
+        congested += pacer.report(path, 1000, received, span, span, paced_at=rate)
+    assert path.base_loss == pytest.approx(0.1, abs=0.04)
+    assert congested <= 4  # while it learns the spread
+    rate = pacer.rate
+    span = span_at(rate)
+    assert not pacer.report(path, 1000, 840, span, span, paced_at=rate)
+    assert pacer.report(path, 1000, 700, span, span, paced_at=pacer.rate)
