@@ -53,14 +53,19 @@ The rule, one update per report of at least ``MIN_SAMPLE`` datagrams:
   loss after the bottleneck thins the arrivals without slowing them) and by
   the flow's share; set the rate to ``BACKOFF`` of it, which drains the
   queue the phase built, and leave the fast start.
-- Otherwise, unless the flow's bursts left well behind their turns (a
-  sender short of CPU did not test the rate; ``LATE``): in the fast start
-  multiply the rate by ``FAST_START`` (from ``INITIAL_RATE``, a few reports
-  reach any home link), after it probe up: by ``PROBE`` for the first three
-  reports after a congestion, then by twice as much more with each report
-  that saw none (``MAX_PROBE`` at most), so that a rate knocked far below
-  the path's (another peer's overshoot, a busy spell) climbs back in a few
-  reports.
+- Otherwise: in the fast start multiply the rate by ``FAST_START`` (from
+  ``INITIAL_RATE``, a few reports reach any home link), after it probe up:
+  by ``PROBE`` for the first three reports after a congestion, then by
+  twice as much more with each report that saw none (``MAX_PROBE`` at
+  most), so that a rate knocked far below the path's (another peer's
+  overshoot, a busy spell) climbs back in a few reports. A flow whose bursts
+  left well behind their turns (``LATE``: its sender was short of CPU) says
+  less: its bursts did go out at the rate, and no queue built up, but with
+  gaps in which one could drain, so the rate grows by ``PROBE`` only. It
+  still grows: held where it was, the rate of a peer whose machine stays
+  busy would stay low for good, and a busy sender sends the more the higher
+  the rate it catches up to (``MAX_LAG``); if the path cannot take it, the
+  next report says so.
 
 Stale reports. Each report names the rate of the flow's last burst
 (``paced_at``) and is judged against that: one about a rate that another
@@ -209,9 +214,13 @@ class Pacer:
             self._lower(min(MAX_RATE, max(MIN_RATE, BACKOFF * delivered)), stale)
             return True
         path.base_loss = loss if base is None else base + BASE_SMOOTHING * (loss - base)
-        if not stale and late <= LATE * send_span:
+        if stale:
+            return False
+        if late <= LATE * send_span:
             self.rate = min(MAX_RATE, self.rate * self.probe_factor)
             self.probes += 1
+        else:
+            self.rate = min(MAX_RATE, self.rate * PROBE)
         return False
 
     @property
