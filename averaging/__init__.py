@@ -16,7 +16,7 @@ Modules, pure code first:
 - ``_allreduce``: the fault-tolerant butterfly all-reduce over peer connections
 - ``_datagrams``: the lossy data plane's authenticated, frame-sized datagrams
 - ``_pieces``: which pieces arrived, and the per-piece renormalised mean over them
-- ``_pacing``: the lossy data plane's send rate per peer, from receiver reports
+- ``_pacing``: the lossy data plane's send rate and schedule, from receiver reports
 - ``_lossy``: the lossy all-reduce round (``AllReduceConfig(lossy=True)``)
 - ``_matchmaking``: leader-based group formation over the DHT
 - ``_averager``: ``Averager``, one Moshpit round per ``step()``
