@@ -4,7 +4,8 @@ Four peers in network namespaces of their own, each on a 20 Mbit/s link, train
 the digits task with gradients over the lossy data plane while every packet
 between any two of them is dropped with probability 10% (``iptables -m
 statistic``; DHT, TCP and the all-reduce's datagrams alike). The run must
-still reach 0.9 accuracy on every peer, the peers must end on one model (the
+still reach 0.9 accuracy on every peer after 30 epochs (at 20, one peer in six
+runs ended at 0.88), the peers must end on one model (the
 re-synchronisation bounds their drift), and the lossy rounds must really have
 lost data (their log lines say how much of the senders' data each result holds).
 """
@@ -21,7 +22,7 @@ from cli_harness import throttled_task_file
 from netbed import Link, NetBed
 from test_netbed import _join_command, run_in_bed
 
-EPOCHS = 20
+EPOCHS = 30
 LOSS = 0.10
 _HELD = re.compile(r"lossy all-reduce [0-9a-f]+: ([0-9.]+)% of the (\d+) senders' data")
 
