@@ -60,16 +60,47 @@ def _worker(args: argparse.Namespace) -> None:
     """One peer: join (or start) the swarm, train, print a JSON report."""
     import torch
 
-    from averaging import AllReduceConfig, AveragerConfig, MatchmakingConfig
     from swarm import Identity, Peer, PeerConfig
-    from trainer import CollaborativeConfig, load_task
-    from trainer._loop import TrainingConfig, train
+    from trainer import load_task
+    from trainer._loop import train
 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
-    if args.cli_defaults:
-        _train_as_the_cli(args)
-        return
+    training = _as_the_cli(args) if args.cli_defaults else _benchmark_settings(args)
+    initial = (args.initial_peer,) if args.initial_peer else ()
+    peer_config = PeerConfig(initial_peers=initial)
+    with Peer(Identity.from_seed(bytes([args.index + 1]) * 32), peer_config) as peer:
+        print(json.dumps({"address": peer.address}), flush=True)
+        if args.index == 0 and args.peers > 1:
+            sys.stdin.readline()  # wait until every peer has joined: start together
+        #: epoch -> [this peer's samples, group id (hex), contributors (hex)]
+        samples: dict[int, list[Any]] = {}
+        #: epoch -> [seconds since this peer's training started, accuracy]
+        accuracy: dict[int, list[float]] = {}
+        started: list[float] = []
+
+        def on_epoch(opt: Any, report: Any) -> None:
+            _record_step(opt, samples)
+            if training.eval_every == 1:
+                seconds = time.monotonic() - started[0]
+                accuracy[opt.epoch] = [seconds, report.metrics.get("accuracy", float("nan"))]
+
+        report = train(
+            peer,
+            load_task("digits"),
+            training,
+            on_start=lambda _opt: started.append(time.monotonic()),
+            on_epoch=on_epoch,
+        )
+        _print_report(report, peer, samples, accuracy)
+
+
+def _benchmark_settings(args: argparse.Namespace) -> Any:
+    """The benchmark's own settings: short timeouts, no state averaging."""
+    from averaging import AllReduceConfig, AveragerConfig, MatchmakingConfig
+    from trainer import CollaborativeConfig
+    from trainer._loop import TrainingConfig
+
     config = CollaborativeConfig(
         averaging=AveragerConfig(
             matchmaking=MatchmakingConfig(
@@ -84,89 +115,42 @@ def _worker(args: argparse.Namespace) -> None:
         load_state_timeout=10.0,
         adaptive_timing=not args.fixed_timing,
     )
-    initial = (args.initial_peer,) if args.initial_peer else ()
-    peer_config = PeerConfig(initial_peers=initial)
-    with Peer(Identity.from_seed(bytes([args.index + 1]) * 32), peer_config) as peer:
-        print(json.dumps({"address": peer.address}), flush=True)
-        if args.index == 0 and args.peers > 1:
-            sys.stdin.readline()  # wait until every peer has joined: start together
-        task = load_task("digits")
-        #: epoch -> [this peer's samples, group id (hex), contributors (hex)]
-        samples: dict[int, list[Any]] = {}
-
-        def on_epoch(opt: Any, _report: Any) -> None:
-            _record_step(opt, samples)
-
-        report = train(
-            peer,
-            task,
-            TrainingConfig(
-                run_id="bench",
-                target_batch_size=args.target_batch_size,
-                batch_size=args.batch_size,
-                max_epochs=args.epochs,
-                eval_every=0,
-                data_seed=args.index,
-                optimizer=config,
-                # start together: a peer that began before the others joined
-                # trained its first steps alone (each a whole target batch),
-                # which at a few epochs was most of what was measured
-                min_peers=args.peers,
-                min_peers_timeout=60.0,
-                load_state=False,  # every peer starts from the same weights
-            ),
-            on_epoch=on_epoch,
-        )
-        _print_report(report, peer, samples, {})
+    return TrainingConfig(
+        run_id="bench",
+        target_batch_size=args.target_batch_size,
+        batch_size=args.batch_size,
+        max_epochs=args.epochs,
+        eval_every=0,
+        data_seed=args.index,
+        optimizer=config,
+        # start together: a peer that began before the others joined
+        # trained its first steps alone (each a whole target batch),
+        # which at a few epochs was most of what was measured
+        min_peers=args.peers,
+        min_peers_timeout=60.0,
+        load_state=False,  # every peer starts from the same weights
+    )
 
 
-def _train_as_the_cli(args: argparse.Namespace) -> None:
-    """``--cli-defaults``: one peer of ``swarm train`` with no options (what
-    its parser and config builders give), evaluated after every epoch."""
-    from swarm import Identity, Peer, PeerConfig
+def _as_the_cli(args: argparse.Namespace) -> Any:
+    """``--cli-defaults``: what ``swarm train`` with no options trains with
+    (its parser and config builders), evaluated after every epoch."""
     from swarm.cli import _collaborative_config, build_parser
-    from trainer import load_task
-    from trainer._loop import TrainingConfig, train
+    from trainer._loop import TrainingConfig
 
     cli = build_parser().parse_args(["train"])
-    initial = (args.initial_peer,) if args.initial_peer else ()
-    with Peer(
-        Identity.from_seed(bytes([args.index + 1]) * 32), PeerConfig(initial_peers=initial)
-    ) as peer:
-        print(json.dumps({"address": peer.address}), flush=True)
-        if args.index == 0 and args.peers > 1:
-            sys.stdin.readline()  # wait until every peer has joined: start together
-        samples: dict[int, list[Any]] = {}
-        #: epoch -> [seconds since this peer's training started, accuracy]
-        accuracy: dict[int, list[float]] = {}
-        started: list[float] = []
-
-        def on_epoch(opt: Any, report: Any) -> None:
-            _record_step(opt, samples)
-            accuracy[opt.epoch] = [
-                time.monotonic() - started[0],
-                report.metrics.get("accuracy", float("nan")),
-            ]
-
-        report = train(
-            peer,
-            load_task("digits"),
-            TrainingConfig(
-                run_id="bench",
-                target_batch_size=cli.target_batch_size,
-                batch_size=cli.batch_size,
-                max_epochs=args.epochs,
-                eval_every=1,
-                data_seed=args.index,
-                optimizer=_collaborative_config(cli),
-                min_peers=args.peers,
-                min_peers_timeout=60.0,
-                load_state=False,
-            ),
-            on_start=lambda _opt: started.append(time.monotonic()),
-            on_epoch=on_epoch,
-        )
-        _print_report(report, peer, samples, accuracy)
+    return TrainingConfig(
+        run_id="bench",
+        target_batch_size=cli.target_batch_size,
+        batch_size=cli.batch_size,
+        max_epochs=args.epochs,
+        eval_every=1,
+        data_seed=args.index,
+        optimizer=_collaborative_config(cli),
+        min_peers=args.peers,
+        min_peers_timeout=60.0,
+        load_state=False,
+    )
 
 
 def _record_step(opt: Any, samples: dict[int, list[Any]]) -> None:

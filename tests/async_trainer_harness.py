@@ -19,9 +19,10 @@ import itertools
 import math
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import pytest
 import torch
@@ -36,6 +37,9 @@ T = TypeVar("T")
 
 #: real seconds of idleness after which virtual time jumps to the next timer
 IDLE = 0.05
+#: the run ``train_together`` trains and a ``newcomer`` joins
+RUN_ID = "digits-together"
+S = TypeVar("S")
 
 
 def held_clock(monkeypatch: pytest.MonkeyPatch) -> trio.testing.MockClock:
@@ -113,7 +117,7 @@ async def train_together(
     peers: int = 3,
     clients: int = 0,
     seed: int = 3,
-    run_id: str = "digits-together",
+    run_id: str = RUN_ID,
     tasks: Sequence[Task[Any]] | None = None,
     compute_clocks: Sequence[Callable[[], float]] | None = None,
     on_step: Callable[[int, AsyncCollaborativeOptimizer], None] | None = None,
@@ -189,3 +193,44 @@ async def train_together(
                 nursery.start_soon(meanwhile, running, together)
     assert len(together.accuracy) + len(together.lost) == peers + clients
     return together
+
+
+class Snapshots(Generic[S]):
+    """What ``take(opt)`` copied right after each global step of each peer of
+    ``train_together`` (pass ``on_step``), by (epoch, peer)."""
+
+    def __init__(self, take: Callable[[AsyncCollaborativeOptimizer], S]) -> None:
+        self._take = take
+        self._taken: dict[tuple[int, PeerID], S] = {}
+        self._events: defaultdict[tuple[int, PeerID], trio.Event] = defaultdict(trio.Event)
+
+    def on_step(self, i: int, opt: AsyncCollaborativeOptimizer) -> None:
+        key = (opt.epoch, opt.peer.peer_id)
+        self._taken[key] = self._take(opt)
+        self._events[key].set()
+
+    async def of(self, epoch: int, peer: PeerID) -> S:
+        """``peer``'s snapshot of ``epoch``, once it took it (a donor may donate
+        the state of a step before its own ``step`` call returned)."""
+        with trio.fail_after(30):
+            await self._events[(epoch, peer)].wait()
+        return self._taken[(epoch, peer)]
+
+
+@asynccontextmanager
+async def newcomer(
+    peers: Peers, config: CollaborativeConfig, *, seed: int = 123
+) -> AsyncIterator[AsyncCollaborativeOptimizer]:
+    """A new peer of ``train_together``'s run, its optimizer open: built from
+    ``seed`` (not the run's weights), so what it holds came from its donor."""
+    model, inner, _ = load_task("digits").build(seed=seed)
+    async with AsyncCollaborativeOptimizer.open(
+        await peers.add(),
+        run_id=RUN_ID,
+        params=model.parameters(),
+        optimizer=inner,
+        target_batch_size=192,
+        batch_size_per_step=32,
+        config=config,
+    ) as opt:
+        yield opt

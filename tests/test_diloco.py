@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import replace
 
 import pytest
 import torch
 import trio
 import trio.testing
-from async_trainer_harness import Together, held_clock, train_together
+from async_trainer_harness import Snapshots, Together, held_clock, newcomer, train_together
 from peer_harness import Peers
 from trainer_harness import (
     FAST,
@@ -20,8 +19,8 @@ from trainer_harness import (
 )
 
 from averaging import NONE
-from swarm import ConfigError, PeerID, ProtocolError
-from trainer import AsyncCollaborativeOptimizer, CollaborativeOptimizer, DiLoCo, load_task
+from swarm import ConfigError, ProtocolError
+from trainer import AsyncCollaborativeOptimizer, CollaborativeOptimizer, DiLoCo
 from trainer._diloco import OuterLoop
 
 
@@ -147,32 +146,14 @@ async def test_a_newcomer_gets_the_synced_parameters_and_outer_momentum(
 ) -> None:
     """A fourth peer joins after outer step 3: it holds its donor's synced
     parameters and outer momentum of that step, and trains from them."""
-    snapshots: dict[tuple[int, PeerID], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    recorded: defaultdict[tuple[int, PeerID], trio.Event] = defaultdict(trio.Event)
+    snapshots = Snapshots(_snapshot)
     joined: list[int] = []
 
-    def record(i: int, opt: AsyncCollaborativeOptimizer) -> None:
-        key = (opt.epoch, opt.peer.peer_id)
-        snapshots[key] = _snapshot(opt)
-        recorded[key].set()
-
-    async def newcomer(peers: Peers, together: Together) -> None:
+    async def join(peers: Peers, together: Together) -> None:
         await together.reached[3].wait()
-        model, inner, _ = load_task("digits").build(seed=123)  # not the run's weights
-        async with AsyncCollaborativeOptimizer.open(
-            await peers.add(),
-            run_id="digits-together",
-            params=model.parameters(),
-            optimizer=inner,
-            target_batch_size=192,
-            batch_size_per_step=32,
-            config=DILOCO,
-        ) as opt:
+        async with newcomer(peers, DILOCO) as opt:
             assert opt.epoch >= 3 and opt.state_source is not None
-            key = (opt.epoch, opt.state_source)
-            with trio.fail_after(30):  # the donor records its step once it returns
-                await recorded[key].wait()
-            expected_params, expected_momentum = snapshots[key]
+            expected_params, expected_momentum = await snapshots.of(opt.epoch, opt.state_source)
             params, momentum = _snapshot(opt)
             assert all(torch.equal(a, b) for a, b in zip(params, expected_params, strict=True))
             # the synced parameters (what it would donate) are the ones it trains from
@@ -182,7 +163,7 @@ async def test_a_newcomer_gets_the_synced_parameters_and_outer_momentum(
             assert any(m.abs().sum() > 0 for m in momentum)
             joined.append(opt.epoch)
 
-    await train_together(DILOCO, epochs=10, on_step=record, meanwhile=newcomer)
+    await train_together(DILOCO, epochs=10, on_step=snapshots.on_step, meanwhile=join)
     assert joined
 
 

@@ -4,13 +4,12 @@ training peers (and a newcomer) on 127.0.0.1."""
 from __future__ import annotations
 
 import itertools
-from collections import defaultdict
 
 import pytest
 import torch
 import trio
 import trio.testing
-from async_trainer_harness import Together, held_clock, train_together
+from async_trainer_harness import Snapshots, Together, held_clock, newcomer, train_together
 from peer_harness import Peers
 from trainer_harness import (
     FAST,
@@ -22,14 +21,12 @@ from trainer_harness import (
 
 from averaging import NONE, UINT8
 from averaging._arctopk import exact_group_round, projection_seed
-from swarm import ConfigError, PeerID
+from swarm import ConfigError
 from trainer import (
     ArcTopK,
-    AsyncCollaborativeOptimizer,
     CollaborativeConfig,
     CollaborativeOptimizer,
     DiLoCo,
-    load_task,
 )
 from trainer._ef21m import EF21M
 
@@ -194,34 +191,15 @@ async def test_three_peers_train_digits_with_arc_top_k(clock: trio.testing.MockC
     """Three peers on virtual time take 30 compressed global steps together
     (every pair holds identical parameters and shared estimates g_bar after
     each); a newcomer that joins after step 10 starts from its donor's g_bar."""
-    #: (epoch, peer) -> that peer's g_bar right after its global step of the epoch
-    estimates: dict[tuple[int, PeerID], list[torch.Tensor]] = {}
-    recorded: defaultdict[tuple[int, PeerID], trio.Event] = defaultdict(trio.Event)
+    snapshots = Snapshots(lambda opt: [t.clone() for t in opt.state_dict()["ef21m"]["g_bar"]])
     newcomer_check: dict[str, bool] = {}
 
-    def record(i: int, opt: AsyncCollaborativeOptimizer) -> None:
-        g_bar = opt.state_dict()["ef21m"]["g_bar"]
-        estimates[(opt.epoch, opt.peer.peer_id)] = [t.clone() for t in g_bar]
-        recorded[(opt.epoch, opt.peer.peer_id)].set()
-
-    async def newcomer(peers: Peers, together: Together) -> None:
+    async def join(peers: Peers, together: Together) -> None:
         await together.reached[10].wait()
-        model, inner, _ = load_task("digits").build(seed=7)  # not the run's weights
-        async with AsyncCollaborativeOptimizer.open(
-            await peers.add(),
-            run_id="digits-together",
-            params=model.parameters(),
-            optimizer=inner,
-            target_batch_size=192,
-            batch_size_per_step=32,
-            config=COMPRESSED,
-        ) as opt:
+        async with newcomer(peers, COMPRESSED, seed=7) as opt:
             ef = opt.state_dict()["ef21m"]
             assert opt.state_source is not None
-            key = (opt.epoch, opt.state_source)
-            with trio.fail_after(30):  # the donor records its step once it returns
-                await recorded[key].wait()
-            donated = estimates[key]
+            donated = await snapshots.of(opt.epoch, opt.state_source)
             # exactly the donor's g_bar of that epoch, and its own g and v start there
             newcomer_check["adopted"] = opt.epoch >= 10 and all(
                 torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
@@ -229,7 +207,9 @@ async def test_three_peers_train_digits_with_arc_top_k(clock: trio.testing.MockC
             )
             newcomer_check["nonzero"] = any(bool(t.abs().sum() > 0) for t in ef["g_bar"])
 
-    together = await train_together(COMPRESSED, epochs=30, on_step=record, meanwhile=newcomer)
+    together = await train_together(
+        COMPRESSED, epochs=30, on_step=snapshots.on_step, meanwhile=join
+    )
     assert newcomer_check == {"adopted": True, "nonzero": True}
     together.assert_every_step_taken_together(30)
     # dense reaches ~0.94 in 25 epochs; compressed runs measured 0.87-0.93 in

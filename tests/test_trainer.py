@@ -15,7 +15,7 @@ import pytest
 import torch
 import trio
 import trio.testing
-from async_trainer_harness import Together, held_clock, train_together
+from async_trainer_harness import Snapshots, Together, held_clock, newcomer, train_together
 from peer_harness import Peers
 from trainer_harness import (
     FAST,
@@ -25,7 +25,7 @@ from trainer_harness import (
     training_peers,
 )
 
-from swarm import ClosedError, NonFiniteError, PeerID
+from swarm import ClosedError, NonFiniteError
 from trainer import AsyncCollaborativeOptimizer, CollaborativeOptimizer, Task, load_task
 
 
@@ -68,33 +68,14 @@ async def test_a_newcomer_starts_from_the_swarms_exact_state(
 ) -> None:
     """A fourth peer joins after step 4: before it contributes anything it
     holds exactly the parameters and optimizer state of its donor's epoch."""
-    #: (epoch, peer) -> (parameters, optimizer state) right after that global step
-    snapshots: dict[tuple[int, PeerID], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    recorded: defaultdict[tuple[int, PeerID], trio.Event] = defaultdict(trio.Event)
+    snapshots = Snapshots(lambda opt: (_fingerprint(opt), _optimizer_tensors(opt)))
     joined: list[int] = []
 
-    def record(i: int, opt: AsyncCollaborativeOptimizer) -> None:
-        key = (opt.epoch, opt.peer.peer_id)
-        snapshots[key] = (_fingerprint(opt), _optimizer_tensors(opt))
-        recorded[key].set()
-
-    async def newcomer(peers: Peers, together: Together) -> None:
+    async def join(peers: Peers, together: Together) -> None:
         await together.reached[4].wait()
-        model, inner, _ = load_task("digits").build(seed=123)  # not the run's weights
-        async with AsyncCollaborativeOptimizer.open(
-            await peers.add(),
-            run_id="digits-together",
-            params=model.parameters(),
-            optimizer=inner,
-            target_batch_size=192,
-            batch_size_per_step=32,
-            config=FAST,
-        ) as opt:
+        async with newcomer(peers, FAST) as opt:
             assert opt.epoch >= 4 and opt.state_source is not None
-            key = (opt.epoch, opt.state_source)
-            with trio.fail_after(30):  # the donor records its step once it returns
-                await recorded[key].wait()
-            expected_params, expected_state = snapshots[key]
+            expected_params, expected_state = await snapshots.of(opt.epoch, opt.state_source)
             assert all(
                 torch.equal(a, b) for a, b in zip(_fingerprint(opt), expected_params, strict=True)
             )
@@ -104,7 +85,7 @@ async def test_a_newcomer_starts_from_the_swarms_exact_state(
             )
             joined.append(opt.epoch)
 
-    together = await train_together(FAST, epochs=12, on_step=record, meanwhile=newcomer)
+    together = await train_together(FAST, epochs=12, on_step=snapshots.on_step, meanwhile=join)
     assert joined and all(len(by_peer) == 3 for by_peer in together.after.values())
 
 
