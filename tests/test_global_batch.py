@@ -152,6 +152,19 @@ def test_a_group_mate_whose_round_began_counts_exactly_its_announced_weight() ->
     assert others.settled({}) is others
 
 
+def test_the_rate_is_samples_over_seconds_not_a_mean_of_batch_rates() -> None:
+    rate = RateMeter(alpha=0.5)
+    now = 0.0
+    rate.update(now, 32)
+    for seconds in (0.001, 0.010, 0.001, 0.010):
+        now += seconds
+        rate.update(now, 32)
+    # the averaged batch: (((32+32)/2+32)/2+32)/2 samples over the same
+    # average of the seconds; the mean of the batch rates would be 3x this
+    assert rate.rate == pytest.approx(32 / ((((0.001 + 0.010) / 2 + 0.001) / 2 + 0.010) / 2))
+    assert rate.rate < 32 / 0.003
+
+
 def test_a_peer_of_unmeasured_rate_counts_at_the_askers_rate() -> None:
     # the first step: A has not measured its rate yet; B averages (stopped)
     records = [_record(A, 0, 32, 0.0, 100.0), _record(B, 0, 64, 0.0, 100.0)]

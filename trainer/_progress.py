@@ -277,19 +277,31 @@ def estimate(
 
 
 class RateMeter:
-    """Samples per second as an exponential moving average over steps."""
+    """Samples per second: exponential moving averages of the samples and of
+    the seconds of each batch, one over the other.
+
+    Averaging each batch's own rate instead overstated it whenever batch
+    times vary (a mean of rates is not the rate of the means: batches of 1 ms
+    and 10 ms averaged 17,600 samples/s of 32 where 5,800 were computed), and
+    the others, who extrapolate this peer at that rate, stopped short.
+    """
 
     def __init__(self, alpha: float = 0.2) -> None:
         self.alpha = alpha
         self.rate = 0.0
         self._last: float | None = None
+        self._samples = 0.0
+        self._seconds = 0.0
 
     def update(self, now: float, samples: int) -> float:
         if self._last is not None and now > self._last:
-            instant = samples / (now - self._last)
-            self.rate = (
-                instant if self.rate == 0 else (1 - self.alpha) * self.rate + self.alpha * instant
-            )
+            seconds = now - self._last
+            if self._seconds == 0:
+                self._samples, self._seconds = float(samples), seconds
+            else:
+                self._samples += self.alpha * (samples - self._samples)
+                self._seconds += self.alpha * (seconds - self._seconds)
+            self.rate = self._samples / self._seconds
         self._last = now
         return self.rate
 
