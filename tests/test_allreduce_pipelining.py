@@ -1,6 +1,8 @@
 """How the all-reduce keeps both directions of a link busy: parts cut into
-enough chunks (``pipelined_chunk_elements``) and senders held within a window
-of the results (``_Window``). Pure code, no network."""
+enough chunks (``pipelined_chunk_elements``), senders held within a window
+of the results (``_Window``), and a stream's next chunk received (or encoded)
+while the last one is decoded (or sent) (``_overlapped``). Pure code, no
+network."""
 
 from __future__ import annotations
 
@@ -11,11 +13,12 @@ import trio.testing
 from averaging._allreduce import (
     MIN_PIPELINED_CHUNK,
     AllReduceConfig,
+    _overlapped,
     _Window,
     pipelined_chunk_elements,
 )
 from averaging._partition import Partition
-from swarm import ConfigError
+from swarm import ConfigError, ProtocolError
 
 
 def _partition(sizes: list[int], chunk: int) -> Partition:
@@ -63,6 +66,64 @@ async def test_a_sender_waits_for_results_beyond_its_window() -> None:
         window.advance(3)  # results may come back several at once
         await trio.testing.wait_all_tasks_blocked()
         assert sent == [0, 1, 2, 3, 4]
+
+
+async def test_the_next_chunk_is_produced_while_the_last_is_used() -> None:
+    """Chunk k+1 arrives while chunk k is decoded, and chunk k+2 (which
+    reuses chunk k's receive buffer) only once chunk k is done with."""
+    produced: list[int] = []
+    used: list[int] = []
+    release = [trio.Event() for _ in range(3)]
+
+    async def produce(turn: int) -> int | None:
+        if turn == len(release):
+            return None
+        produced.append(turn)
+        return turn
+
+    async def use(item: int) -> None:
+        await release[item].wait()
+        used.append(item)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_overlapped, produce, use)
+        await trio.testing.wait_all_tasks_blocked()
+        assert (produced, used) == ([0, 1], [])
+        release[1].set()  # out of order: chunk 1 still waits for chunk 0
+        await trio.testing.wait_all_tasks_blocked()
+        assert (produced, used) == ([0, 1], [])
+        release[0].set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert (produced, used) == ([0, 1, 2], [0, 1])
+        release[2].set()
+    assert used == [0, 1, 2]
+
+
+async def test_an_overlapped_failure_is_raised_as_itself() -> None:
+    """The first failure reaches the stream's per-peer boundary (``except
+    Exception``) unwrapped, also when an enclosing scope is cancelled at the
+    same moment, whose ``Cancelled`` would otherwise ride with it in a
+    ``BaseExceptionGroup`` that such a boundary does not catch."""
+
+    async def produce(turn: int) -> int:
+        return turn
+
+    async def fail_to_produce(turn: int) -> int:
+        raise ProtocolError("a malformed chunk")
+
+    async def use(item: int) -> None:
+        await trio.sleep_forever()
+
+    with pytest.raises(ProtocolError, match="malformed"):
+        await _overlapped(fail_to_produce, use)
+    with trio.CancelScope() as enclosing:
+
+        async def use_and_fail(item: int) -> None:
+            enclosing.cancel()
+            raise ProtocolError("NaN in a chunk")
+
+        with pytest.raises(ProtocolError, match="NaN"):
+            await _overlapped(produce, use_and_fail)
 
 
 def test_config_validation() -> None:
