@@ -1246,11 +1246,16 @@ async def _overlapped(
     unfed) meanwhile (float16 at 2 Gbit/s: 0.81 s a round, against 0.50 s
     with the codec inline). The channel has no room: item k+1 is handed over
     only once ``use`` returned for item k, so ``produce(k + 2)`` may reuse
-    what item k held (a receive buffer: two alternate). The first exception
-    in either ends both and is raised as itself, not in a group, as it was
-    before the two overlapped.
+    what item k held (a receive buffer: two alternate).
+
+    A failure of ``produce`` is raised once ``use`` is done with what was
+    produced before it: a chunk that arrived whole is still added, and one
+    whose send began is still sent, as when the two did not overlap. A
+    failure of ``use`` ends both at once. Either is raised as itself, not in
+    a group.
     """
     send, produced = trio.open_memory_channel[_T](0)
+    failure: Exception | None = None
 
     async def use_all() -> None:
         async with produced:
@@ -1261,11 +1266,14 @@ async def _overlapped(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(use_all)
             async with send:
-                for turn in itertools.count():
-                    item = await produce(turn)
-                    if item is None:
-                        break
-                    await send.send(item)
+                try:
+                    for turn in itertools.count():
+                        item = await produce(turn)
+                        if item is None:
+                            break
+                        await send.send(item)
+                except Exception as e:  # raised once the items before it are used
+                    failure = e
     except BaseExceptionGroup as group:
         # Where an enclosing scope is cancelled meanwhile, the group holds its
         # Cancelled beside the failure. Raised alone, the failure reaches the
@@ -1278,6 +1286,8 @@ async def _overlapped(
         while isinstance(first, BaseExceptionGroup):
             first = first.exceptions[0]
         raise first from first.__cause__
+    if failure is not None:
+        raise failure
 
 
 async def _refuse(done: trio.Event, stream: StreamLike, reason: str) -> None:

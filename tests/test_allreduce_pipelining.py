@@ -99,6 +99,34 @@ async def test_the_next_chunk_is_produced_while_the_last_is_used() -> None:
     assert used == [0, 1, 2]
 
 
+async def test_what_came_before_a_failed_receive_is_still_used() -> None:
+    """A sender whose stream breaks after a whole chunk arrived is excluded
+    from the chunks after it, not from that one; a sender whose next chunk
+    cannot be encoded still sends the one it began to send."""
+    used: list[int] = []
+    release = trio.Event()
+
+    async def produce(turn: int) -> int:
+        if turn == 1:
+            raise ProtocolError("the stream broke")
+        return turn
+
+    async def use(item: int) -> None:
+        await release.wait()
+        used.append(item)
+
+    async def overlapped() -> None:
+        with pytest.raises(ProtocolError, match="broke"):
+            await _overlapped(produce, use)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(overlapped)
+        await trio.testing.wait_all_tasks_blocked()
+        assert used == []  # chunk 0 is still being used, after chunk 1 failed
+        release.set()
+    assert used == [0]
+
+
 async def test_an_overlapped_failure_is_raised_as_itself() -> None:
     """The first failure reaches the stream's per-peer boundary (``except
     Exception``) unwrapped, also when an enclosing scope is cancelled at the
