@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                     model.train()
                     loss, samples = task.loss(model, next(batches))
                     loss.backward()
-                    stepped = opt.step(samples, loss=loss.item())
+                    stepped = opt.step(samples, loss=loss.detach())  # read once per global step
                     opt.zero_grad()
                     if stepped:
                         metrics = task.run_evaluation(model)

@@ -112,7 +112,7 @@ from swarm import (
     SwarmError,
 )
 
-from ._amp import grads_finite, unscale
+from ._amp import DeviceChecks, Verdicts, device_flags, grads_finite, unscale
 from ._buffers import BUFFER_KEY, model_buffers, plain_name
 from ._checkpoint import Checkpoint, CheckpointDir
 from ._diloco import DiLoCo, OuterLoop
@@ -139,6 +139,17 @@ from ._strategy import (
 )
 
 log = logging.getLogger(__name__)
+
+_NONFINITE = (
+    "gradients hold NaN or Inf and were not accumulated"
+    " (a diverging loss: lower the learning rate or clip gradients)"
+)
+
+
+def _nothing() -> None:
+    """A write-back with nothing to write: the step applies what it averaged in place."""
+
+
 T = TypeVar("T")
 
 LRScheduler = torch.optim.lr_scheduler.LRScheduler
@@ -394,6 +405,9 @@ class AsyncCollaborativeOptimizer:
         self._staging = HostStaging(self._strategy.averaged)
         #: losses passed as tensors, read at the next global step (not per batch)
         self._pending_losses: list[torch.Tensor] = []
+        #: batches accumulated before the device said whether they were finite
+        #: (a CUDA model's: ``_amp``), settled by the training thread
+        self._checks = DeviceChecks()
         self._samples = 0
         #: this peer's latest micro-batch: the others count it for at least
         #: one more while it adds to an epoch (``_global_batch``)
@@ -671,11 +685,15 @@ class AsyncCollaborativeOptimizer:
         averaging, plus the time to download the state when this peer fell
         behind the swarm. The batch's tensor work runs in a worker thread.
         Raises ``ConfigError`` once closed, ``ClosedError`` once the peer
-        stopped, and ``NonFiniteError`` (changing
-        nothing: the batch is not counted) if a gradient holds NaN or Inf:
-        averaged in, it would reach the whole group, whose reducers would
-        exclude and ban this peer. ``loss`` may be a tensor (on any device): it
-        is read at the next global step, not now, so the step does not wait
+        stopped, and ``NonFiniteError`` (changing nothing: the batch is not
+        counted) if a gradient holds NaN or Inf: averaged in, it would reach
+        the whole group, whose reducers would exclude and ban this peer. For a
+        CUDA model that check does not wait for the device (``_amp``): a
+        failing batch is added as zeros and taken out of the count, and the
+        error comes from the call that reads the device's verdict, the batch's
+        own or a later one (at the latest the one that would take the global
+        step), whose own batch counts. ``loss`` may be a tensor (on any
+        device): it is read at the next global step, not now, so the step does not wait
         for the device. With ``grad_scaler`` (the ``GradScaler`` of an AMP
         loop) the gradients are unscaled first, and a batch that overflowed is
         skipped: it returns False, counts for nothing and raises nothing. On
@@ -686,6 +704,8 @@ class AsyncCollaborativeOptimizer:
         size = self.batch_size_per_step if batch_size is None else batch_size
         now = await trio.to_thread.run_sync(self._take_batch, size, loss, grad_scaler, self)
         if now is None or self._quick_decision(size, now) is False:
+            return False
+        if self._checks and not await trio.to_thread.run_sync(self._settle_checks):
             return False
         return await self._complete(size, now)
 
@@ -704,20 +724,49 @@ class AsyncCollaborativeOptimizer:
             raise ConfigError("the optimizer is closed")
         if self._peer_stopped:
             raise ClosedError("the peer stopped: this optimizer cannot take part in the run")
+        strategy = self._strategy
+        flags = device_flags(self.params, grad_scaler, scaled) if strategy.defers_checks else None
+        if flags is not None:  # a CUDA model: the device's verdict is read later
+            finite, overflowed = flags
+            strategy.accumulate(size, keep=finite if overflowed is None else finite & ~overflowed)
+            self._checks.add(size, loss, finite, overflowed)
+            now = self._account(size, None)
+            self._apply_verdicts(self._checks.settle(wait=False))
+            return now
         if grad_scaler is not None and unscale(grad_scaler, scaled):
             log.debug("epoch %d: the scaled gradients overflowed; batch skipped", self.epoch)
             return None
         if not grads_finite(self.params):
-            raise NonFiniteError(
-                "this batch's gradients hold NaN or Inf; it was not accumulated"
-                " (a diverging loss: lower the learning rate or clip gradients)"
-            )
-        strategy = self._strategy
+            raise NonFiniteError(f"this batch's {_NONFINITE}")
         if strategy.local_steps_left() is None:
             strategy.accumulate(size)  # into accumulators of our own: no lock
         else:
             self._with_lock(strategy.accumulate, size)  # a local step changes the parameters
         return self._account(size, loss)
+
+    def _settle_checks(self) -> bool:
+        """Before the global step: wait for the device's verdicts on the
+        batches accumulated before it gave them (``_amp``). True if all were
+        accepted; False if an overflow was skipped (the count changed: the
+        next call decides again). Raises ``NonFiniteError`` for NaN or Inf."""
+        verdicts = self._checks.settle(wait=True)
+        self._apply_verdicts(verdicts)
+        return verdicts.refused == 0
+
+    def _apply_verdicts(self, verdicts: Verdicts) -> None:
+        """Take refused batches out of the count and fold the accepted ones'
+        losses; raises ``NonFiniteError`` if one held NaN or Inf (it was added
+        to the accumulators as zeros)."""
+        self._samples = max(0, self._samples - verdicts.refused)
+        for loss in verdicts.losses:
+            self._fold_batch_loss(loss)
+        if verdicts.nonfinite:
+            n = verdicts.nonfinite
+            batches = "an earlier batch's" if n == 1 else f"{n} earlier batches'"
+            raise NonFiniteError(
+                f"{batches} {_NONFINITE}; read back from the device only now, since the"
+                " check does not wait for it (this call's own batch was taken)"
+            )
 
     def _quick_decision(self, size: int, now: float) -> bool | None:
         """What can be decided without waiting on the trio side (from the
@@ -797,13 +846,14 @@ class AsyncCollaborativeOptimizer:
                 # background while this peer computes
                 self._hurry(now)
             return None
-        if reading.epoch != self.epoch:
+        if reading.epoch != self.epoch and swarm.num_peers > 1:
             await self._refresh_now(now, force=True)  # who is in this epoch's round
             reading = self._reading
             assert reading is not None
             swarm = reading.swarm
-        if swarm.num_peers <= 1 and await self._refresh_now(now, force=True):
-            # about to train alone: make sure nobody joined since the last reading
+        if swarm.num_peers <= 1 and await self._refresh_now(now):
+            # about to train alone: make sure nobody joined since the last
+            # reading (rate-limited: a peer alone steps every few milliseconds)
             reading = self._reading
             if reading is not None and reading.epoch == self.epoch:
                 swarm = reading.swarm
@@ -862,15 +912,20 @@ class AsyncCollaborativeOptimizer:
         """Count a local batch of ``size`` samples; returns the monotonic time."""
         self._samples += size
         self._batch = size
-        if isinstance(loss, torch.Tensor):
-            self._pending_losses.append(loss.detach())
-        elif loss is not None:
-            self._fold_loss(float(loss))
+        if loss is not None:
+            self._fold_batch_loss(loss)
         now = time.monotonic()
         self._rate.update(now, size)
         if self._budget is not None and self._budget.spent(size):
             self._out_of_time = True
         return now
+
+    def _fold_batch_loss(self, loss: float | torch.Tensor) -> None:
+        """A batch's loss: a tensor is read at the next global step, a number now."""
+        if isinstance(loss, torch.Tensor):
+            self._pending_losses.append(loss.detach())
+        else:
+            self._fold_loss(float(loss))
 
     def _fold_loss(self, loss: float) -> None:
         self.loss = loss if self.loss is None else 0.9 * self.loss + 0.1 * loss
@@ -1326,28 +1381,41 @@ class AsyncCollaborativeOptimizer:
         def stage() -> list[torch.Tensor]:
             self._read_losses()
             strategy.prepare(samples, self._staging.host)
+            if alone and strategy.steps_alone_on_device():
+                return strategy.averaged  # nobody averages it: no round trip to the host
             # the one device-to-host copy of this step (none for a CPU model)
             host = self._staging.to_host()
             strategy.staged(host)
             return host
 
-        host = await self._locked(stage)
-        result: StepResult | None = None
-        if alone:
-            log.info("epoch %d: no other peer is training; stepping alone", self.epoch)
-        else:
-            result = await self._average_gradients(samples, expected)
-        seconds = time.monotonic() - started
-        self._rate.pause()
-
-        def apply() -> object:
-            hook_result = strategy.apply(host, self._staging.from_host)
+        def apply(host: list[torch.Tensor]) -> object:
+            on_device = host is strategy.averaged
+            hook_result = strategy.apply(host, _nothing if on_device else self._staging.from_host)
             self._samples = 0
             self.epoch += 1
             self._step_scheduler()
             return hook_result
 
-        hook_result = await self._locked(apply)
+        result: StepResult | None = None
+        if alone:
+            log.info("epoch %d: no other peer is training; stepping alone", self.epoch)
+            staged: list[float] = []
+
+            def stage_and_apply() -> object:
+                host = stage()
+                staged.append(time.monotonic())
+                return apply(host)
+
+            self._rate.pause()
+            # one thread crossing: nothing happens between staging and applying
+            hook_result = await self._locked(stage_and_apply)
+            seconds = staged[0] - started
+        else:
+            host = await self._locked(stage)
+            result = await self._average_gradients(samples, expected)
+            seconds = time.monotonic() - started
+            self._rate.pause()
+            hook_result = await self._locked(apply, host)
         self.last_step = GlobalStep(
             self.epoch, samples, result, seconds, compute, early, hook_result
         )
@@ -1663,6 +1731,7 @@ class AsyncCollaborativeOptimizer:
             if self.scheduler is not None and loaded.state["scheduler"] is not None:
                 self.scheduler.load_state_dict(loaded.state["scheduler"])
             self._strategy.reset()
+            self._checks.clear()  # what they would take out of the count is gone
             self._strategy.adopt(loaded.state)
             with torch.no_grad():
                 for name, buffer in self.buffers.items():

@@ -81,9 +81,22 @@ class Strategy(ABC):
         return config
 
     @abstractmethod
-    def accumulate(self, size: int) -> None:
+    def accumulate(self, size: int, keep: torch.Tensor | None = None) -> None:
         """Account for one batch of ``size`` samples whose gradients are in the
-        parameters' ``.grad``."""
+        parameters' ``.grad``. ``keep``: a 0-dim bool tensor on the gradients'
+        device, whether to add them at all (a check the device has not
+        finished; only for modes whose ``defers_checks``): where it is False,
+        the gradients are zeroed in place and add nothing."""
+
+    #: whether ``accumulate`` takes ``keep``: a batch it adds can still be
+    #: refused by the device's verdict, read later (``_amp.DeviceChecks``)
+    defers_checks = False
+
+    def steps_alone_on_device(self) -> bool:
+        """Whether a step taken alone may apply ``averaged`` where it lies: no
+        host copy and back when nobody averages it (a GPU model's gradients
+        would cross the bus twice for nothing)."""
+        return False
 
     def local_steps_left(self) -> int | None:
         """Local steps until this step ends; None: the swarm's target batch ends it."""
@@ -180,12 +193,31 @@ class DenseGradients(Strategy):
             return config
         return replace(config, allreduce=replace(config.allreduce, lossy=True))
 
-    def accumulate(self, size: int) -> None:
+    defers_checks = True
+
+    def accumulate(self, size: int, keep: torch.Tensor | None = None) -> None:
+        accs: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        refused = None if keep is None else ~keep
         with torch.no_grad():
             for i, (acc, p) in enumerate(zip(self.grads, self.trainee.params, strict=True)):
-                if p.grad is not None:
-                    acc.add_(p.grad, alpha=size)
-                    self._got_grad[i] = True
+                if p.grad is None:
+                    continue
+                self._got_grad[i] = True
+                if refused is not None:
+                    # zeros where refused, in place (a copy would be one more
+                    # gradient's memory); selected, not scaled: NaN * 0 is NaN
+                    p.grad.masked_fill_(refused, 0.0)
+                accs.append(acc)
+                grads.append(p.grad)
+            if accs:
+                torch._foreach_add_(accs, grads, alpha=size)
+
+    def steps_alone_on_device(self) -> bool:
+        # an offloaded optimizer steps on the host: it needs the host copy
+        return all(
+            t.device == acc.device for t, acc in zip(self.trainee.trained, self.grads, strict=True)
+        )
 
     def prepare(self, samples: int, host: list[torch.Tensor]) -> None:
         with torch.no_grad():
@@ -202,18 +234,27 @@ class DenseGradients(Strategy):
         unused = self._unused_params()
         with torch.no_grad():
             for i, (acc, p) in enumerate(zip(self.grads, trainee.trained, strict=True)):
-                # the host copy where it is next to the master (an offloaded
-                # optimizer): no second device-to-host copy of the average
-                source = host[i] if host[i].device == p.device else acc
                 # None, not zeros: AdamW must not decay what nobody trained
-                p.grad = None if i in unused else source.to(p.dtype, copy=True)
-                acc.zero_()
+                p.grad = None if i in unused else self._gradient(acc, host[i], p)
         self._got_grad = [False] * len(trainee.params)
         hook_result = None if trainee.grad_hook is None else trainee.grad_hook(trainee.trained)
         trainee.optimizer.step()
         trainee.sync_model()
         trainee.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            torch._foreach_zero_(self.grads)  # after the step: it may have read them
         return hook_result
+
+    @staticmethod
+    def _gradient(acc: torch.Tensor, host: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """The ``.grad`` that ``p`` steps with: the host copy where it is next
+        to the master (an offloaded optimizer: no second device-to-host copy of
+        the average), copied, since a hook may clip it in place and the mode may
+        keep it (EF21M's estimate); else the accumulator itself when it has
+        ``p``'s dtype (a float32 master: no copy), zeroed after the step."""
+        if host.device == p.device and host is not acc:
+            return host.to(p.dtype, copy=True)
+        return acc if acc.dtype == p.dtype else acc.to(p.dtype)
 
     def _unused_params(self) -> set[int]:
         """Indices of the parameters that got no gradient in this global step:
@@ -245,6 +286,9 @@ class CompressedGradients(DenseGradients):
     def staged(self, host: list[torch.Tensor]) -> None:
         # averaging now carries EF21M's difference v - g (see _ef21m)
         self.ef21m.begin(host)
+
+    def steps_alone_on_device(self) -> bool:
+        return False  # EF21M's estimate is kept, and updated, on the host
 
     async def join_without_data(self, averager: Averager, group: Group) -> StepResult | None:
         # ARC-Top-K's sub-rounds select rows from every member's data: a member
@@ -300,8 +344,8 @@ class LocalSGD(Strategy):
     def averager_config(self, config: AveragerConfig) -> AveragerConfig:
         return replace(config, codec=self.outer.config.codec)
 
-    def accumulate(self, size: int) -> None:
-        self.trainee.optimizer.step()
+    def accumulate(self, size: int, keep: torch.Tensor | None = None) -> None:
+        self.trainee.optimizer.step()  # never deferred: it changes the parameters
         self.outer.local_steps += 1
 
     def local_steps_left(self) -> int | None:

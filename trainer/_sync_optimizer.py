@@ -204,6 +204,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         now = core._take_batch(size, loss, grad_scaler, self)
         if now is None or core._quick_decision(size, now) is False:
             return False
+        if core._checks and not core._settle_checks():
+            return False
         stepped: bool = self.peer.run(core._complete, size, now)
         return stepped
 
