@@ -715,6 +715,16 @@ def _join_address(peer: Peer) -> str:
     return peer.address
 
 
+def _device_words(device: str) -> str:
+    """``device`` as a person checks it: a GPU by its index and its name."""
+    import torch
+
+    where = torch.device(device)
+    if where.type == "cuda":
+        return f"{where} ({torch.cuda.get_device_name(where)})"
+    return str(where)
+
+
 def _join_command(args: argparse.Namespace, address: str, run_id: str) -> str:
     """The command another machine runs to join this run: it names every run
     setting that differs from the default (the joiner would adopt them from the
@@ -967,7 +977,10 @@ def _run_train(args: argparse.Namespace, given: frozenset[str] = frozenset()) ->
             reporter = _EpochReporter(config.target_batch_size, diloco=args.diloco is not None)
             with _open_dashboard(args, config, reporter) as dashboard:
                 dashboard.attach(peer)
-                say(f"training task {task.name} in run {run_id}")
+                say(
+                    f"training task {task.name} in run {run_id}"
+                    f" on {_device_words(config.device)} in {args.precision}"
+                )
                 say(f"join with: {_join_command(args, _join_address(peer), run_id)}")
                 waiting = _waiting_line(config)
                 if waiting is not None:

@@ -53,6 +53,9 @@ async def test_demo_peers_train_together_and_all_finish() -> None:
     # the others joined with the command the first printed, and waited for each other
     join = next(line for line in demo.output if line.startswith("peer1 | join with: "))
     assert " --max-epochs 3" in join, join
+    # where each trains, in words a volunteer checks (the machine here has no GPU)
+    trains = [line for line in demo.output if " | training task digits in run " in line]
+    assert len(trains) == 3 and all(line.endswith(" on cpu in fp32") for line in trains), trains
     assert any(line.endswith("; 3 peers alive") for line in demo.output), demo.output
     assert demo.output[-1].startswith("demo: 3 peers finished, exit 0, in "), demo.output
 
