@@ -1119,8 +1119,7 @@ class AsyncCollaborativeOptimizer:
     def _hurry(self, now: float) -> None:
         """Near the target: ask the tracker to refresh now (it reads in the
         background). Rate-limited like ``_refresh_now``."""
-        pause = max(self.config.progress_interval / 10, 4 * self._refresh_seconds)
-        if now - self._last_poke < pause:
+        if now - self._last_poke < self._refresh_pause:
             return
         self._last_poke = now
         self._poke()
@@ -1254,11 +1253,7 @@ class AsyncCollaborativeOptimizer:
         the tracker: the sooner every peer sees the target reached, the less the
         global batch overshoots it. Rate-limited unless ``force``; True if it
         refreshed."""
-        # At most every progress_interval / 10, and never more than a fifth of
-        # the time: a refresh is a signed DHT store and a read, and peers that
-        # refresh back to back starve each other's training and averaging.
-        pause = max(self.config.progress_interval / 10, 4 * self._refresh_seconds)
-        if not force and now - self._last_poke < pause:
+        if not force and now - self._last_poke < self._refresh_pause:
             return False
         self._last_poke = now
         try:
@@ -1271,6 +1266,14 @@ class AsyncCollaborativeOptimizer:
         finally:
             self._refresh_seconds = time.monotonic() - now
         return True
+
+    @property
+    def _refresh_pause(self) -> float:
+        """The least time between two refreshes by ``_refresh_now``: a tenth
+        of the progress interval, and never more than a fifth of the time
+        refreshing: a refresh is a signed DHT store and a read, and peers that
+        refresh back to back starve each other's training and averaging."""
+        return max(self.config.progress_interval / 10, 4 * self._refresh_seconds)
 
     @property
     def _reading(self) -> Reading | None:
@@ -1372,50 +1375,20 @@ class AsyncCollaborativeOptimizer:
     async def _global_step(self, *, alone: bool, expected: Expected) -> None:
         """Average what this step accumulated with a group (unless ``alone``)
         and apply the result, as the mode does (see ``Strategy``)."""
-        strategy = self._strategy
-        samples = self._samples
-        self._frozen = True  # published with the round's first crossing
-        compute, early = self._end_compute()
-        started = time.monotonic()
-
-        def stage() -> list[torch.Tensor]:
-            self._read_losses()
-            strategy.prepare(samples, self._staging.host)
-            if alone and strategy.steps_alone_on_device():
-                return strategy.averaged  # nobody averages it: no round trip to the host
-            # the one device-to-host copy of this step (none for a CPU model)
-            host = self._staging.to_host()
-            strategy.staged(host)
-            return host
-
-        def apply(host: list[torch.Tensor]) -> object:
-            on_device = host is strategy.averaged
-            hook_result = strategy.apply(host, _nothing if on_device else self._staging.from_host)
-            self._samples = 0
-            self.epoch += 1
-            self._step_scheduler()
-            return hook_result
-
+        samples, compute, early, started = self._begin_global_step()
         result: StepResult | None = None
         if alone:
             log.info("epoch %d: no other peer is training; stepping alone", self.epoch)
-            staged: list[float] = []
-
-            def stage_and_apply() -> object:
-                host = stage()
-                staged.append(time.monotonic())
-                return apply(host)
-
             self._rate.pause()
             # one thread crossing: nothing happens between staging and applying
-            hook_result = await self._locked(stage_and_apply)
-            seconds = staged[0] - started
+            staged, hook_result = await self._locked(self._stage_and_apply, samples)
+            seconds = staged - started
         else:
-            host = await self._locked(stage)
+            host = await self._locked(self._stage, samples, False)
             result = await self._average_gradients(samples, expected)
             seconds = time.monotonic() - started
             self._rate.pause()
-            hook_result = await self._locked(apply, host)
+            hook_result = await self._locked(self._apply, host)
         self.last_step = GlobalStep(
             self.epoch, samples, result, seconds, compute, early, hook_result
         )
@@ -1425,6 +1398,91 @@ class AsyncCollaborativeOptimizer:
         # is: counted as compute rate, the others extrapolated this peer
         # from the round's end at its bare batch speed, and with steps of a
         # few batches each peer stopped after one (2 peers: 0.71x the target).
+        self._rate.resume(time.monotonic())
+
+    def _begin_global_step(self) -> tuple[int, float | None, bool, float]:
+        """The step's samples, its compute time and whether the threshold
+        ended it (DropCompute), and when its global part began."""
+        samples = self._samples
+        self._frozen = True  # published with the round's first crossing
+        compute, early = self._end_compute()
+        return samples, compute, early, time.monotonic()
+
+    def _stage(self, samples: int, alone: bool) -> list[torch.Tensor]:
+        """Under the state lock: make the mode's tensors what the group
+        averages, and copy them to the host (not for a step alone that can
+        apply them where they lie: nobody averages them)."""
+        strategy = self._strategy
+        self._read_losses()
+        strategy.prepare(samples, self._staging.host)
+        if alone and strategy.steps_alone_on_device():
+            return strategy.averaged
+        # the one device-to-host copy of this step (none for a CPU model)
+        host = self._staging.to_host()
+        strategy.staged(host)
+        return host
+
+    def _apply(self, host: list[torch.Tensor]) -> object:
+        """Under the state lock: apply the average in ``host`` (the mode's own
+        tensors for a step alone on the device) and end the epoch; returns
+        what ``grad_hook`` returned."""
+        strategy = self._strategy
+        on_device = host is strategy.averaged
+        hook_result = strategy.apply(host, _nothing if on_device else self._staging.from_host)
+        self._samples = 0
+        self.epoch += 1
+        self._step_scheduler()
+        return hook_result
+
+    def _stage_and_apply(self, samples: int) -> tuple[float, object]:
+        """A step alone under the state lock: when staging ended, and what
+        ``grad_hook`` returned."""
+        host = self._stage(samples, True)
+        staged = time.monotonic()
+        return staged, self._apply(host)
+
+    def _alone(self, now: float) -> bool:
+        """Whether this peer trains alone and can decide its steps in the
+        calling thread: the tracker's reading, at most one progress interval
+        old, shows nobody else and no epoch ahead. A newcomer is seen at the
+        tracker's next reading, as by a peer that waits for one. Not in DiLoCo
+        mode, nor when the next step writes a checkpoint (on the trio thread)."""
+        reading = self._reading
+        return not (
+            reading is None
+            or self._strategy.local_steps_left() is not None
+            or reading.swarm.num_peers > 1
+            or reading.swarm.epoch > self.epoch
+            or now - reading.time > self.config.progress_interval
+            or (
+                self._checkpoints is not None
+                and (self.epoch + 1) % self.config.checkpoint_every == 0
+            )
+        )
+
+    @property
+    def _alone_due(self) -> bool:
+        """For a peer ``_alone``: its samples reach the target (nobody else
+        adds any), or its DropCompute threshold ended the step."""
+        return self._samples >= self.target_batch_size or self._out_of_time
+
+    def _step_alone_here(self) -> None:
+        """The global step of a peer alone, in the calling (training) thread:
+        no crossing to the trio thread and back, which on a GPU cost a small
+        model several milliseconds per step (``_alone`` says when). The
+        tracker publishes the new epoch at its interval, not woken now: a
+        refresh after every step of a peer that steps every few milliseconds
+        holds the GIL that this thread needs to launch the next batch."""
+        self._out_of_time = False  # the target ended this step, not the threshold
+        samples, compute, early, started = self._begin_global_step()
+        log.info("epoch %d: no other peer is training; stepping alone", self.epoch)
+        self._rate.pause()
+        staged, hook_result = self._with_lock(self._stage_and_apply, samples)
+        self.last_step = GlobalStep(
+            self.epoch, samples, None, staged - started, compute, early, hook_result
+        )
+        self._raise_scheduler_error()
+        self._begin_compute()
         self._rate.resume(time.monotonic())
 
     def _resync_due(self) -> bool:

@@ -197,12 +197,20 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     ) -> bool:
         """``AsyncCollaborativeOptimizer.step``, blocking: True if a global
         step happened. A call that does not take one makes no thread
-        crossing; one that does makes exactly one. Raises what it raises,
+        crossing; one that does makes exactly one, unless this peer steps
+        alone on a fresh reading (then none). Raises what it raises,
         and ``ClosedError`` once the peer has stopped."""
         core = self._core
         size = core.batch_size_per_step if batch_size is None else batch_size
         now = core._take_batch(size, loss, grad_scaler, self)
-        if now is None or core._quick_decision(size, now) is False:
+        if now is None:
+            return False
+        if core._alone(now):  # decided here: no crossing, and no wait unless due
+            if not core._alone_due or (core._checks and not core._settle_checks()):
+                return False
+            core._step_alone_here()
+            return True
+        if core._quick_decision(size, now) is False:
             return False
         if core._checks and not core._settle_checks():
             return False
