@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import statistics
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
@@ -45,11 +46,16 @@ async def test_three_peers_train_digits_together(clock: trio.testing.MockClock) 
     together = await train_together(FAST, epochs=40)
     together.assert_every_step_taken_together(40)
     assert min(together.accuracy.values()) >= 0.90, together.accuracy
-    # the target batch, give or take one micro-batch per peer (test_global_batch
-    # checks it closely)
-    for epoch, by_peer in together.after.items():
-        samples = sum(step.samples for step, _ in by_peer.values())
-        assert 192 - 3 * 32 <= samples <= 192 + 3 * 32, (epoch, samples)
+    # The target batch on average, within a micro-batch (test_global_batch
+    # checks it closely). Each step alone varies with when each peer read the
+    # others' counts, which the machine's load moves: over 40 steps on an idle
+    # machine 128-288, on one with twice as many busy threads as cores once 320.
+    totals = {
+        epoch: sum(step.samples for step, _ in by_peer.values())
+        for epoch, by_peer in together.after.items()
+    }
+    assert 192 - 32 <= statistics.mean(totals.values()) <= 192 + 32, totals
+    assert all(192 - 3 * 32 <= samples <= 2 * 192 for samples in totals.values()), totals
 
 
 def _optimizer_tensors(
