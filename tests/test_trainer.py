@@ -4,9 +4,11 @@ the training loop in threads)."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import statistics
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
@@ -215,3 +217,33 @@ def test_the_loop_skips_a_nan_batch_and_stops_when_the_model_only_gives_nan() ->
         trainer.start(task=_nan_losses(lambda call: call >= 4))
         with pytest.raises(NonFiniteError):
             trainer.join()
+
+
+def test_a_dropped_optimizer_frees_its_tensors_at_once() -> None:
+    """No reference cycle keeps a closed, dropped optimizer, and so its float32
+    accumulators (on a GPU: device memory the size of the model in float32),
+    alive until the cycle collector runs. (The model itself is then held only
+    by the inner optimizer, which torch's own optimizers keep in a cycle once
+    they stepped.)"""
+    torch.set_num_threads(1)
+    gc.disable()  # freed by reference counting alone
+    try:
+        with training_peers(1) as (_, (peer,)):
+            model = torch.nn.Linear(10, 10)
+            opt = CollaborativeOptimizer(
+                peer,
+                run_id="dropped",
+                model=model,
+                optimizer=torch.optim.AdamW(model.parameters()),
+                target_batch_size=8,
+                batch_size_per_step=8,
+                config=FAST,
+            )
+            model(torch.randn(8, 10)).sum().backward()
+            assert opt.step()
+            core, accumulator = weakref.ref(opt._core), weakref.ref(opt._strategy.averaged[0])
+            opt.close()
+            del opt
+            assert core() is None and accumulator() is None
+    finally:
+        gc.enable()

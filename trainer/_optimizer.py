@@ -73,11 +73,12 @@ import math
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 import trio
@@ -151,6 +152,24 @@ def _nothing() -> None:
 
 
 T = TypeVar("T")
+P = ParamSpec("P")
+
+
+def _weak(method: Callable[P, T]) -> Callable[P, T]:
+    """``method`` called without holding its object: the optimizer's parts
+    (its tracker, its strategy) call back into it, and that cycle kept a
+    dropped optimizer's model, accumulators and device memory until the cycle
+    collector ran. Raises ``ClosedError`` once the object is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: P.args, **kwargs: P.kwargs) -> T:
+        bound = ref()
+        if bound is None:
+            raise ClosedError("the optimizer is gone")
+        return bound(*args, **kwargs)
+
+    return call
+
 
 LRScheduler = torch.optim.lr_scheduler.LRScheduler
 ReduceLROnPlateau = torch.optim.lr_scheduler.ReduceLROnPlateau
@@ -418,7 +437,7 @@ class AsyncCollaborativeOptimizer:
             peer.dht,
             peer.peer_id,
             run_id,
-            record=self._record,
+            record=_weak(self._record),
             target_batch_size=target_batch_size,
             config=TrackerConfig(
                 progress_interval=self.config.progress_interval,
@@ -1534,7 +1553,7 @@ class AsyncCollaborativeOptimizer:
             params=self.params,
             trained=self._trained,
             optimizer=self.optimizer,
-            sync_model=self._sync_model,
+            sync_model=_weak(self._sync_model),
             grad_hook=self.grad_hook,
         )
         if self.config.diloco is not None:
