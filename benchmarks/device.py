@@ -225,6 +225,11 @@ def _swarm(
     return times[0]
 
 
+def _median_launch(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The launch with the median time per step (its peaks with it)."""
+    return sorted(results, key=lambda r: float(r["step_s"]))[len(results) // 2]
+
+
 def _run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, os.path.abspath(__file__), "--worker", "--mode", mode]
     keys = ("device", "task", "dtype", "steps", "warmup", "batch_size", "accumulation", "threads")
@@ -256,6 +261,13 @@ def main() -> None:
         action="store_true",
         help="Swarm keeps the optimizer's state and float32 masters on the host",
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="launches of each mode, alternating; each one's median step counts "
+        "(plain training alone varied 94-128 ms per step between launches on an H100)",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=["plain", "swarm"], help=argparse.SUPPRESS)
@@ -263,7 +275,13 @@ def main() -> None:
     if args.worker:
         _worker(args)
         return
-    plain, swarm = _run("plain", args), _run("swarm", args)
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
+    launches: dict[str, list[dict[str, Any]]] = {"plain": [], "swarm": []}
+    for _ in range(args.repeat):
+        for mode, results in launches.items():
+            results.append(_run(mode, args))
+    plain, swarm = _median_launch(launches["plain"]), _median_launch(launches["swarm"])
     if args.json:
         print(json.dumps({"plain": plain, "swarm": swarm}))
         return
@@ -272,6 +290,7 @@ def main() -> None:
         f"{args.batch_size}x{args.accumulation} per peer, {args.peers} Swarm peer(s)"
         f"{' with the optimizer offloaded' if args.offload_optimizer else ''}, "
         f"median of {args.steps} steps"
+        + (f", median of {args.repeat} launches per mode" if args.repeat > 1 else "")
     )
     print(
         f"{'':>6}  {'s/step':>8}  {'peak device MiB':>15}  {'peak RSS MiB':>12}  "
