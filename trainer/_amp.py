@@ -45,13 +45,11 @@ def grads_finite(params: Sequence[torch.Tensor]) -> bool:
     for p in params:
         if p.grad is not None:
             by_device.setdefault(p.grad.device, []).append(p.grad.detach())
-    flags = []
-    for grads in by_device.values():
-        norms = torch._foreach_norm(grads, float("inf"))
-        flags.append(torch.stack([n.float() for n in norms]).isfinite().all())
-    if not flags:
-        return True
-    return bool(torch.stack([f.cpu() for f in flags]).all())
+    flags = [
+        torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all()
+        for grads in by_device.values()  # stack promotes mixed dtypes
+    ]
+    return all(bool(flag) for flag in flags)
 
 
 def unscale(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
