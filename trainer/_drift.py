@@ -2,12 +2,13 @@
 
 With ``CollaborativeConfig(lossy=True)`` the members of a group no longer end a
 gradient round with the same average: a piece whose reduced value did not come
-back keeps the member's own gradient there, and a piece whose contribution was
-lost is averaged over fewer members at its reducer than at another's. Each
-step then moves the members' parameters apart a little, at random, and with
-nothing pulling them together (a flat direction of the loss) the gap grows
-like a random walk: without bound (Weintraub, Banner, Orda 2025, sec. on
-parameter drift). The paper bounds it by broadcasting parameters
+back keeps the member's own gradient there. (A contribution lost on its way to
+the reducer makes that piece's average noisier, but every member that gets
+the piece back gets the same value: it moves nobody apart.) Each step then
+moves the members' parameters apart a little, at random, and with nothing
+pulling them together (a flat direction of the loss) the gap grows like a
+random walk: without bound (Weintraub, Banner, Orda 2025, sec. on parameter
+drift). The paper bounds it by broadcasting parameters
 periodically; we re-synchronise by averaging parameters and optimizer state
 over the reliable (TCP) all-reduce, which the trainer already does every
 ``state_averaging_interval`` epochs, and choose the period from the measured
@@ -22,9 +23,13 @@ prime factor (10, 5, 1; 16, 8, 4, 2, 1): each rung divides the ones above, so
 peers whose measurements put them on different rungs still meet at every
 multiple of the longer period (DESIGN.md, "Scale": when to re-synchronise is
 computed by one rule, from the epoch). ``loss`` is a moving average of the
-fraction of (element, sender) contributions missing from this peer's result
-(``lost_fraction``). Between two
-re-synchronisations each element then misses about ``DRIFT_BUDGET`` of one
+fraction of (element, sender) contributions by which this peer's result may
+differ from its group-mates' (``diverged_fraction``: the pieces of others'
+parts that kept our own values, each missing the other senders' data; not
+``lost_fraction``, which also counts contributions lost on the way to a
+reducer and measured 14-17% at 10% packet loss with four members, putting
+every run on a re-synchronisation per epoch). Between two
+re-synchronisations each element then differs by about ``DRIFT_BUDGET`` of one
 member's contribution in expectation, whatever the loss rate, so the gap a
 re-synchronisation has to close stays of the same size: O(1) over any number
 of steps, as in the paper (where the broadcast period is fixed; we differ in
@@ -42,6 +47,26 @@ from averaging import AllReduceResult
 DRIFT_BUDGET = 0.6
 #: Weight of the newest measurement in the moving average of the loss.
 LOSS_SMOOTHING = 0.1
+
+
+def diverged_fraction(result: AllReduceResult, senders: int) -> float:
+    """The fraction of (element, sender) contributions by which our result may
+    differ from our group-mates': for each piece of another member's part
+    that kept our own values (its reduced value did not come back), the other
+    senders' data. Our own part is what the others get back: never counted.
+    (A piece of another's part that only we delivered is counted too: from
+    ``contributors`` alone it looks the same.) 0 for a group of one sender."""
+    if senders <= 1:
+        return 0.0
+    total = missing = 0
+    chunk, me = result.chunk_elements, frozenset({result.local_index})
+    for part, (start, end) in enumerate(result.part_bounds):
+        for piece, who in enumerate(result.contributors[part]):
+            size = min(chunk, end - start - piece * chunk)
+            total += size * senders
+            if part != result.local_index and who == me:
+                missing += size * (senders - 1)
+    return missing / total if total else 0.0
 
 
 def lost_fraction(result: AllReduceResult, senders: int) -> float:
@@ -73,7 +98,7 @@ class ResyncSchedule:
         self.loss = 0.0
 
     def observe(self, loss: float) -> None:
-        """One gradient round's ``lost_fraction``."""
+        """One gradient round's ``diverged_fraction``."""
         if math.isfinite(loss) and 0 <= loss <= 1:
             self.loss += LOSS_SMOOTHING * (loss - self.loss)
 

@@ -117,7 +117,7 @@ from ._amp import DeviceChecks, Verdicts, device_flags, grads_finite, unscale
 from ._buffers import BUFFER_KEY, model_buffers, plain_name
 from ._checkpoint import Checkpoint, CheckpointDir
 from ._diloco import DiLoCo, OuterLoop
-from ._drift import ResyncSchedule, lost_fraction
+from ._drift import ResyncSchedule, diverged_fraction, lost_fraction
 from ._dropcompute import ComputeBudget, DropCompute
 from ._ef21m import EF21M, ArcTopK
 from ._offload import OffloadedMasters
@@ -1519,7 +1519,7 @@ class AsyncCollaborativeOptimizer:
         step = self.last_step
         result = None if step is None or step.averaging is None else step.averaging
         if result is not None and result.allreduce is not None and result.group is not None:
-            self._resync.observe(lost_fraction(result.allreduce, len(result.group.senders())))
+            self._resync.observe(diverged_fraction(result.allreduce, len(result.group.senders())))
         if result is None or result.group is None:
             # no group this round: the peers that re-synchronise now do it in
             # their own groups, whose state rounds close once their members
