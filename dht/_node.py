@@ -175,6 +175,9 @@ class DHTStats:
     failed_requests: int
     #: smoothed round trip of all replies so far (None before the first)
     round_trip: float | None
+    #: datagrams sent with an Ed25519 signature; the others carry the MAC of
+    #: a key shared with their receiver (``_sessions``)
+    signed_datagrams: int = 0
 
 
 class DHTNode:
@@ -401,6 +404,7 @@ class DHTNode:
             proto.sent_requests,
             proto.failed_requests,
             proto.round_trips.smoothed(),
+            proto.signed_datagrams,
         )
 
     def stored_key_count(self) -> int:

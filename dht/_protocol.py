@@ -3,8 +3,11 @@
 It subclasses ``kademlia.protocol.KademliaProtocol`` so that kademlia's routing
 table and crawlers work unchanged, and replaces what kademlia gets wrong for us:
 
-- the wire: rpcudp's unsigned umsgpack datagrams become signed envelopes
-  (``_messages``); a datagram that does not verify is dropped, never answered;
+- the wire: rpcudp's unsigned umsgpack datagrams become authenticated
+  envelopes (``_messages``): signed, or MAC'd under a key shared with a peer
+  once each holds the other's signed offer (``_sessions``; signing and
+  verifying every datagram took more than half a busy node's CPU); a
+  datagram that does not verify is dropped, never answered;
 - requests are answered synchronously in ``datagram_received`` (every handler
   is a dictionary look-up), so a request costs no asyncio task;
 - ``rpc_store`` validates before it stores, ``rpc_find_value`` returns the
@@ -69,6 +72,7 @@ from . import _messages as messages
 from ._ratelimit import MonotonicClock, RateLimiter, RequestRateLimit
 from ._records import Record, RecordLimits
 from ._rtt import RoundTrips
+from ._sessions import SessionKeys
 from ._storage import RecordStorage, Source
 
 log = logging.getLogger(__name__)
@@ -119,6 +123,8 @@ class _Pending(NamedTuple):
     late_at: float
     deadline: float
     on_late: Callable[[], None] | None
+    #: the request was signed (it carried our offer), not MAC'd
+    signed: bool
 
 
 def decode_nodes(obj: Any) -> list[tuple[bytes, str, int]]:
@@ -211,6 +217,10 @@ class DatagramCounters:
         self.sent_bytes = new_counter(
             "swarm_dht_sent_bytes", "DHT bytes sent, requests and replies together"
         )
+        self.signed_datagrams = new_counter(
+            "swarm_dht_signed_datagrams",
+            "DHT datagrams sent with an Ed25519 signature (the others carry a pair's MAC)",
+        )
         self.received_datagrams = new_counter(
             "swarm_dht_received_datagrams", "DHT datagrams received"
         )
@@ -241,6 +251,7 @@ class DatagramCounters:
             self.sent_requests,
             self.sent_datagrams,
             self.sent_bytes,
+            self.signed_datagrams,
             self.received_datagrams,
             self.dropped_datagrams,
             self.ignored_requests,
@@ -287,6 +298,8 @@ class SwarmProtocol(KademliaProtocol):
             hedge_floor=min(rpc_timeout_floor, _HEDGE_FLOOR),
         )
         self._clock = clock
+        #: MAC keys shared with the peers that hold our offer (``_sessions``)
+        self.sessions = SessionKeys(identity.public_key)
         #: msg_id -> what to call with the answer, whom it must come from, and
         #: when it is late and when to give up
         self._outstanding: dict[bytes, _Pending] = {}
@@ -361,7 +374,9 @@ class SwarmProtocol(KademliaProtocol):
             self.counters.rate_limited_datagrams.inc()
             return
         try:
-            datagram = messages.decode(data, proof_key=self._proof_key)
+            datagram = messages.decode(
+                data, proof_key=self._proof_key, mac_keys=self.sessions.verifying_key
+            )
         except ProtocolError as e:
             # No ban: the source address of an unverified datagram is unproven,
             # and banning it would let anyone get an honest node ignored.
@@ -371,6 +386,10 @@ class SwarmProtocol(KademliaProtocol):
         if bans is not None and bans.is_banned(datagram.sender):
             self.counters.dropped_datagrams.inc()
             return
+        if datagram.mac:
+            self.sessions.confirm(datagram.sender)
+        else:
+            self.sessions.offered(datagram.sender, datagram.public_key, datagram.offer)
         if datagram.kind is messages.Kind.REQUEST:
             answers = addr in self.punched or (self.answers_pings and _is_ping(datagram.body))
             if self.client_mode and not answers:
@@ -396,13 +415,19 @@ class SwarmProtocol(KademliaProtocol):
             log.debug("malformed request from %s: %s", addr, e)
             self._offence(datagram.sender, f"malformed DHT request: {e}")
             return
+        # a signed request's sender may not hold our offer: the answer carries it
+        mac_key = self.sessions.mac_key(datagram.sender) if datagram.mac else None
         reply = messages.encode(
             self._identity,
             messages.Kind.RESPONSE,
             datagram.msg_id,
             response,
             proof_key=self._proof_key,
+            offer=self.sessions.offer,
+            mac_key=mac_key,
         )
+        if mac_key is None:
+            self.counters.signed_datagrams.inc()
         if self._reply_bytes.allow((addr[0], addr[1]), len(reply)):
             self._sendto(reply, addr)
         else:
@@ -420,6 +445,8 @@ class SwarmProtocol(KademliaProtocol):
             # someone else answered, or the address now belongs to another node
             return
         del self._outstanding[datagram.msg_id]
+        if pending.signed:  # it verified our offer before it answered
+            self.sessions.confirm(datagram.sender)
         self.round_trips.sample(addr, asyncio.get_event_loop().time() - pending.sent_at)
         pending.on_reply((True, (datagram.sender, datagram.body)))
 
@@ -454,6 +481,11 @@ class SwarmProtocol(KademliaProtocol):
         return count_of(self.counters.sent_bytes)
 
     @property
+    def signed_datagrams(self) -> int:
+        """DHT datagrams sent signed rather than MAC'd (``_sessions``)."""
+        return count_of(self.counters.signed_datagrams)
+
+    @property
     def received_datagrams(self) -> int:
         """DHT datagrams received."""
         return count_of(self.counters.received_datagrams)
@@ -482,10 +514,6 @@ class SwarmProtocol(KademliaProtocol):
     def largest_datagram(self) -> int:
         """The largest DHT datagram sent, in bytes."""
         return int(gauge_value(self.counters.largest_datagram))
-
-    def _send(self, kind: messages.Kind, msg_id: bytes, body: Any, addr: Address) -> None:
-        datagram = messages.encode(self._identity, kind, msg_id, body, proof_key=self._proof_key)
-        self._sendto(datagram, addr)
 
     def _sendto(self, data: bytes, addr: Address) -> None:
         if self.transport is None or self._closed:
@@ -534,16 +562,27 @@ class SwarmProtocol(KademliaProtocol):
         msg_id = messages.new_msg_id()
         client = self.client_mode and addr not in self.punched
         body = [method, args, CLIENT_FLAG] if client else [method, args]
+        mac_key = self.sessions.mac_key(expected)
         datagram = messages.encode(
-            self._identity, messages.Kind.REQUEST, msg_id, body, proof_key=self._proof_key
+            self._identity,
+            messages.Kind.REQUEST,
+            msg_id,
+            body,
+            proof_key=self._proof_key,
+            offer=self.sessions.offer,
+            mac_key=mac_key,
         )
         now = loop.time()
         timeout = self.round_trips.timeout(addr)
         late = self.round_trips.hedge_after(addr) if on_late is not None else timeout
-        pending = _Pending(on_reply, addr, expected, now, now + late, now + timeout, on_late)
+        pending = _Pending(
+            on_reply, addr, expected, now, now + late, now + timeout, on_late, mac_key is None
+        )
         self._outstanding[msg_id] = pending
         self._push_deadline(pending.late_at if on_late is not None else pending.deadline, msg_id)
         self.counters.sent_requests.inc()
+        if mac_key is None:
+            self.counters.signed_datagrams.inc()
         self._sendto(datagram, addr)
 
     def _push_deadline(self, when: float, msg_id: bytes) -> None:
@@ -579,6 +618,10 @@ class SwarmProtocol(KademliaProtocol):
             else:
                 del self._outstanding[msg_id]
                 self.counters.failed_requests.inc()
+                if pending.expected is not None:
+                    # it may have lost our session and dropped a MAC'd request:
+                    # the next one is signed, with our offer
+                    self.sessions.forget(pending.expected)
                 pending.on_reply((False, None))
         # The callbacks above may have armed the timer for a later deadline
         # than the earliest one left.
