@@ -10,10 +10,12 @@ grow at its own rate from the start, so the true total at any moment is known.
 "grid agreed" is the share of peers whose grid for the step is the most
 common one (100%: everyone computes the same group keys).
 
-Printed per swarm size, for the last step (after the tree has converged):
-the share of live peers and of samples that the *least informed* peer
-counts, the DHT datagrams and bytes each peer sent per step (requests and
-replies, all nodes' counters divided by N), and the step's wall time. With
+Printed per swarm size and step (the targets are judged on the last step,
+after the tree has converged): the share of live peers and of samples that
+the *least informed* peer counts, the DHT datagrams and bytes each peer sent per step (requests and
+replies, all nodes' counters divided by N) and the share of them signed
+rather than MAC'd (``dht._sessions``), the step's wall time, and the CPU time
+the process (all N peers) spent on it, also per peer. With
 ``--baseline``, the same peers also run the old protocol (every peer writes
 and reads the one key ``{run_id}.progress``) for comparison.
 
@@ -66,7 +68,11 @@ class Row:
     min_sample_share: float
     datagrams_per_peer_step: float
     bytes_per_peer_step: float
+    #: the share of the step's datagrams that were signed, not MAC'd
+    signed_share: float
     step_seconds: float
+    #: CPU seconds of the whole process (all N peers) for the step
+    cpu_seconds: float
     grid_agreed: float
 
 
@@ -88,9 +94,14 @@ async def _start(
     return nodes
 
 
-def _traffic(nodes: list[DHTNode]) -> tuple[int, int]:
+def _traffic(nodes: list[DHTNode]) -> tuple[int, int, int]:
+    """Datagrams, bytes and signed datagrams all nodes have sent."""
     stats = [node.stats() for node in nodes]
-    return sum(s.sent_datagrams for s in stats), sum(s.sent_bytes for s in stats)
+    return (
+        sum(s.sent_datagrams for s in stats),
+        sum(s.sent_bytes for s in stats),
+        sum(s.signed_datagrams for s in stats),
+    )
 
 
 async def _run(n: int, args: argparse.Namespace) -> list[Row]:
@@ -124,7 +135,6 @@ async def _run(n: int, args: argparse.Namespace) -> list[Row]:
             #: per peer: peers counted, and samples counted as a share of the true total
             views: list[tuple[int, float]] = [(0, 0.0)] * n
             agreed: list[Any] = [None] * n
-            row = None
             for step in range(args.steps):
 
                 async def refresh(
@@ -162,10 +172,12 @@ async def _run(n: int, args: argparse.Namespace) -> list[Row]:
 
                 before = _traffic(nodes)
                 started = time.perf_counter()
+                cpu_started = time.process_time()
                 async with trio.open_nursery() as inner:
                     for i in range(n):
                         inner.start_soon(refresh, i)
                 seconds = time.perf_counter() - started
+                cpu = time.process_time() - cpu_started
                 after = _traffic(nodes)
                 first = [g for g in agreed if g is not None]
                 common = max(first, key=first.count) if first else None
@@ -178,17 +190,20 @@ async def _run(n: int, args: argparse.Namespace) -> list[Row]:
                     min(v[1] for v in views),
                     (after[0] - before[0]) / n,
                     (after[1] - before[1]) / n,
+                    (after[2] - before[2]) / max(1, after[0] - before[0]),
                     seconds,
+                    cpu,
                     (sum(g == common for g in first) / n) if first else 0.0,
                 )
+                rows.append(row)
                 print(
                     f"  [{protocol}] step {step + 1}: {row.min_peer_share:.1%} of peers counted "
                     f"by the least informed peer, {row.datagrams_per_peer_step:.0f} datagrams and "
-                    f"{row.bytes_per_peer_step / 1000:.1f} kB per peer, {seconds:.0f}s",
+                    f"{row.bytes_per_peer_step / 1000:.1f} kB per peer "
+                    f"({row.signed_share:.0%} signed), {seconds:.0f}s "
+                    f"({cpu / n * 1000:.0f} ms CPU per peer)",
                     file=sys.stderr,
                 )
-            assert row is not None
-            rows.append(row)
         nursery.cancel_scope.cancel()
     return rows
 
@@ -224,14 +239,17 @@ def main() -> None:
         return
     print(
         f"{'protocol':<12}{'peers':>6}{'step':>5}{'min peers':>10}{'mean':>8}{'min samples':>12}"
-        f"{'dgrams/peer/step':>18}{'kB/peer/step':>14}{'step s':>8}{'grid agreed':>12}"
+        f"{'dgrams/peer/step':>18}{'kB/peer/step':>14}{'signed':>8}{'step s':>8}{'CPU s':>8}"
+        f"{'CPU ms/peer':>12}{'grid agreed':>12}"
     )
     for r in rows:
         print(
             f"{r.protocol:<12}{r.peers:>6}{r.steps:>5}{r.min_peer_share:>10.1%}"
             f"{r.mean_peer_share:>8.1%}{r.min_sample_share:>12.1%}"
             f"{r.datagrams_per_peer_step:>18.0f}{r.bytes_per_peer_step / 1000:>14.1f}"
-            f"{r.step_seconds:>8.0f}{r.grid_agreed:>12.0%}"
+            f"{r.signed_share:>8.0%}"
+            f"{r.step_seconds:>8.0f}{r.cpu_seconds:>8.0f}{r.cpu_seconds / r.peers * 1000:>12.0f}"
+            f"{r.grid_agreed:>12.0%}"
         )
     tree = {r.peers: r for r in rows if r.protocol == "tree"}
     if 256 in tree and 1024 in tree:
