@@ -45,6 +45,7 @@ Version 2 added the offer and the MAC; a node drops datagrams of version 1.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import hmac
 import os
@@ -103,6 +104,11 @@ class Datagram:
 
 #: ``(sender, sender_public_key) -> the pair's MAC key``, or None without a session
 MacKeys = Callable[[PeerID, bytes], bytes | None]
+
+
+#: the peer id of a datagram's sender: a SHA-256 per datagram otherwise, from
+#: the same few hundred peers again and again
+_peer_id = functools.lru_cache(maxsize=4096)(PeerID.from_public_key)
 
 
 def new_msg_id() -> bytes:
@@ -196,7 +202,7 @@ def decode(
             raise ProtocolError("datagram from a private swarm (it proves a swarm key)")
     elif not hmac.compare_digest(proof, _proof(proof_key, signed, public_key, auth)):
         raise ProtocolError("datagram does not prove this swarm's key")
-    sender = PeerID.from_public_key(public_key)
+    sender = _peer_id(public_key)
     if mac:
         key = None if mac_keys is None else mac_keys(sender, public_key)
         if key is None:

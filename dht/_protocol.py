@@ -680,9 +680,7 @@ class SwarmProtocol(KademliaProtocol):
         if len(args) == 1:
             nodes = self._contacts_near(sender, dkey, budget // 2)
         budget -= len(pack(nodes))
-        ordered = sorted(self.storage.records(dkey), key=page_key)
-        if after is not None:
-            ordered = [r for r in ordered if page_key(r) > after]
+        ordered = self.storage.page(dkey, after)
         records: list[Any] = []
         for record in ordered:
             wire = record.to_wire()

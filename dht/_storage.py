@@ -250,6 +250,24 @@ class RecordStorage(IStorage):
             return []
         return sorted(entry.records.values(), key=Record.sort_key, reverse=True)
 
+    def page(self, dkey: bytes, after: bytes | None = None) -> list[Record]:
+        """The live records under ``dkey`` in the order of a find_value reply's
+        pages: the plain value (if any) first, then by sub-key bytes; with
+        ``after``, only the sub-keyed ones whose sub-key follows it. Sorts the
+        sub-keys alone (bytes), not the records: a reader pages through a key
+        of a thousand records a page at a time, and each page asks again."""
+        entry = self._live_entry(dkey)
+        if entry is None:
+            return []
+        records = entry.records
+        if after is None:
+            subkeys = sorted(sk for sk in records if sk is not None)
+            first = [records[None]] if None in records else []
+        else:
+            subkeys = sorted(sk for sk in records if sk is not None and sk > after)
+            first = []
+        return first + [records[sk] for sk in subkeys]
+
     def cull(self) -> None:
         """Drop every expired record."""
         for dkey in list(self._entries):

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dht._messages import Kind, decode, encode, new_msg_id
+from dht._protocol import page_key
 from dht._records import (
     Record,
     RecordLimits,
@@ -133,6 +134,26 @@ def test_storage_drops_expired_and_keeps_subkeys_apart() -> None:
     clock.advance(100)
     assert storage.records(dkey) == [] and storage.key_count() == 0
     assert storage.record_count() == 0
+
+
+@given(
+    st.lists(st.one_of(st.text(max_size=6), st.integers(-300, 300), st.binary(max_size=6))),
+    st.booleans(),
+    st.data(),
+)
+def test_storage_pages_in_page_key_order(
+    subkeys: list[str | int | bytes], plain: bool, data: st.DataObject
+) -> None:
+    storage = RecordStorage(ManualClock(NOW), LIMITS)
+    for i, subkey in enumerate(subkeys):
+        storage.store(make_record("k", i, NOW + 10, subkey=subkey, limits=LIMITS))
+    if plain:
+        storage.store(make_record("k", "plain", NOW + 10, limits=LIMITS))
+    dkey = make_record("k", 0, NOW + 1, limits=LIMITS).key_id
+    ordered = sorted(storage.records(dkey), key=page_key)
+    assert storage.page(dkey) == ordered
+    after = data.draw(st.sampled_from([b""] + [page_key(r) for r in ordered]))
+    assert storage.page(dkey, after) == [r for r in ordered if page_key(r) > after]
 
 
 def test_storage_evicts_soonest_expiring_subkey_beyond_limit() -> None:
