@@ -29,6 +29,7 @@ their owner).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -109,6 +110,10 @@ class _Entry:
     sources: dict[bytes | None, Source | None] = field(default_factory=dict)
     #: monotonic time of the last accepted write, for republishing
     updated: float = field(default_factory=time.monotonic)
+    #: no record expires before this: until then, touching the entry need
+    #: not scan its records for expired ones (a key of hundreds of records is
+    #: touched by every page a reader asks for). At most the soonest expiration.
+    soonest: float = math.inf
 
 
 def _node_id(source: Source | None) -> bytes | None:
@@ -178,6 +183,7 @@ class RecordStorage(IStorage):
             self._count += 1
         entry.records[record.subkey] = record
         entry.sources[record.subkey] = source
+        entry.soonest = min(entry.soonest, record.expiration)
         self._charge(record, source)
         entry.updated = time.monotonic()
         if len(entry.records) > self._limits.max_subkeys_per_key:
@@ -296,8 +302,11 @@ class RecordStorage(IStorage):
         if entry is None:
             return None
         now = self._clock()
+        if now < entry.soonest and entry.records:
+            return entry
         for sk in [sk for sk, r in entry.records.items() if r.expiration <= now]:
             self._drop(entry, sk)
+        entry.soonest = min((r.expiration for r in entry.records.values()), default=math.inf)
         if not entry.records:
             del self._entries[dkey]
             return None
