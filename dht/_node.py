@@ -153,7 +153,13 @@ class RecordDHT(Protocol):
     """
 
     async def store(
-        self, key: str, value: Any, expiration_time: float, *, subkey: str | None = None
+        self,
+        key: str,
+        value: Any,
+        expiration_time: float,
+        *,
+        subkey: str | None = None,
+        replicas: int | None = None,
     ) -> bool: ...
 
     async def get(self, key: str, *, latest: bool = False) -> DHTValue | None: ...
@@ -290,6 +296,7 @@ class DHTNode:
         expiration_time: float,
         *,
         subkey: Subkey | None = None,
+        replicas: int | None = None,
     ) -> bool:
         """Store ``value`` under ``key`` (and ``subkey``) until ``expiration_time``.
 
@@ -299,12 +306,21 @@ class DHTNode:
         containing ``owner_marker(peer_id)`` is signed with this node's key; one
         naming another owner cannot be stored.
 
+        It goes to the k (``ksize``) nodes closest to the key, or to the
+        ``replicas`` closest of them: a record rewritten every few seconds
+        (progress), whose loss costs one refresh, needs a few copies on the
+        nodes that readers ask first (a plain ``get`` reads the 3 closest), not
+        k; each copy is a request and a reply.
+
         Returns True if at least one node responsible for the key kept it (False
         if all of them hold a newer version or none answered). Raises
-        ``RecordRejectedError`` (nothing sent) if the record is invalid and
+        ``RecordRejectedError`` (nothing sent) if the record is invalid,
+        ``ValueError`` (nothing sent) if ``replicas`` is below 1, and
         ``ClosedError`` if the node is stopped.
         """
         self._check_open()
+        if replicas is not None and replicas < 1:
+            raise ValueError(f"replicas must be at least 1, got {replicas}")
         record = make_record(
             key,
             value,
@@ -314,7 +330,7 @@ class DHTNode:
             limits=self.config.limits,
         )
         validate(record, self._clock(), self.config.limits)
-        kept = await self._loop.call(self._server.store_record, record)
+        kept = await self._loop.call(self._server.store_record, record, replicas)
         return kept > 0
 
     async def store_record(self, record: Record) -> bool:

@@ -166,20 +166,22 @@ class RecordServer(Server):
         while len(self._nearest) > _MAX_NEAREST_KEYS:
             self._nearest.popitem(last=False)
 
-    async def store_record(self, record: Record) -> int:
-        """Store ``record`` on the k closest nodes; returns how many kept it.
+    async def store_record(self, record: Record, replicas: int | None = None) -> int:
+        """Store ``record`` on the k closest nodes (the ``replicas`` closest of
+        them when given); returns how many kept it.
 
-        This node counts when it is among the k closest (or knows fewer than k
-        nodes), unless it is in client mode: nobody asks a client for records.
+        This node counts when it is among them (or knows fewer nodes), unless
+        it is in client mode: nobody asks a client for records.
         Raises ``RecordRejectedError`` if the record is invalid here:
         then nothing is sent.
         """
         dkey = record.key_id
-        nodes = await self._closest_nodes(dkey)
+        count = self.ksize if replicas is None else min(replicas, self.ksize)
+        nodes = (await self._closest_nodes(dkey))[:count]
         target = Node(dkey)
         kept = 0
         if not self.client_mode and (
-            len(nodes) < self.ksize
+            len(nodes) < count
             or self.node.distance_to(target) < max(n.distance_to(target) for n in nodes)
         ):
             kept += self.storage.store(record)

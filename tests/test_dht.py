@@ -73,6 +73,28 @@ async def test_ten_writers_subkeys_merge() -> None:
             assert result.expiration_time == NOW + 39
 
 
+async def test_a_store_to_a_few_replicas_reaches_the_closest_and_every_reader() -> None:
+    clock = ManualClock(NOW)
+    async with open_swarm(SWARM_SIZE, clock, seed=3) as swarm:
+        writers = swarm.nodes[:10]
+        for i, node in enumerate(writers):
+            subkey = owner_marker(node.peer_id)
+            assert await node.store("few", i, NOW + 30, subkey=subkey, replicas=4)
+        # the 4 closest to the key (as everyone knows all 50 nodes), and each
+        # writer that is closer than its own 4th closest contact, hold copies
+        target = Node(make_record("few", 0, NOW + 1, limits=TEST_CONFIG.limits).key_id)
+        by_distance = sorted(swarm.nodes, key=lambda n: Node(n.peer_id).distance_to(target))
+        holders = [n for n in swarm.nodes if n.stored_key_count()]
+        assert set(by_distance[:4]) <= set(holders)
+        assert len(holders) < 20  # not the k = 20 closest
+        expected = {owner_marker(n.peer_id): i for i, n in enumerate(writers)}
+        for result in await _get_everywhere(swarm.nodes, "few"):
+            assert result is not None
+            assert {k: v.value for k, v in result.value.items()} == expected
+        with pytest.raises(ValueError, match="at least 1"):
+            await writers[0].store("few", 0, NOW + 30, replicas=0)
+
+
 async def test_later_expiration_wins_and_latest_sees_it() -> None:
     clock = ManualClock(NOW)
     async with open_swarm(20, clock, seed=3) as swarm:

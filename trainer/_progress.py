@@ -319,6 +319,9 @@ class RateMeter:
 # -- the aggregation tree (see the module docstring) ------------------------------------
 
 _LEAF_PERSON = b"swarm.progress.l"
+#: How many of the nodes closest to a progress key hold each write of it
+#: (``ProgressTree.replicas``, and the directory's records).
+PROGRESS_REPLICAS = 8
 #: How much later than a live version a withdrawal expires (seconds): enough to
 #: win the merge, little enough that a write after it wins again.
 _LATER = 1e-3
@@ -439,12 +442,17 @@ class ProgressTree:
     depth: int = 2
     #: summary writes aimed at per sub-tree and refresh (see the module docstring)
     writers: float = 3.0
+    #: the nodes closest to a key that each write goes to (``DHTNode.store``):
+    #: records and summaries are rewritten every refresh and readers read the
+    #: 3 closest, so a few copies do; the DHT's k (20) were 60% of the
+    #: datagrams of a refresh in ``benchmarks/scale.py``
+    replicas: int = PROGRESS_REPLICAS
 
     def __post_init__(self) -> None:
-        if self.fanout < 2 or not 1 <= self.depth <= 8 or self.writers < 1:
+        if self.fanout < 2 or not 1 <= self.depth <= 8 or self.writers < 1 or self.replicas < 1:
             raise ConfigError(
-                "ProgressTree: fanout must be at least 2, depth between 1 and 8 "
-                "and writers at least 1"
+                "ProgressTree: fanout must be at least 2, depth between 1 and 8, "
+                "writers and replicas at least 1"
             )
 
     def leaf(self, peer_id: PeerID) -> tuple[int, ...]:
@@ -546,7 +554,7 @@ class ProgressTree:
             summary = ProgressSummary.combine(children.values(), now=now, stale_after=stale_after)
 
         async def write(key: str, value: Any, subkey: str) -> None:
-            await dht.store(key, value, expiration, subkey=subkey)
+            await dht.store(key, value, expiration, subkey=subkey, replicas=self.replicas)
 
         async with trio.open_nursery() as nursery:
             for key, value, subkey in writes:

@@ -211,6 +211,7 @@ class ProgressTracker:
                         mine.to_value(),
                         now + ttl,
                         subkey=owner_marker(self.peer_id),
+                        replicas=self.tree.replicas,
                     )
                 if read:
                     records = parse_progress(await dht.get(progress_key(self.run_id)))
