@@ -444,8 +444,8 @@ class ProgressTree:
     writers: float = 3.0
     #: the nodes closest to a key that each write goes to (``DHTNode.store``):
     #: records and summaries are rewritten every refresh and readers read the
-    #: 3 closest, so a few copies do; the DHT's k (20) were 60% of the
-    #: datagrams of a refresh in ``benchmarks/scale.py``
+    #: 3 closest, so a few copies do; the DHT's k (20) were most of the
+    #: datagrams of a converged refresh in ``benchmarks/scale.py``
     replicas: int = PROGRESS_REPLICAS
 
     def __post_init__(self) -> None:
