@@ -120,6 +120,23 @@ async def test_sequential_streams_reuse_one_connection() -> None:
         assert len(b._connections) == 1
 
 
+async def test_both_ends_resend_a_lost_segment_after_milliseconds() -> None:
+    """Each side of a connection asks the kernel for a least retransmission
+    timeout of 10 ms (20 ms where the kernel's clock cannot time 10) and for
+    delayed ACKs no longer, in place of Linux's 200 ms, which stalls every
+    control message that a lossy link loses (``_shorten_retransmission_timer``)."""
+    tcp_rto_min_us, tcp_delack_max_us = 45, 46
+    async with two_peers() as (a, b):
+        b.set_handler("echo", echo)
+        assert await a.call(B.peer_id, address(b), "echo", 1, timeout=5) == 1
+        sockets = [c.socket for net in (a, b) for c in net._connections]
+        assert len(sockets) == 2
+        for sock in sockets:
+            rto_min = sock.getsockopt(socket.IPPROTO_TCP, tcp_rto_min_us)
+            assert 8_000 <= rto_min <= 20_000  # the kernel rounds up to its clock's tick
+            assert sock.getsockopt(socket.IPPROTO_TCP, tcp_delack_max_us) == rto_min
+
+
 @pytest.mark.parametrize("config", MODES)
 async def test_byte_counters_match_both_ways(config: ConnectionConfig) -> None:
     payload = random.Random(2).randbytes(2**20)
