@@ -15,13 +15,19 @@ Avoidance and Control", 1988; RFC 6298):
   flight and asks the next candidate in its place (a hedged request), while
   still taking the answer if it comes before ``timeout``. A dead contact then
   costs a look-up one ``hedge_after``, a few round trips, not one timeout.
+- ``resend_after``: ``srtt + 4 * rttvar`` again, but clamped to
+  ``[resend_floor, timeout / 2]``: a request unanswered this long is sent
+  again (the protocol doubles the wait after each copy). A lost datagram then
+  costs a request a few round trips, not the whole ``timeout``, whose floor
+  is set high for slow and busy nodes.
 
 Estimates are kept per contact address (a node far away keeps its own
 estimate) and for all contacts together (the estimate for a contact never
-heard from yet). Every sample is unambiguous: a request is never resent, and
-each carries a fresh message id, so Karn's rule has nothing to exclude.
-``cap`` is the configured ``rpc_timeout``; with no sample yet, both deadlines
-are ``cap``, so a bootstrap through unknown contacts is as patient as before.
+heard from yet). Every sample is unambiguous: each copy of a request carries a
+fresh message id, and an answer is timed from the copy it answers, so Karn's
+rule has nothing to exclude. ``cap`` is the configured ``rpc_timeout``; with
+no sample yet, both deadlines are ``cap``, so a bootstrap through unknown
+contacts is as patient as before (its requests sent again after a quarter of it).
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ class RoundTrips:
     derived from them (see the module docstring).
 
     Raises ``ValueError`` if the bounds are not ``0 < hedge_floor <= floor <= cap``
-    or ``max_contacts < 1``.
+    and ``0 < resend_floor <= floor``, or ``max_contacts < 1``.
     """
 
     def __init__(
@@ -59,6 +65,7 @@ class RoundTrips:
         cap: float,
         floor: float = 0.1,
         hedge_floor: float = 0.01,
+        resend_floor: float = 0.02,
         max_contacts: int = 4096,
     ) -> None:
         if not 0 < hedge_floor <= floor <= cap:
@@ -66,11 +73,16 @@ class RoundTrips:
                 f"RoundTrips: need 0 < hedge_floor ({hedge_floor}) <= floor ({floor}) "
                 f"<= cap ({cap})"
             )
+        if not 0 < resend_floor <= floor:
+            raise ValueError(
+                f"RoundTrips: need 0 < resend_floor ({resend_floor}) <= floor ({floor})"
+            )
         if max_contacts < 1:
             raise ValueError("RoundTrips: max_contacts must be at least 1")
         self.cap = cap
         self.floor = floor
         self.hedge_floor = hedge_floor
+        self.resend_floor = resend_floor
         self._max_contacts = max_contacts
         self._overall: _Estimate | None = None
         #: per contact, least recently sampled first
@@ -109,6 +121,15 @@ class RoundTrips:
             return self.cap
         timeout = self.timeout(contact)
         return min(timeout, max(self.hedge_floor, estimate.srtt + 2 * estimate.rttvar))
+
+    def resend_after(self, contact: Hashable) -> float:
+        """Seconds after which an unanswered request to ``contact`` is sent again."""
+        timeout = self.timeout(contact)
+        estimate = self._estimate(contact)
+        if estimate is None:
+            return timeout / 4
+        rto = estimate.srtt + 4 * estimate.rttvar
+        return min(timeout / 2, max(self.resend_floor, rto))
 
     def smoothed(self, contact: Hashable | None = None) -> float | None:
         """The smoothed round trip of ``contact`` (or overall, or None if unknown)."""

@@ -15,6 +15,7 @@ from dht_harness import TEST_CONFIG, open_swarm
 from kademlia.node import Node
 
 from dht import DHTConfig, DHTNode, DHTValue, open_dht_node, owner_marker
+from dht._protocol import _MAX_RESENDS
 from dht._records import Record, make_record
 from swarm import (
     BootstrapError,
@@ -340,7 +341,8 @@ async def test_a_client_node_reads_and_writes_but_is_never_kept_as_a_contact() -
             answer = await server._loop.call(
                 server._server.proto.ping_address, (client.host, client.port)
             )
-            assert answer is None and client._server.proto.ignored_requests == 1
+            assert answer is None  # every copy of the ping was ignored
+            assert 1 <= client._server.proto.ignored_requests <= 1 + _MAX_RESENDS
             for node in swarm.nodes:
                 assert client.peer_id not in {c[0] for c in node.contacts()}
 

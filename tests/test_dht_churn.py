@@ -56,6 +56,63 @@ def test_round_trips_clamp_and_keep_contacts_apart() -> None:
         RoundTrips(cap=0.1, floor=0.2)
 
 
+def test_resend_after_a_few_round_trips_well_before_the_timeout() -> None:
+    rtt = RoundTrips(cap=1.0, floor=0.25, hedge_floor=0.01, resend_floor=0.02)
+    # nothing measured: a quarter of the timeout, so a bootstrap sends 3 copies
+    assert rtt.resend_after("a") == 0.25
+    rtt.sample("a", 0.03)  # srtt 0.03, rttvar 0.015
+    assert rtt.timeout("a") == 0.25  # the floor for giving up
+    assert rtt.resend_after("a") == pytest.approx(0.09)  # 0.03 + 4 * 0.015: no floor
+    rtt.sample("lan", 0.0004)
+    assert rtt.resend_after("lan") == 0.02  # the resend floor
+    rtt.sample("far", 0.4)
+    assert rtt.resend_after("far") == pytest.approx(0.5)  # half the timeout (the cap) at most
+    with pytest.raises(ValueError, match="resend_floor"):
+        RoundTrips(cap=1.0, floor=0.1, resend_floor=0.2)
+
+
+async def test_lost_datagrams_cost_resends_not_a_miss() -> None:
+    # A timeout of 5 s: without copies, the lost request would fail the ping.
+    config = replace(TEST_CONFIG, rpc_timeout=5.0, rpc_timeout_floor=5.0, bootstrap_timeout=5.0)
+    async with open_swarm(2, ManualClock(NOW), config=config, seed=3) as swarm:
+        asker, live = swarm.nodes
+        proto = live._server.proto
+        sendto, receive = proto._sendto, proto.datagram_received
+        lost: list[Kind] = []
+
+        # ``live`` loses the first request of the asker's that it receives,
+        # and its reply to the next one (as a lossy link would)
+        def lossy_receive(data: bytes, addr: tuple[str, int]) -> None:
+            if addr[1] == asker.port and not lost:
+                lost.append(Kind.REQUEST)
+                return
+            receive(data, addr)
+
+        def lossy_send(data: bytes, addr: tuple[str, int]) -> None:
+            if addr[1] == asker.port and len(lost) == 1:
+                lost.append(decode(data).kind)
+                return
+            sendto(data, addr)
+
+        proto.datagram_received = lossy_receive  # type: ignore[method-assign]
+        proto._sendto = lossy_send  # type: ignore[method-assign]
+        table = asker._server.proto
+        contact = Node(bytes(live.peer_id), live.host, live.port)
+
+        async def ping() -> bool:
+            ok, _ = await table.call_ping(contact)
+            return bool(ok)
+
+        # answered before the 5 s timeout, which the ping would have failed at
+        # with its request lost and without copies
+        with trio.fail_after(10):
+            assert await asker._loop.call(ping)
+        assert lost == [Kind.REQUEST, Kind.RESPONSE]
+        assert table.resent_requests >= 2  # the ping was sent three times at least
+        assert table.failed_requests == 0 and not table._missed
+        assert live.peer_id in {c[0] for c in asker.contacts()}
+
+
 def test_timeout_floor_is_validated() -> None:
     with pytest.raises(ConfigError, match="rpc_timeout_floor"):
         DHTConfig(rpc_timeout=0.5, rpc_timeout_floor=0.6)
@@ -63,9 +120,7 @@ def test_timeout_floor_is_validated() -> None:
 
 async def test_operations_never_wait_for_dead_nodes() -> None:
     # Every timeout is 20 s, so any wait for a dead node outlasts the 15 s bound.
-    config = replace(
-        TEST_CONFIG, rpc_timeout=20.0, rpc_timeout_floor=20.0, bootstrap_timeout=20.0
-    )
+    config = replace(TEST_CONFIG, rpc_timeout=20.0, rpc_timeout_floor=20.0, bootstrap_timeout=20.0)
     clock = ManualClock(NOW)
     rng = random.Random(4)
     async with open_swarm(40, clock, config=config, seed=4) as swarm:
@@ -83,19 +138,21 @@ async def test_operations_never_wait_for_dead_nodes() -> None:
         assert sum(node.stats().sent_requests for node in live) > 0
 
 
-async def test_a_lost_reply_keeps_a_live_contact_and_a_dead_one_is_evicted() -> None:
+async def test_a_missed_request_keeps_a_live_contact_and_a_dead_one_is_evicted() -> None:
     clock = ManualClock(NOW)
     async with open_swarm(3, clock, seed=7) as swarm:
         writer, live, dead = swarm.nodes
-        # ``live`` loses its next reply to ``writer`` (as a lossy link would)
+        # ``live`` loses its replies to ``writer`` (as a lossy link would)
+        # until one of the writer's requests has missed, every copy of it
         proto = live._server.proto
         sendto = proto._sendto
         lost: list[object] = []
+        missed = trio.Event()
         # replies may be MAC'd under the key ``live`` shares with ``writer``
         keys = writer._server.proto.sessions.verifying_key
 
         def lossy(data: bytes, addr: tuple[str, int]) -> None:
-            to_writer = addr[1] == writer.port and not lost
+            to_writer = addr[1] == writer.port and not missed.is_set()
             if to_writer and decode(data, mac_keys=keys).kind is Kind.RESPONSE:
                 lost.append(addr)
                 return
@@ -108,6 +165,8 @@ async def test_a_lost_reply_keeps_a_live_contact_and_a_dead_one_is_evicted() -> 
         confirmed, evicted = trio.Event(), trio.Event()
 
         def observed(result: Any, node: Node) -> Any:
+            if node.id == bytes(live.peer_id) and not result[0]:
+                missed.set()
             live_missed = (node.id, node.ip, node.port) in table._missed
             out = handle(result, node)
             if node.id == bytes(live.peer_id) and result[0] and live_missed:
@@ -122,9 +181,9 @@ async def test_a_lost_reply_keeps_a_live_contact_and_a_dead_one_is_evicted() -> 
         with trio.fail_after(10):
             await confirmed.wait()
             await evicted.wait()
-        assert lost, "the store reached the live node and its reply was lost"
+        assert lost, "the store reached the live node and its replies were lost"
         contacts = {c[0] for c in writer.contacts()}
-        assert live.peer_id in contacts  # one lost reply and a confirming ping
+        assert live.peer_id in contacts  # one missed request and a confirming ping
         assert dead.peer_id not in contacts  # missed the store and the ping
         failed = {c[0] for c in writer._server.proto._failed}
         assert dead.peer_id in failed and live.peer_id not in failed
