@@ -13,8 +13,11 @@ Every run trains the same number of global steps (``--epochs``) and evaluates
 at the end.
 
 Reported per run: the lowest final accuracy over the four peers, and global
-steps per second, measured on peer 0's log from its first global step to its
-last (startup and joining excluded). The baseline is the lossless TCP run of
+steps per second, measured from the first global step to the last (startup and
+joining excluded) on the log of the peer that logged the most global steps,
+the slowest such peer if several did. Not peer 0's log as such: a peer that
+fell behind and downloaded the swarm's state jumps several epochs at once,
+which would count as steps it never took. The baseline is the lossless TCP run of
 the same invocation. The issue's targets, checked and printed: at 10% loss the
 lossy run ends within 1 accuracy point of the lossless run, with at least 80%
 of its steps per second; the TCP plane's figures at the same loss rates stand
@@ -59,17 +62,29 @@ def wait_for(path: Path, pattern: re.Pattern[str], timeout: float) -> re.Match[s
     raise SystemExit(f"no line matching {pattern.pattern!r} in {path} within {timeout} s")
 
 
-def steps_per_second(log: Path) -> float:
-    """Global steps per second on a peer's log, from its first step to its last."""
-    steps = [
+def global_steps(log: Path) -> list[tuple[datetime, int]]:
+    """When a peer's log says it completed each global step, and the epoch."""
+    return [
         (datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f"), int(m.group(2)))
         for m in map(_STEP.search, log.read_text(errors="replace").splitlines())
         if m is not None
     ]
+
+
+def rate(steps: list[tuple[datetime, int]]) -> float:
+    """Global steps per second, from the first step to the last."""
     if len(steps) < 2:
         return 0.0
     (t0, e0), (t1, e1) = steps[0], steps[-1]
     return (e1 - e0) / max((t1 - t0).total_seconds(), 1e-9)
+
+
+def steps_per_second(logs: list[Path]) -> float:
+    """The swarm's global steps per second: the rate of the peer that logged the
+    most global steps (the slowest of those), which took each step it counts."""
+    steps = [global_steps(log) for log in logs]
+    most = max(len(s) for s in steps)
+    return min(rate(s) for s in steps if len(s) == most)
 
 
 def run(args: argparse.Namespace, loss: float, lossy: bool) -> dict[str, Any]:
@@ -120,7 +135,7 @@ def run(args: argparse.Namespace, loss: float, lossy: bool) -> dict[str, Any]:
             "plane": "lossy" if lossy else "tcp",
             "accuracy": min(accuracies),
             "accuracies": accuracies,
-            "steps_per_s": steps_per_second(logs[0]),
+            "steps_per_s": steps_per_second(logs),
         }
 
 
