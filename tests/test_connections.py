@@ -27,7 +27,14 @@ from swarm import (
     PeerUnreachableError,
     ProtocolError,
 )
-from swarm._connections import ConnectionConfig, Connections, Stream, open_connections
+from swarm._connections import (
+    REDIAL_AFTER,
+    ConnectionConfig,
+    Connections,
+    Stream,
+    open_connections,
+    open_tcp_racing,
+)
 from swarm._errors import EndOfStreamError, StreamResetError
 from swarm._framing import FrameKind
 from swarm._handshake import Handshake
@@ -135,6 +142,47 @@ async def test_both_ends_resend_a_lost_segment_after_milliseconds() -> None:
             rto_min = sock.getsockopt(socket.IPPROTO_TCP, tcp_rto_min_us)
             assert 8_000 <= rto_min <= 20_000  # the kernel rounds up to its clock's tick
             assert sock.getsockopt(socket.IPPROTO_TCP, tcp_delack_max_us) == rto_min
+
+
+async def test_a_dial_whose_syn_is_lost_is_raced_by_another(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A dial that has not connected after ``REDIAL_AFTER`` (its SYN lost: TCP
+    resends it after 1 s) is raced by a second one, which wins; the first is
+    cancelled and no third begins."""
+    listeners = await trio.open_tcp_listeners(0, host=HOST)
+    port = listeners[0].socket.getsockname()[1]
+    ready = await trio.open_tcp_stream(HOST, port)  # what the second dial gets
+    accepted = await listeners[0].accept()
+    dials: list[float] = []
+    cancelled = []
+
+    async def connect(host: str, port_: int) -> trio.SocketStream:
+        assert (host, port_) == (HOST, port)
+        dials.append(trio.current_time())
+        if len(dials) > 1:
+            return ready
+        try:
+            await trio.sleep_forever()  # the SYN and its first retransmission lost
+        finally:
+            cancelled.append(True)
+
+    stream = await open_tcp_racing(HOST, port, connect=connect)
+    assert stream is ready and trio.current_time() == REDIAL_AFTER
+    assert dials == [0.0, REDIAL_AFTER] and cancelled == [True]
+    await stream.send_all(b"x")
+    assert await accepted.receive_some(1) == b"x"
+    for resource in (stream, accepted, *listeners):
+        await resource.aclose()
+
+
+async def test_a_refused_dial_fails_without_racing(autojump_clock: trio.testing.MockClock) -> None:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        port = s.getsockname()[1]  # nobody listens there
+    with pytest.raises(OSError):
+        await open_tcp_racing(HOST, port)
+    assert trio.current_time() == 0.0  # no second dial was waited for
 
 
 @pytest.mark.parametrize("config", MODES)
