@@ -188,3 +188,24 @@ async def test_a_missed_request_keeps_a_live_contact_and_a_dead_one_is_evicted()
         failed = {c[0] for c in writer._server.proto._failed}
         assert dead.peer_id in failed and live.peer_id not in failed
         assert await writer.get("lossy") == DHTValue(1, NOW + 60)
+
+
+async def test_a_request_sent_again_fails_once_when_the_node_closes() -> None:
+    """Each copy of a request is outstanding under its own message id; closing
+    the protocol still fails the request once, not once per copy."""
+    # a copy after 1.25 s (a quarter of the timeout), long before its deadline
+    config = replace(TEST_CONFIG, rpc_timeout=5.0, rpc_timeout_floor=5.0, bootstrap_timeout=5.0)
+    async with open_swarm(1, ManualClock(NOW), config=config) as swarm:
+        node = swarm.nodes[0]
+        proto = node._server.proto
+        with trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM) as silent:
+            await silent.bind(("127.0.0.1", 0))  # receives, never answers
+            replies: list[Any] = []
+            await node._loop.run_sync(
+                proto.request, silent.getsockname(), "ping", [], None, replies.append
+            )
+            for _ in range(2):  # the request and one copy of it
+                await silent.recv(2048)
+            assert proto.resent_requests >= 1 and len(proto._outstanding) >= 2
+            await node._loop.run_sync(proto.close)
+            assert replies == [(False, None)] and not proto._outstanding
