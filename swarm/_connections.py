@@ -25,6 +25,12 @@ the thread seals or opens them and makes the system calls, so the trio
 thread does not wait on the socket or the cryptography meanwhile; the
 promises about cancellation below hold for them as for the rest.
 
+Under packet loss: a dial not connected after ``REDIAL_AFTER`` is raced by
+another (``open_tcp_racing``: a lost SYN otherwise waits TCP's initial 1 s
+timeout), and each connection asks the kernel to resend a lost segment after
+a round trip and 10-20 ms rather than Linux's least 200 ms
+(``_shorten_retransmission_timer``): control messages are one segment each.
+
 Limits:
 
 - ``max_frame_size``: a frame announcing more is a ``ProtocolError`` for the
