@@ -184,6 +184,8 @@ class DHTStats:
     #: datagrams sent with an Ed25519 signature; the others carry the MAC of
     #: a key shared with their receiver (``_sessions``)
     signed_datagrams: int = 0
+    #: copies of unanswered requests sent again (each signed: ``_protocol``)
+    resent_requests: int = 0
 
 
 class DHTNode:
@@ -421,6 +423,7 @@ class DHTNode:
             proto.failed_requests,
             proto.round_trips.smoothed(),
             proto.signed_datagrams,
+            proto.resent_requests,
         )
 
     def stored_key_count(self) -> int:

@@ -191,7 +191,9 @@ async def test_real_nodes_sign_only_until_each_holds_the_others_offer() -> None:
             after = [node.stats() for node in (a, b)]
     for old, new in zip(before, after, strict=True):
         assert new.sent_datagrams > old.sent_datagrams
-        assert new.signed_datagrams == old.signed_datagrams
+        # none signed but the copies resent (signed) when a reply was slow
+        signed = new.signed_datagrams - old.signed_datagrams
+        assert signed == new.resent_requests - old.resent_requests
 
 
 async def test_a_peer_that_restarts_with_a_new_offer_is_reached_again() -> None:
@@ -218,9 +220,10 @@ async def test_a_peer_that_restarts_with_a_new_offer_is_reached_again() -> None:
                     attempts += 1
                     assert attempts <= 3, "the restarted node was never reached again"
                     await a.store("after", attempts, NOW + 60)
-                # the MAC'd try was dropped; a forgot b's session and signed
-                assert attempts == 2
-                assert a.stats().failed_requests > 0
+                # the MAC'd copy was dropped; the copy resent, signed with
+                # a's offer, reached b, whose signed answer renewed the session
+                # (a second store only if the machine stalled past the timeout)
+                assert attempts <= 2 and a.stats().resent_requests > 0
                 signed = a.stats().signed_datagrams
                 assert await a.store("again", 0, NOW + 60)
                 assert a.stats().signed_datagrams == signed  # and MACs again
