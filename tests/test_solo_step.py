@@ -30,6 +30,22 @@ def _batches(n: int) -> list[torch.Tensor]:
     return [torch.randn(BATCH, 6, generator=g) for _ in range(n)]
 
 
+def _alone(
+    peer: Peer, model: torch.nn.Module, run_id: str, *, target: int, **kwargs: Any
+) -> CollaborativeOptimizer:
+    """One peer's optimizer: SGD, micro-batches of ``BATCH``, ``STILL`` unless given."""
+    return CollaborativeOptimizer(
+        peer,
+        run_id=run_id,
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        target_batch_size=target,
+        batch_size_per_step=BATCH,
+        config=kwargs.pop("config", STILL),
+        **kwargs,
+    )
+
+
 class _Crossings:
     """Counts ``peer.run`` calls: the training thread's crossings to the trio thread."""
 
@@ -49,15 +65,7 @@ def test_a_peer_alone_steps_as_plain_training_without_crossing_threads() -> None
     reference = torch.optim.SGD(plain.parameters(), lr=0.1)
     batches = _batches(8)
     with training_peers(1) as (_, (peer,)):
-        opt = CollaborativeOptimizer(
-            peer,
-            run_id="solo",
-            model=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            target_batch_size=2 * BATCH,
-            batch_size_per_step=BATCH,
-            config=STILL,
-        )
+        opt = _alone(peer, model, "solo", target=2 * BATCH)
         try:
             assert opt.wait_for_peers(1, 10.0)  # the reading every step is decided from
             crossings = _Crossings(peer)
@@ -86,13 +94,11 @@ def test_a_step_that_writes_a_checkpoint_goes_through_the_trio_thread(tmp_path: 
     torch.set_num_threads(1)
     model = _model()
     with training_peers(1) as (_, (peer,)):
-        opt = CollaborativeOptimizer(
+        opt = _alone(
             peer,
-            run_id="solo-checkpoint",
-            model=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            target_batch_size=BATCH,
-            batch_size_per_step=BATCH,
+            model,
+            "solo-checkpoint",
+            target=BATCH,
             config=replace(STILL, checkpoint_every=2),
             checkpoint_dir=tmp_path,
             load_state=False,
