@@ -4,8 +4,14 @@ Member i reduces part i of the flattened vector (``_partition``). Every member
 that has data opens one stream to each reducer (its own part goes over an
 in-memory stream through the very same code), sends a header and then its
 part in chunks; the reducer accumulates the chunks (``PartReducer``) and
-streams each averaged chunk back on the same stream as soon as every live
-sender has delivered it, so sending, reducing and receiving overlap.
+streams each averaged chunk to every sender as soon as every live sender has
+delivered it, so sending, reducing and receiving overlap. Between two members
+that both send data and reduce a part, the results travel on the reducer's
+own stream to the other member, behind its chunks of that member's part
+(``results_on_reducer_stream``): each direction between them is then one
+TCP flow whose order the sender chooses, not two that compete for the link.
+A member that cannot take those (a client, an auxiliary member, an empty
+part) gets the results back on its own stream.
 
 Wire protocol of one stream (name ``ALLREDUCE_STREAM``), sender -> reducer:
 
@@ -13,12 +19,16 @@ Wire protocol of one stream (name ``ALLREDUCE_STREAM``), sender -> reducer:
 2. per chunk, two raw frames: ``u32 chunk index | blob header`` (16 bytes), then
    the blob's payload (``_codecs``).
 
-reducer -> sender, per chunk: a raw frame ``u32 chunk index | contributor bit
-mask | blob header``, then a raw frame with the blob's payload. The mask has
-one bit per member (bit i of byte i // 8), padded to a multiple of 4 bytes; an
+Results, per chunk: a raw frame ``u32 chunk index | contributor bit mask |
+blob header``, then a raw frame with the blob's payload. The mask has one bit
+per member (bit i of byte i // 8), padded to a multiple of 4 bytes; an
 all-zero mask means the chunk has no result (nobody with weight > 0 delivered
-it): then there is no blob header and no payload frame. A refused stream is
-reset with a one-line reason.
+it): then there is no blob header and no payload frame. Results go reducer ->
+sender on the sender's stream, or, between two members that both reduce a
+part, sender -> reducer on the reducer's stream to that member, among its
+chunks, with ``RESULT_FLAG`` set in the index; nothing then comes back on
+that stream, and the receiving member ends it once it has all it expects. A
+refused stream is reset with a one-line reason.
 
 A member that withdraws from a formed group before its round (a cancelled
 ``ScheduledRound``) opens one stream to each member that accepts
@@ -74,13 +84,20 @@ from contextlib import (
     nullcontext,
 )
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, NoReturn, Protocol, TypeVar
 from weakref import WeakKeyDictionary
 
 import torch
 import trio
 
-from swarm import ConfigError, PeerID, ProtocolError, SelfDialError, SwarmError
+from swarm import (
+    ConfigError,
+    EndOfStreamError,
+    PeerID,
+    ProtocolError,
+    SelfDialError,
+    SwarmError,
+)
 from swarm._wire import expect_bytes, expect_float, expect_int, expect_list
 
 from ._codecs import (
@@ -110,7 +127,7 @@ _T = TypeVar("_T")
 
 #: Name of the stream (connection handler) of the all-reduce.
 ALLREDUCE_STREAM = "allreduce"
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 #: How long a stream for a group id this peer does not (yet) run waits for
 #: that round to start before it is refused: members enter a round a little
 #: apart, but not by seconds.
@@ -128,13 +145,16 @@ MAX_WITHDRAWAL_NOTICES = 1024
 #: Bytes of frame that are not the codec blob, at most (index + mask of 256 members).
 _FRAME_OVERHEAD = 4 + 32
 _CHUNK_INDEX = struct.Struct("<I")
+#: Set in the chunk index of a result frame that travels on the reducer's own
+#: stream to a member, among the reducer's chunks for that member's part.
+RESULT_FLAG = 1 << 31
 _CHUNK_HEADER_SIZE = _CHUNK_INDEX.size + HEADER.size
 #: Smallest chunk (elements) that ``min_chunks_per_part`` cuts parts into:
 #: below it the per-chunk costs outweigh the overlap.
 MIN_PIPELINED_CHUNK = 1 << 14
 #: Receive buffers kept between rounds, each at most one chunk (4 MiB by
-#: default): a member of a group of 4 receives on 8 streams, 6 of them remote,
-#: each into two buffers (``_overlapped``).
+#: default): a member of a group of 4 receives on 3 remote streams that each
+#: bring chunks and results, each kind into two buffers (``_dispatched``).
 _SPARE_SCRATCH = 12
 
 
@@ -242,8 +262,10 @@ class AllReduceResult:
     #: True if the round deadline stopped the round before everything finished.
     timed_out: bool
     #: Reducers whose announced address led back to this very peer
-    #: (``SelfDialError``): their parts kept our local values, but they did
-    #: not fail, so they are not in ``failed_reducers``.
+    #: (``SelfDialError``): our data is not in their parts, which kept our
+    #: local values unless their results came on their own streams to us
+    #: (``results_on_reducer_stream``); they did not fail, so they are not in
+    #: ``failed_reducers``.
     self_dialed: frozenset[int] = frozenset()
     #: The round ran over the lossy data plane (``_lossy``): a chunk is one
     #: piece, and losing pieces is no failure of anybody.
@@ -471,6 +493,31 @@ def _nothing() -> Iterator[None]:
     yield
 
 
+def results_on_reducer_stream(
+    group: Group, partition: Partition, reducer: int, member: int
+) -> bool:
+    """Whether the reducer of part ``reducer`` sends its results to ``member``
+    on its own stream to that member, behind its chunks of ``member``'s part,
+    rather than back on the member's stream.
+
+    So each direction between two members carries one TCP flow, not two:
+    what a member uploads to another (its data for their part and its results
+    of its own part) shares one connection, whose order it chooses, instead of
+    two connections that compete for the link, one of them often idle while
+    its results wait for the slowest sender. On a 100 Mbit/s bed that idled
+    uplinks for whole tenths of a second at the end of each round. It takes a
+    stream that the reducer opens anyway: both members send data and reduce
+    a part (neither is a client, an auxiliary member or has an empty part).
+    Every member computes the same from the group.
+    """
+    if reducer == member:
+        return False
+    for index in (reducer, member):
+        if partition.part_size(index) == 0 or group.members[index].mode is MemberMode.AUX:
+            return False
+    return True
+
+
 class _Round:
     """One member's state for one round: its reducer role and its sender role."""
 
@@ -520,6 +567,22 @@ class _Round:
         self._frame_waiters: dict[int, set[int]] = {}
         self._responders: set[int] = set()
         self.self_dialed: set[int] = set()
+        #: members that get our results on our stream to them (not on theirs)
+        self._pushed = frozenset(
+            j for j in range(group.size) if results_on_reducer_stream(group, partition, me, j)
+        )
+        #: members whose results come on their stream to us (not on ours)
+        self._pulled = frozenset(
+            j for j in range(group.size) if results_on_reducer_stream(group, partition, j, me)
+        )
+        self._responders.update(self._pushed)
+        #: set once we know whether we opened our stream to a pushed member
+        self._push_decided = {j: trio.Event() for j in self._pushed}
+        #: pushed members we could not open a stream to
+        self._unpushed: set[int] = set()
+        chunk_bytes = codec.encoded_size(partition.chunk_elements)
+        window_chunks = max(2, config.window_bytes // chunk_bytes)
+        self._windows = [_Window(window_chunks) for _ in range(group.size)]
 
     # ----------------------------------------------------------------- reducer
 
@@ -598,12 +661,15 @@ class _Round:
                             continue
                         self._connected.add(sender)
                         reducer.set_weight(sender, weight)
-                        self._responders.add(sender)
+                        if sender not in self._pushed:
+                            self._responders.add(sender)
                         nursery.start_soon(self._serve_sender, stream, sender, done)
             late = expected - self._connected
             if late:
                 logger.info("all-reduce: senders %s did not connect in time", sorted(late))
                 await self._completed(reducer.fail_all(late))
+                for member in late & self._pulled:
+                    self._windows[member].open()  # its results would have come with it
 
     async def _serve_sender(self, stream: StreamLike, sender: int, done: trio.Event) -> None:
         """Receive one sender's chunks and stream the averaged chunks back.
@@ -613,6 +679,11 @@ class _Round:
         """
         assert self.reducer is not None
         try:
+            if sender in self._pulled:  # its results come here too; ours go on our stream
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._reply_unless_pushed, stream, sender)
+                    await self._receive_both(stream, sender)
+                return
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._receive_chunks, stream, sender, nursery.cancel_scope)
                 try:
@@ -623,8 +694,26 @@ class _Round:
                     await stream.aclose()
                 nursery.cancel_scope.cancel()
         finally:
-            self._release_responder(sender)
+            if sender in self._pulled:
+                self._windows[sender].open()  # no more results: nothing to wait for
+            else:
+                self._release_responder(sender)
             done.set()
+
+    async def _reply_unless_pushed(self, stream: StreamLike, sender: int) -> None:
+        """Our results for ``sender`` go on our own stream to it, unless we
+        could not open one (it announced an address that leads back to us,
+        or a NAT lets it dial us but not us it): then they go back on its
+        stream, as to a client. The per-peer boundary of that reply."""
+        await self._push_decided[sender].wait()
+        if sender not in self._unpushed:
+            return
+        try:
+            await self._reply(stream, sender)
+        except Exception as e:  # per-peer boundary
+            logger.info("all-reduce: replying to member %d failed: %r", sender, e)
+        finally:
+            self._release_responder(sender)
 
     async def _receive_chunks(
         self, stream: StreamLike, sender: int, serving: trio.CancelScope
@@ -659,17 +748,7 @@ class _Round:
             return None
 
         async def add(arrival: _Arrival) -> None:
-            if not reducer.expects(sender):
-                return  # excluded while this chunk arrived
-            chunk = arrival.chunk
-            values, finite = await _decode(
-                arrival.header, arrival.payload, sizes[chunk], arrival.check
-            )
-            if not finite:  # excluded, and banned
-                self._blame(sender, ProtocolError(f"sent NaN or Inf in chunk {chunk}"))
-                await self._completed(reducer.fail(sender))
-                return
-            await self._completed(reducer.add(sender, chunk, values, finite=True))
+            await self._add(sender, arrival)
 
         try:
             with _registry(self.net).scratch() as first, _registry(self.net).scratch() as second:
@@ -689,6 +768,148 @@ class _Round:
                 await self._completed(reducer.fail(sender))
                 await stream.aclose()  # not a clean end: the sender sees it fail
             serving.cancel()
+
+    async def _receive_both(self, stream: StreamLike, sender: int) -> None:
+        """Feed a sender's chunks to the reducer and put its results of its own
+        part into place (``results_on_reducer_stream``), in the order it sends
+        them; return when nothing more is expected.
+
+        The next item arrives while the last chunk is decoded and added and the
+        last result decoded and copied
+        (``_dispatched``). The deadlines are those of separate streams: a
+        sender whose next chunk does not come within ``sender_timeout`` is
+        excluded from the chunks it did not deliver, and its results still
+        count; a result that does not come within ``reducer_timeout`` of the
+        last one, a broken stream or a broken protocol (NaN or Inf in a chunk
+        or a result included) ends the stream: the sender is excluded, and
+        the results of its part not yet here keep our local values.
+        """
+        assert self.reducer is not None
+        reducer = self.reducer
+        sizes = reducer.chunk_sizes
+        num_results = self.partition.num_chunks(sender)
+        senders = frozenset(self.group.senders())
+        next_chunk = reducer.delivered(sender)
+        next_result = self.received.next_chunk(sender)
+        chunk_due = trio.current_time() + self.config.sender_timeout
+        result_due = trio.current_time() + self.config.reducer_timeout
+
+        async def receive() -> _Item | None:
+            nonlocal next_chunk, next_result, chunk_due, result_due
+            while True:
+                # by what arrived: ``add`` may still be at work on the last chunk
+                chunks_left = next_chunk < len(sizes) and sender in reducer.alive
+                results_left = next_result < num_results
+                if not (chunks_left or results_left):
+                    return None
+                due = min(
+                    chunk_due if chunks_left else math.inf, result_due if results_left else math.inf
+                )
+                frame = None
+                with trio.move_on_at(due):
+                    frame = await stream.receive()
+                if frame is None:
+                    if results_left and trio.current_time() >= result_due:
+                        raise trio.TooSlowError("no result within reducer_timeout")
+                    logger.info("all-reduce: member %d missed sender_timeout", sender)
+                    await self._completed(reducer.fail(sender))
+                    continue
+                data = memoryview(_expect_frame(frame, "chunk header")).cast("B")
+                if len(data) < _CHUNK_INDEX.size:
+                    raise ProtocolError(f"chunk header of {len(data)} bytes")
+                if _CHUNK_INDEX.unpack_from(data)[0] & RESULT_FLAG:
+                    if not results_left:
+                        raise ProtocolError(f"more than the {num_results} results of the part")
+                    a, b = self.partition.chunk_bounds(sender, next_result)
+                    contributors, blob_header, size = parse_result_header(
+                        data, next_result | RESULT_FLAG, self.group.size, senders, b - a
+                    )
+                    check = _FiniteCheck()
+                    blob = None
+                    if blob_header is not None:
+                        # two alternate, as in ``_overlapped``: one is being placed
+                        scratch = result_scratches[next_result % 2]
+                        with trio.fail_at(result_due), self._receiving(stream, size):
+                            payload = await scratch.receive(stream, size, check.watch(blob_header))
+                        blob = (blob_header, payload)
+                    next_result += 1
+                    result_due = trio.current_time() + self.config.reducer_timeout
+                    return _Item(None, _Result(next_result - 1, contributors, blob, check))
+                if next_chunk == len(sizes):
+                    raise ProtocolError(f"more than the {len(sizes)} chunks of the part")
+                header, size = parse_chunk_header(data, next_chunk, sizes[next_chunk])
+                check = _FiniteCheck()
+                scratch = chunk_scratches[next_chunk % 2]
+                with trio.fail_at(due), self._receiving(stream, size):
+                    payload = await scratch.receive(stream, size, check.watch(header))
+                next_chunk += 1
+                chunk_due = trio.current_time() + self.config.sender_timeout
+                if chunks_left:  # else excluded meanwhile: the chunk is dropped
+                    return _Item(_Arrival(next_chunk - 1, header, payload, check), None)
+
+        async def add(arrival: _Arrival) -> None:
+            await self._add(sender, arrival)
+
+        async def place(result: _Result) -> None:
+            await self._place(sender, result, own=False)
+
+        registry = _registry(self.net)
+        try:
+            with (
+                registry.scratch() as c0,
+                registry.scratch() as c1,
+                registry.scratch() as r0,
+                registry.scratch() as r1,
+            ):
+                chunk_scratches, result_scratches = (c0, c1), (r0, r1)
+                await _dispatched(receive, add, place)
+            # Nothing more is expected: what the sender still sends (an excluded
+            # sender's chunks) the connection layer drops.
+        except Exception as e:  # per-peer boundary
+            self._blame(sender, e)
+            if reducer.expects(sender):
+                logger.info("all-reduce: member %d failed as a sender: %r", sender, e)
+                await self._completed(reducer.fail(sender))
+            if not self.received.is_complete(sender):
+                logger.info("all-reduce: reducer of part %d failed: %r", sender, e)
+            if reducer.expects(sender) or not self.received.is_complete(sender):
+                await stream.aclose()  # not a clean end: the sender sees it fail
+
+    async def _add(self, sender: int, arrival: _Arrival) -> None:
+        """Decode a sender's chunk and add it to the reducer (excluding the
+        sender, and banning it, if it holds NaN or Inf)."""
+        assert self.reducer is not None
+        reducer = self.reducer
+        if not reducer.expects(sender):
+            return  # excluded while this chunk arrived
+        chunk = arrival.chunk
+        values, finite = await _decode(
+            arrival.header, arrival.payload, reducer.chunk_sizes[chunk], arrival.check
+        )
+        if not finite:  # excluded, and banned
+            self._blame(sender, ProtocolError(f"sent NaN or Inf in chunk {chunk}"))
+            await self._completed(reducer.fail(sender))
+            return
+        await self._completed(reducer.add(sender, chunk, values, finite=True))
+
+    async def _place(self, part: int, result: _Result, *, own: bool) -> None:
+        """Put a reducer's result chunk of ``part`` into place once it is known
+        to be good (a failed chunk keeps the local values): ``ProtocolError``
+        if it holds NaN or Inf. ``own``: it comes from our own reducer, whose
+        float32 results are finite (``PartReducer``); encoded ones can
+        overflow a codec (FLOAT16), and another reducer's can be a lie."""
+        chunk = result.chunk
+        if result.blob is not None:
+            start, _ = self.partition.part_bounds[part]
+            a, b = self.partition.chunk_bounds(part, chunk)
+            blob_header, payload = result.blob
+            check = None if own and is_raw_float32(blob_header) else result.check
+            values, finite = await _decode(blob_header, payload, b - a, check)
+            if not finite:
+                raise ProtocolError("the reducer sent NaN or Inf")
+            self.flat[start + a : start + b].copy_(values)
+        self.received.received(part, chunk, result.contributors)
+        self._windows[part].advance(chunk + 1)
 
     def _sending(
         self, stream: StreamLike, frames: Sequence[bytes | bytearray | memoryview]
@@ -714,12 +935,18 @@ class _Round:
             peer = self.group.members[member].peer_id
             self.net.report_offence(peer, f"all-reduce: {error}")
 
-    async def _reply(self, stream: StreamLike, sender: int) -> None:
+    async def _reply(self, stream: StreamLike, sender: int, *, pushed: bool = False) -> None:
+        """Send our part's results to ``sender``, chunk by chunk as they are
+        finished; ``pushed``: on our own stream to it, flagged (``RESULT_FLAG``)."""
         for chunk, done in enumerate(self._chunk_done):
             await done.wait()
             await self.fault.before_reply(chunk)
             # A sender that stops reading must not hold the round open.
             frames = self._frames[chunk]
+            if pushed:
+                flagged = bytearray(frames[0])
+                flagged[_CHUNK_INDEX.size - 1] |= RESULT_FLAG >> 24  # the index's top byte
+                frames = (flagged, *frames[1:])
             with trio.fail_after(self.config.reducer_timeout), self._sending(stream, frames):
                 await stream.send_bytes_batch(frames)
             self._frame_sent(chunk, sender)
@@ -785,6 +1012,8 @@ class _Round:
                 async with self.net.open_stream(
                     member.peer_id, member.address, ALLREDUCE_STREAM
                 ) as stream:
+                    if part in self._pushed:
+                        self._push_decided[part].set()  # our results for it go here
                     try:
                         await self._exchange(stream, part)
                     except ProtocolError as e:
@@ -794,7 +1023,7 @@ class _Round:
             self.self_dialed.add(part)
             logger.warning(
                 "all-reduce: member %d (%s) announced %s:%d, which leads back to this peer (%s);"
-                " its part keeps our local values",
+                " our data is not in its part",
                 part,
                 member.peer_id.short(),
                 *member.address,
@@ -803,8 +1032,19 @@ class _Round:
         except LocalTensorError:
             raise  # our own tensors cannot be encoded: our failure, not the reducer's
         except Exception as e:  # per-peer boundary
-            logger.info("all-reduce: reducer of part %d failed: %r", part, e)
-        self.received.reducer_failed(part)
+            if part in self._pushed:  # its results come on its own stream
+                logger.info("all-reduce: sending to member %d failed: %r", part, e)
+            else:
+                logger.info("all-reduce: reducer of part %d failed: %r", part, e)
+        finally:
+            if part in self._pushed:
+                if self._push_decided[part].is_set():
+                    self._release_responder(part)
+                else:  # no stream to it: our results go back on its stream
+                    self._unpushed.add(part)
+                    self._push_decided[part].set()
+        if part not in self._pulled:
+            self.received.reducer_failed(part)
 
     async def _serve_local(self, stream: _LocalStream) -> None:
         """Our own part, reduced by our own reducer, through the same code."""
@@ -831,30 +1071,70 @@ class _Round:
             ]
         )
         failure: list[BaseException] = []
-        chunk_bytes = self.codec.encoded_size(self.partition.chunk_elements)
-        window = _Window(max(2, self.config.window_bytes // chunk_bytes))
+        window = self._windows[part]
+        pushing = part in self._pushed
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(
-                self._send_chunks, stream, part, window, nursery.cancel_scope, failure
-            )
+            whole = nursery.cancel_scope
+            if pushing:
+                # Our results for that member go here too, and a failure to
+                # send our chunks must not stop them (the member excludes us
+                # from the chunks that do not come); its results come on its
+                # own stream, or back here (``_results_or_end``).
+                nursery.start_soon(self._send_chunks, stream, part, window, None, failure)
+                nursery.start_soon(self._results_or_end, stream, part, whole, failure)
+            else:
+                nursery.start_soon(self._send_chunks, stream, part, window, whole, failure)
             try:
-                await self._receive_results(stream, part, window)
+                if pushing:
+                    await self._reply(stream, part, pushed=True)
+                    # Chunks that its reducer finished without us need not be sent.
+                    await window.wait_finished(self.partition.num_chunks(part))
+                else:
+                    await self._receive_results(stream, part)
             except Exception as e:  # per-peer boundary, re-raised outside the nursery
                 failure.insert(0, e)
-            nursery.cancel_scope.cancel()
-        if failure and not self.received.is_complete(part):
+            whole.cancel()  # done, or failed: what is still being sent is not needed
+        if failure and (pushing or not self.received.is_complete(part)):
             raise failure[0]
+
+    async def _results_or_end(
+        self,
+        stream: StreamLike,
+        part: int,
+        scope: trio.CancelScope,
+        failure: list[BaseException],
+    ) -> None:
+        """Our stream to a member whose results come on its own stream
+        (``results_on_reducer_stream``) carries nothing back, unless that
+        member could not open its stream to us: then its results come back
+        here, as to a client. Once the member ends the stream, it expects
+        nothing more from us (it ends it cleanly once it has everything, or
+        resets it when it gives up on us), so ``scope``'s sends stop. A
+        failure is added to ``failure``."""
+        try:
+            try:
+                first = await stream.receive()
+            except EndOfStreamError:
+                scope.cancel()
+                return
+            await self._receive_results(stream, part, first)
+        except Exception as e:  # per-peer boundary: the caller raises it
+            failure.append(e)
+            scope.cancel()
 
     async def _send_chunks(
         self,
         stream: StreamLike,
         part: int,
         window: _Window,
-        scope: trio.CancelScope,
+        scope: trio.CancelScope | None,
         failure: list[BaseException],
     ) -> None:
         """Send the part's chunks as the window allows; chunk k+1 is encoded
-        while chunk k is sent (``_overlapped``)."""
+        while chunk k is sent (``_overlapped``). A failure is added to
+        ``failure`` and cancels ``scope``; without a scope (our results go on
+        the same stream, and keep going) the reducer excludes us when the
+        next chunk does not come."""
         start, _ = self.partition.part_bounds[part]
         num_chunks = self.partition.num_chunks(part)
 
@@ -878,12 +1158,14 @@ class _Round:
             await _overlapped(encode, send)
         except Exception as e:  # per-peer boundary: ends this exchange
             failure.append(e)
-            scope.cancel()
+            if scope is not None:
+                scope.cancel()
 
-    async def _receive_results(self, stream: StreamLike, part: int, window: _Window) -> None:
+    async def _receive_results(self, stream: StreamLike, part: int, first: Any = None) -> None:
         """Put the reducer's averaged chunks of ``part`` into place, in order;
-        chunk k+1 arrives while chunk k is decoded and copied (``_overlapped``)."""
-        start, _ = self.partition.part_bounds[part]
+        chunk k+1 arrives while chunk k is decoded and copied (``_overlapped``).
+        ``first``: the first frame, if the caller received it already."""
+        pending = [] if first is None else [first]
         senders = frozenset(self.group.senders())
         next_chunk = self.received.next_chunk(part)
         num_chunks = self.partition.num_chunks(part)
@@ -897,8 +1179,9 @@ class _Round:
             check = _FiniteCheck()
             payload = None
             with trio.fail_after(self.config.reducer_timeout):
+                frame = pending.pop() if pending else await stream.receive()
                 contributors, blob_header, size = parse_result_header(
-                    await stream.receive(), chunk, self.group.size, senders, b - a
+                    frame, chunk, self.group.size, senders, b - a
                 )
                 if blob_header is not None:
                     with self._receiving(stream, size):
@@ -908,22 +1191,7 @@ class _Round:
             return _Result(chunk, contributors, blob, check)
 
         async def place(result: _Result) -> None:
-            chunk = result.chunk
-            if result.blob is not None:
-                a, b = self.partition.chunk_bounds(part, chunk)
-                blob_header, payload = result.blob
-                # Into place only once it is known to be good: a failed chunk
-                # keeps the local values. Our own reducer's float32 results are
-                # finite (``PartReducer``); encoded ones can overflow a codec
-                # (FLOAT16), and another reducer's can be a lie.
-                own = isinstance(stream, _LocalStream) and is_raw_float32(blob_header)
-                check = None if own else result.check
-                values, finite = await _decode(blob_header, payload, b - a, check)
-                if not finite:
-                    raise ProtocolError("the reducer sent NaN or Inf")
-                self.flat[start + a : start + b].copy_(values)
-            self.received.received(part, chunk, result.contributors)
-            window.advance(chunk + 1)
+            await self._place(part, result, own=isinstance(stream, _LocalStream))
 
         with _registry(self.net).scratch() as first, _registry(self.net).scratch() as second:
             scratches = (first, second)
@@ -970,7 +1238,7 @@ class _Window:
     """How many chunks a sender may run ahead of the results (``window_bytes``)."""
 
     def __init__(self, size: int) -> None:
-        self.size = size
+        self.size: float = size
         self.results = 0
         self._changed = trio.Event()
 
@@ -979,6 +1247,17 @@ class _Window:
         self.results = results
         self._changed.set()
         self._changed = trio.Event()
+
+    def open(self) -> None:
+        """No more results will come back (they come on another stream, which
+        ended): the sender sends the rest of its part without waiting."""
+        self.size = math.inf
+        self.advance(self.results)
+
+    async def wait_finished(self, num_chunks: int) -> None:
+        """Return once all ``num_chunks`` results came back, or no more will."""
+        while self.results < num_chunks and self.size != math.inf:
+            await self._changed.wait()
 
     async def wait_to_send(self, chunk: int) -> None:
         """Return once ``chunk`` is within the window."""
@@ -1234,6 +1513,69 @@ class _Result(NamedTuple):
     check: _FiniteCheck
 
 
+class _Item(NamedTuple):
+    """What a stream with both a sender's chunks and its results brings: one of them."""
+
+    arrival: _Arrival | None
+    result: _Result | None
+
+
+async def _dispatched(
+    produce: Callable[[], Awaitable[_Item | None]],
+    add: Callable[[_Arrival], Awaitable[None]],
+    place: Callable[[_Result], Awaitable[None]],
+) -> None:
+    """``_overlapped`` for a stream of chunks and results: each kind has its
+    own consumer, so that decoding one kind (a codec's work in the worker
+    thread) does not hold up the other, as when they came on two streams.
+    Chunk k+1 is handed to ``add`` only once it returned for chunk k (and
+    so for results): each kind's items may alternate between two buffers.
+    Failures as in ``_overlapped``."""
+    arrivals_in, arrivals = trio.open_memory_channel[_Arrival](0)
+    results_in, results = trio.open_memory_channel[_Result](0)
+    failure: Exception | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_use_all, arrivals, add)
+            nursery.start_soon(_use_all, results, place)
+            async with arrivals_in, results_in:
+                try:
+                    while (item := await produce()) is not None:
+                        if item.arrival is not None:
+                            await arrivals_in.send(item.arrival)
+                        if item.result is not None:
+                            await results_in.send(item.result)
+                except Exception as e:  # raised once the items before it are used
+                    failure = e
+    except BaseExceptionGroup as group:
+        _raise_first_failure(group)
+    if failure is not None:
+        raise failure
+
+
+async def _use_all(
+    items: trio.MemoryReceiveChannel[_T], use: Callable[[_T], Awaitable[None]]
+) -> None:
+    async with items:
+        async for item in items:
+            await use(item)
+
+
+def _raise_first_failure(group: BaseExceptionGroup[BaseException]) -> NoReturn:
+    """Raise the first failure of ``group`` alone (or the group, if it holds
+    only cancellations). Where an enclosing scope is cancelled meanwhile,
+    the group holds its Cancelled beside the failure. Raised alone, the
+    failure reaches the caller's per-peer boundary; the Cancelled comes
+    again at the caller's next checkpoint (a cancelled scope stays cancelled)."""
+    _, failures = group.split(trio.Cancelled)
+    if failures is None:
+        raise group
+    first: BaseException = failures
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    raise first from first.__cause__
+
+
 async def _overlapped(
     produce: Callable[[int], Awaitable[_T | None]],
     use: Callable[[_T], Awaitable[None]],
@@ -1256,15 +1598,9 @@ async def _overlapped(
     """
     send, produced = trio.open_memory_channel[_T](0)
     failure: Exception | None = None
-
-    async def use_all() -> None:
-        async with produced:
-            async for item in produced:
-                await use(item)
-
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(use_all)
+            nursery.start_soon(_use_all, produced, use)
             async with send:
                 try:
                     for turn in itertools.count():
@@ -1275,17 +1611,7 @@ async def _overlapped(
                 except Exception as e:  # raised once the items before it are used
                     failure = e
     except BaseExceptionGroup as group:
-        # Where an enclosing scope is cancelled meanwhile, the group holds its
-        # Cancelled beside the failure. Raised alone, the failure reaches the
-        # caller's per-peer boundary; the Cancelled comes again at the
-        # caller's next checkpoint (a cancelled scope stays cancelled).
-        _, failures = group.split(trio.Cancelled)
-        if failures is None:
-            raise
-        first: BaseException = failures
-        while isinstance(first, BaseExceptionGroup):
-            first = first.exceptions[0]
-        raise first from first.__cause__
+        _raise_first_failure(group)
     if failure is not None:
         raise failure
 

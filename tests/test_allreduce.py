@@ -10,6 +10,7 @@ plan says delivered it, and healthy members finish by the round deadline.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -26,6 +27,7 @@ from averaging import _allreduce
 from averaging._allreduce import (
     ALLREDUCE_STREAM,
     PROTOCOL_VERSION,
+    RESULT_FLAG,
     AllReduceConfig,
     AllReduceResult,
     _registries,
@@ -482,6 +484,63 @@ async def test_a_reducer_that_returns_nan_anywhere_is_dropped_and_banned(
     assert result.contributors[1] == (frozenset({0}), frozenset({0}))
     assert torch.equal(x[:BIG_CHUNK], 2 * original[:BIG_CHUNK])
     assert torch.equal(x[BIG_CHUNK:], original[BIG_CHUNK:])
+    assert bans.is_banned(liar_id.peer_id) and "NaN" in (bans.reason(liar_id.peer_id) or "")
+
+
+async def test_a_reducer_that_pushes_nan_on_its_own_stream_is_dropped_and_banned() -> None:
+    """Between two members that both reduce a part, the results come on the
+    reducer's own stream, among its chunks. A liar there sends its chunks of
+    our part, then a good result and one with a NaN: we take the first, keep
+    our local values for the second, and ban it."""
+    total = 4 * BIG_CHUNK  # two parts of two chunks
+    x = member_data(0, total)
+    original = x.clone()
+    bans = BanList(clock=ManualClock(0.0))
+    liar_id = Identity.from_seed(bytes([2]) * 32)
+    async with (
+        open_connections(Identity.from_seed(bytes([1]) * 32), bans=bans) as net,
+        open_connections(liar_id) as liar,
+    ):
+        members = (
+            GroupMember(net.peer_id, "127.0.0.1", net.port, 1.0, N),
+            GroupMember(liar.peer_id, "127.0.0.1", liar.port, 1.0, N),
+        )
+        group = Group(b"g", members, 0)
+
+        async def swallow(stream: Stream) -> None:  # our chunks of its part, our results
+            with contextlib.suppress(SwarmError):
+                while True:
+                    await stream.receive()
+
+        async def lie() -> None:
+            async with liar.open_stream(
+                net.peer_id, ("127.0.0.1", net.port), ALLREDUCE_STREAM
+            ) as stream:
+                await stream.send([PROTOCOL_VERSION, b"g", 0, 1, 1.0, BIG_CHUNK, total])
+                for chunk in range(2):  # its chunks of our part
+                    header, payload = encode_split(torch.ones(BIG_CHUNK), NONE)
+                    await stream.send_bytes_batch((struct.pack("<I", chunk) + header, payload))
+                for chunk in range(2):  # its "results" of its part
+                    values = torch.full((BIG_CHUNK,), 7.0)
+                    if chunk == 1:
+                        values[BIG_CHUNK // 2] = float("nan")
+                    header, payload = encode_split(values, NONE)
+                    index = struct.pack("<I", chunk | RESULT_FLAG)
+                    both = bytes([0b11, 0, 0, 0])  # members 0 and 1
+                    await stream.send_bytes_batch((index + both + header, payload))
+                with contextlib.suppress(SwarmError):
+                    await stream.receive()  # until we drop it
+
+        liar.set_handler(ALLREDUCE_STREAM, swallow)
+        config = replace(CONFIG, chunk_elements=BIG_CHUNK)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lie)
+            result = await all_reduce(net, group, [x], config=config)
+    half = 2 * BIG_CHUNK
+    assert result.failed_reducers == {1}
+    assert result.contributors[1] == (frozenset({0, 1}), frozenset({0}))
+    assert torch.equal(x[half : half + BIG_CHUNK], torch.full((BIG_CHUNK,), 7.0))
+    assert torch.equal(x[half + BIG_CHUNK :], original[half + BIG_CHUNK :])
     assert bans.is_banned(liar_id.peer_id) and "NaN" in (bans.reason(liar_id.peer_id) or "")
 
 

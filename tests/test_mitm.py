@@ -22,7 +22,7 @@ import torch
 import trio
 from mitm_harness import HOST, serve_proxy
 
-from averaging import AllReduceConfig, AllReduceResult, Group, GroupMember, all_reduce
+from averaging import AllReduceConfig, AllReduceResult, Group, GroupMember, MemberMode, all_reduce
 from averaging._allreduce import serve_allreduce
 from swarm import Identity
 from swarm._bans import BanList
@@ -99,6 +99,10 @@ async def test_flipped_bit_between_members_is_never_averaged_in(
     rng = random.Random(seed)
     # Somewhere in what member 0 sends to member 1's reducer (its part is
     # 500 floats: about 2 KB of frames), or in the averaged part coming back.
+    # Between two members that both reduce a part, each reducer's results
+    # travel with its own data, dialer to listener; only a member that
+    # reduces nothing (a client) gets them back, listener to dialer.
+    mode = MemberMode.CLIENT if direction == "to_sender" else MemberMode.NODE
     if direction == "to_reducer":
         flips = (dialer_bytes + rng.randrange(2000), None)
     else:
@@ -108,7 +112,7 @@ async def test_flipped_bit_between_members_is_never_averaged_in(
     async with two_members(encrypt) as nets, trio.open_nursery() as nursery:
         proxy_port = await nursery.start(serve_proxy, nets[1].port, *flips)
         members = (
-            GroupMember(nets[0].peer_id, HOST, nets[0].port),
+            GroupMember(nets[0].peer_id, HOST, nets[0].port, 1.0, mode),
             GroupMember(nets[1].peer_id, HOST, proxy_port),  # everyone dials 1 via the proxy
         )
         results: list[AllReduceResult] = []
