@@ -844,7 +844,10 @@ class _Round:
                     payload = await scratch.receive(stream, size, check.watch(header))
                 next_chunk += 1
                 chunk_due = trio.current_time() + self.config.sender_timeout
-                if chunks_left:  # else excluded meanwhile: the chunk is dropped
+                # Excluded meanwhile: the chunk is dropped. Its buffer may be one
+                # that ``add`` still decodes, but the reducer ignores whatever an
+                # excluded sender's chunks hold.
+                if chunks_left:
                     return _Item(_Arrival(next_chunk - 1, header, payload, check), None)
 
         async def add(arrival: _Arrival) -> None:
