@@ -41,26 +41,34 @@ class LinkFault:
 
 
 async def serve_faulty_link(
-    target_port: int, fault: LinkFault, *, task_status: trio.TaskStatus[int]
+    target_port: int,
+    fault: LinkFault,
+    *,
+    to_target: bool = False,
+    task_status: trio.TaskStatus[int],
 ) -> None:
     """Relay connections on a fresh 127.0.0.1 port to ``target_port``, applying
-    ``fault`` to the bytes coming back from the target. Starts with the port; runs
-    until cancelled (which closes every relayed connection)."""
+    ``fault`` to the bytes coming back from the target (``to_target``: to the
+    bytes going to it). Starts with the port; runs until cancelled (which
+    closes every relayed connection)."""
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port: int = listeners[0].socket.getsockname()[1]
     task_status.started(port)
-    await trio.serve_listeners(partial(_relay, target_port, fault), listeners)
+    await trio.serve_listeners(partial(_relay, target_port, fault, to_target), listeners)
 
 
-async def _relay(target_port: int, fault: LinkFault, client: trio.SocketStream) -> None:
+async def _relay(
+    target_port: int, fault: LinkFault, to_target: bool, client: trio.SocketStream
+) -> None:
     try:
         server = await trio.open_tcp_stream("127.0.0.1", target_port)
     except OSError:
         await client.aclose()
         return
     async with client, server, trio.open_nursery() as nursery:
-        nursery.start_soon(_pipe, client, server, None, nursery.cancel_scope)
-        nursery.start_soon(_pipe, server, client, fault, nursery.cancel_scope)
+        forward, back = (fault, None) if to_target else (None, fault)
+        nursery.start_soon(_pipe, client, server, forward, nursery.cancel_scope)
+        nursery.start_soon(_pipe, server, client, back, nursery.cancel_scope)
 
 
 async def _pipe(

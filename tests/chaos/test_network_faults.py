@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import random
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import pytest
@@ -61,11 +62,31 @@ WEIGHTS = [1.0, 2.0, 0.5, 1.5]
 
 
 @asynccontextmanager
-async def open_link(target_port: int, fault: LinkFault) -> AsyncIterator[int]:
+async def open_link(
+    target_port: int, fault: LinkFault, *, to_target: bool = False
+) -> AsyncIterator[int]:
     async with trio.open_nursery() as nursery:
-        port: int = await nursery.start(serve_faulty_link, target_port, fault)
+        port: int = await nursery.start(
+            partial(serve_faulty_link, target_port, fault, to_target=to_target)
+        )
         yield port
         nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def open_links_out(
+    nets: list[Any], faulty: int, fault: LinkFault
+) -> AsyncIterator[dict[int, int]]:
+    """A faulty link from member ``faulty`` to each other member (the fault on
+    the bytes it sends): the port it dials for each, by member."""
+    async with AsyncExitStack() as stack:
+        ports = {}
+        for j, net in enumerate(nets):
+            if j != faulty:
+                ports[j] = await stack.enter_async_context(
+                    open_link(net.port, fault, to_target=True)
+                )
+        yield ports
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -75,16 +96,27 @@ async def test_allreduce_excludes_a_faulty_link_and_averages_only_clean_data(
 ) -> None:
     rng = random.Random(seed)
     faulty = rng.randrange(4)
-    # ~1 KiB of each part flows back per connection: hit it mid-stream
+    # ~1 KiB of each part flows per connection: hit it mid-stream
     fault = LinkFault.draw(kind, rng, low=100, high=900)
     print(f"seed {seed}: member {faulty} behind {fault}")
     # Both connection modes authenticate every frame: seed 1 runs plaintext, seed 2 encrypted.
     encrypt = seed % 2 == 0
-    async with open_peers(4, encrypt=encrypt) as nets, open_link(nets[faulty].port, fault) as port:
+    async with (
+        open_peers(4, encrypt=encrypt) as nets,
+        open_link(nets[faulty].port, fault) as port,
+        open_links_out(nets, faulty, fault) as out,
+    ):
+        # the others dial the faulty member through the link (the fault on what
+        # it answers), and it dials each of them through one (the fault on what
+        # it sends: its chunks, and its part's results on its own streams)
         groups = make_groups(nets)
         members = list(groups[0].members)
         members[faulty] = replace(members[faulty], port=port)
-        groups = [replace(g, members=tuple(members)) for g in groups]
+        theirs = [replace(m, port=out[j]) if j in out else m for j, m in enumerate(members)]
+        groups = [
+            replace(g, members=tuple(theirs if i == faulty else members))
+            for i, g in enumerate(groups)
+        ]
         outcome = await run_round(nets, groups, WEIGHTS)
     healthy = [i for i in range(4) if i != faulty]
     excluded = False
