@@ -54,6 +54,11 @@ _FIRST_RECHECK = 2.0
 _CONTACT_POLL = 1.0
 
 
+#: Most seconds a call that found the peer's run finishing waits for its
+#: thread to record how it ended (it is only unwinding by then).
+_FINISHING_TIMEOUT = 10.0
+
+
 @dataclass(frozen=True)
 class PeerConfig:
     """How a peer listens, whom it joins, and the settings of its parts.
@@ -574,6 +579,11 @@ class Peer:
         """The error for a call that found the peer's trio run over (raise it
         ``from self._error``, the crash that ended the run, if one did)."""
         self._error_reported = True
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            # trio refuses calls as soon as the run is finishing, a moment
+            # before ``_main`` records the crash that ended it
+            thread.join(_FINISHING_TIMEOUT)
         if self._error is None:
             return ClosedError("the peer stopped")
         return PeerCrashedError(self._error)
