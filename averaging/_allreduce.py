@@ -1536,24 +1536,16 @@ async def _dispatched(
     Failures as in ``_overlapped``."""
     arrivals_in, arrivals = trio.open_memory_channel[_Arrival](0)
     results_in, results = trio.open_memory_channel[_Result](0)
-    failure: Exception | None = None
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_use_all, arrivals, add)
-            nursery.start_soon(_use_all, results, place)
-            async with arrivals_in, results_in:
-                try:
-                    while (item := await produce()) is not None:
-                        if item.arrival is not None:
-                            await arrivals_in.send(item.arrival)
-                        if item.result is not None:
-                            await results_in.send(item.result)
-                except Exception as e:  # raised once the items before it are used
-                    failure = e
-    except BaseExceptionGroup as group:
-        _raise_first_failure(group)
-    if failure is not None:
-        raise failure
+
+    async def feed() -> None:
+        async with arrivals_in, results_in:
+            while (item := await produce()) is not None:
+                if item.arrival is not None:
+                    await arrivals_in.send(item.arrival)
+                if item.result is not None:
+                    await results_in.send(item.result)
+
+    await _pumped(feed, (arrivals, add), (results, place))
 
 
 async def _use_all(
@@ -1562,6 +1554,30 @@ async def _use_all(
     async with items:
         async for item in items:
             await use(item)
+
+
+async def _pumped(
+    feed: Callable[[], Awaitable[None]],
+    *consumers: tuple[trio.MemoryReceiveChannel[Any], Callable[[Any], Awaitable[None]]],
+) -> None:
+    """Run ``feed`` (which sends to the consumers' channels and closes them)
+    beside each consumer's ``use`` of its channel's items. A failure of
+    ``feed`` is raised once the consumers are done with what it sent before
+    it; a failure of a consumer ends everything at once. Either is raised as
+    itself, not in a group."""
+    failure: Exception | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            for items, use in consumers:
+                nursery.start_soon(_use_all, items, use)
+            try:
+                await feed()
+            except Exception as e:  # raised once the items before it are used
+                failure = e
+    except BaseExceptionGroup as group:
+        _raise_first_failure(group)
+    if failure is not None:
+        raise failure
 
 
 def _raise_first_failure(group: BaseExceptionGroup[BaseException]) -> NoReturn:
@@ -1597,26 +1613,19 @@ async def _overlapped(
     produced before it: a chunk that arrived whole is still added, and one
     whose send began is still sent, as when the two did not overlap. A
     failure of ``use`` ends both at once. Either is raised as itself, not in
-    a group.
+    a group (``_pumped``).
     """
     send, produced = trio.open_memory_channel[_T](0)
-    failure: Exception | None = None
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_use_all, produced, use)
-            async with send:
-                try:
-                    for turn in itertools.count():
-                        item = await produce(turn)
-                        if item is None:
-                            break
-                        await send.send(item)
-                except Exception as e:  # raised once the items before it are used
-                    failure = e
-    except BaseExceptionGroup as group:
-        _raise_first_failure(group)
-    if failure is not None:
-        raise failure
+
+    async def feed() -> None:
+        async with send:
+            for turn in itertools.count():
+                item = await produce(turn)
+                if item is None:
+                    break
+                await send.send(item)
+
+    await _pumped(feed, (produced, use))
 
 
 async def _refuse(done: trio.Event, stream: StreamLike, reason: str) -> None:
