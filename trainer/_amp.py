@@ -45,11 +45,24 @@ def grads_finite(params: Sequence[torch.Tensor]) -> bool:
     for p in params:
         if p.grad is not None:
             by_device.setdefault(p.grad.device, []).append(p.grad.detach())
-    flags = [
-        torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all()
-        for grads in by_device.values()  # stack promotes mixed dtypes
-    ]
+    flags = [_all_finite(grads) for grads in by_device.values()]
     return all(bool(flag) for flag in flags)
+
+
+def _all_finite(grads: list[torch.Tensor]) -> torch.Tensor:
+    """A 0-dim bool tensor on the gradients' device: none holds NaN or Inf
+    (one reduction; stack promotes mixed dtypes). Reads nothing back."""
+    return torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all()
+
+
+def _found_inf(scaler: Any, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Unscale ``optimizer``'s gradients with ``scaler`` (unless the caller
+    already did, e.g. to clip them): its overflow flags, one per device,
+    recorded for the scaler's next ``update()``."""
+    state = scaler._per_optimizer_states[id(optimizer)]
+    if not state["found_inf_per_device"]:  # not unscaled yet in this iteration
+        scaler.unscale_(optimizer)
+    return list(state["found_inf_per_device"].values())
 
 
 def unscale(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
@@ -61,11 +74,7 @@ def unscale(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
     """
     if not scaler.is_enabled():
         return False
-    state = scaler._per_optimizer_states[id(optimizer)]
-    if not state["found_inf_per_device"]:  # not unscaled yet in this iteration
-        scaler.unscale_(optimizer)
-    found = state["found_inf_per_device"]
-    return bool(sum(v.item() for v in found.values()))
+    return bool(sum(v.item() for v in _found_inf(scaler, optimizer)))
 
 
 def device_flags(
@@ -82,13 +91,10 @@ def device_flags(
     device = grads[0].device
     if device.type != "cuda" or any(g.device != device for g in grads):
         return None
-    finite = torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all()
+    finite = _all_finite(grads)
     if scaler is None or not scaler.is_enabled():
         return finite, None
-    state = scaler._per_optimizer_states[id(optimizer)]
-    if not state["found_inf_per_device"]:  # not unscaled yet in this iteration
-        scaler.unscale_(optimizer)
-    found = [f.to(device) for f in state["found_inf_per_device"].values()]
+    found = [f.to(device) for f in _found_inf(scaler, optimizer)]
     return finite, torch.stack(found).sum() > 0
 
 
