@@ -40,6 +40,7 @@ from one root, so no member's local progress is thrown away).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from averaging import AllReduceResult
 
@@ -56,32 +57,36 @@ def diverged_fraction(result: AllReduceResult, senders: int) -> float:
     senders' data. Our own part is what the others get back: never counted.
     (A piece of another's part that only we delivered is counted too: from
     ``contributors`` alone it looks the same.) 0 for a group of one sender."""
-    if senders <= 1:
-        return 0.0
-    total = missing = 0
-    chunk, me = result.chunk_elements, frozenset({result.local_index})
-    for part, (start, end) in enumerate(result.part_bounds):
-        for piece, who in enumerate(result.contributors[part]):
-            size = min(chunk, end - start - piece * chunk)
-            total += size * senders
-            if part != result.local_index and who == me:
-                missing += size * (senders - 1)
-    return missing / total if total else 0.0
+    me = frozenset({result.local_index})
+
+    def kept_ours(part: int, who: frozenset[int]) -> int:
+        return senders - 1 if part != result.local_index and who == me else 0
+
+    return _share(result, senders, kept_ours)
 
 
 def lost_fraction(result: AllReduceResult, senders: int) -> float:
     """The fraction of (element, sender) contributions missing from our result,
     0 for an empty vector or a group of one sender."""
+    return _share(result, senders, lambda part, who: senders - len(who))
+
+
+def _share(
+    result: AllReduceResult, senders: int, missing: Callable[[int, frozenset[int]], int]
+) -> float:
+    """The fraction of (element, sender) contributions of our result that
+    ``missing(part, contributors)`` counts per element of each piece; 0 for
+    an empty vector or a group of one sender."""
     if senders <= 1:
         return 0.0
-    total = missing = 0
+    total = gone = 0
     chunk = result.chunk_elements
     for part, (start, end) in enumerate(result.part_bounds):
         for piece, who in enumerate(result.contributors[part]):
             size = min(chunk, end - start - piece * chunk)
             total += size * senders
-            missing += size * (senders - len(who))
-    return missing / total if total else 0.0
+            gone += size * missing(part, who)
+    return gone / total if total else 0.0
 
 
 class ResyncSchedule:
