@@ -1394,24 +1394,20 @@ class AsyncCollaborativeOptimizer:
     async def _global_step(self, *, alone: bool, expected: Expected) -> None:
         """Average what this step accumulated with a group (unless ``alone``)
         and apply the result, as the mode does (see ``Strategy``)."""
-        samples, compute, early, started = self._begin_global_step()
-        result: StepResult | None = None
         if alone:
-            log.info("epoch %d: no other peer is training; stepping alone", self.epoch)
-            self._rate.pause()
             # one thread crossing: nothing happens between staging and applying
-            staged, hook_result = await self._locked(self._stage_and_apply, samples)
-            seconds = staged - started
+            await trio.to_thread.run_sync(self._step_alone)
         else:
+            samples, compute, early, started = self._begin_global_step()
             host = await self._locked(self._stage, samples, False)
             result = await self._average_gradients(samples, expected)
             seconds = time.monotonic() - started
             self._rate.pause()
             hook_result = await self._locked(self._apply, host)
-        self.last_step = GlobalStep(
-            self.epoch, samples, result, seconds, compute, early, hook_result
-        )
-        self._raise_scheduler_error()
+            self.last_step = GlobalStep(
+                self.epoch, samples, result, seconds, compute, early, hook_result
+            )
+            self._raise_scheduler_error()
         await self._after_global_step(alone)
         # Averaging is not compute, but the time from here to the next batch
         # is: counted as compute rate, the others extrapolated this peer
@@ -1453,12 +1449,21 @@ class AsyncCollaborativeOptimizer:
         self._step_scheduler()
         return hook_result
 
-    def _stage_and_apply(self, samples: int) -> tuple[float, object]:
-        """A step alone under the state lock: when staging ended, and what
-        ``grad_hook`` returned."""
-        host = self._stage(samples, True)
-        staged = time.monotonic()
-        return staged, self._apply(host)
+    def _step_alone(self) -> None:
+        """The global step of a peer alone, in the calling thread (never the
+        trio thread: it takes the state lock): stage and apply in place under
+        the lock, and record it in ``last_step``."""
+        samples, compute, early, started = self._begin_global_step()
+        log.info("epoch %d: no other peer is training; stepping alone", self.epoch)
+        self._rate.pause()
+        with self._state_lock:
+            host = self._stage(samples, True)
+            staged = time.monotonic()
+            hook_result = self._apply(host)
+        self.last_step = GlobalStep(
+            self.epoch, samples, None, staged - started, compute, early, hook_result
+        )
+        self._raise_scheduler_error()
 
     def _alone(self, now: float) -> bool:
         """Whether this peer trains alone and can decide its steps in the
@@ -1492,15 +1497,9 @@ class AsyncCollaborativeOptimizer:
         tracker publishes the new epoch at its interval, not woken now: a
         refresh after every step of a peer that steps every few milliseconds
         holds the GIL that this thread needs to launch the next batch."""
-        self._out_of_time = False  # the target ended this step, not the threshold
-        samples, compute, early, started = self._begin_global_step()
-        log.info("epoch %d: no other peer is training; stepping alone", self.epoch)
-        self._rate.pause()
-        staged, hook_result = self._with_lock(self._stage_and_apply, samples)
-        self.last_step = GlobalStep(
-            self.epoch, samples, None, staged - started, compute, early, hook_result
-        )
-        self._raise_scheduler_error()
+        if self._samples >= self.target_batch_size:
+            self._out_of_time = False  # the target ended this step, not the threshold
+        self._step_alone()
         self._begin_compute()
         self._rate.resume(time.monotonic())
 
