@@ -27,6 +27,8 @@ from typing import Any, TypeVar
 import trio
 import trio_asyncio
 
+from swarm._errors import ClosedError
+
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
@@ -46,9 +48,16 @@ class AsyncioLoop:
     async def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Await asyncio coroutine function ``fn(*args)`` on this loop.
 
-        Cancelling the trio caller cancels the asyncio task.
+        Cancelling the trio caller cancels the asyncio task (the caller sees
+        ``trio.Cancelled``). A task cancelled from the asyncio side, as every
+        task left is when the loop closes under a caller that still waits,
+        raises ``ClosedError``: asyncio's ``CancelledError`` is a
+        ``BaseException`` that no ``except Exception`` boundary would catch.
         """
-        result: T = await trio_asyncio.aio_as_trio(fn, loop=self._loop)(*args)
+        try:
+            result: T = await trio_asyncio.aio_as_trio(fn, loop=self._loop)(*args)
+        except asyncio.CancelledError:
+            raise ClosedError("the DHT node closed during the call") from None
         return result
 
     async def run_sync(self, fn: Callable[..., T], *args: Any) -> T:

@@ -19,9 +19,11 @@ from dht._protocol import _MAX_RESENDS
 from dht._records import Record, make_record
 from swarm import (
     BootstrapError,
+    ClosedError,
     ConfigError,
     Identity,
     ManualClock,
+    PeerID,
     RecordRejectedError,
     RejectReason,
 )
@@ -387,6 +389,51 @@ async def test_a_punch_the_other_node_does_not_take_part_in_fails_and_changes_no
         assert a.contacts() == [] and b.contacts() == []
         # a answers b no more than before
         assert await b.ping((a.host, a.port)) is None
+
+
+async def test_a_call_in_flight_when_its_node_closes_raises_closed_error() -> None:
+    """A punch still waiting for answers when its node closes (a peer that
+    finishes while serving another's punch request) fails with ``ClosedError``,
+    which the connection's handler boundary catches, not with asyncio's
+    ``CancelledError``, which no ``except Exception`` does and which once
+    crashed a peer at the end of its run."""
+    clock = ManualClock(NOW)
+    client_config = replace(TEST_CONFIG, client_mode=True)
+    outcome: list[BaseException | bool] = []
+    b_open = trio.Event()
+    a_done = trio.Event()
+    b_address: list[tuple[tuple[str, int], PeerID]] = []
+
+    async def punch(node: DHTNode, started: trio.Event) -> None:
+        started.set()
+        try:
+            outcome.append(await node.punch(*b_address[0], timeout=30))
+        except BaseException as e:
+            outcome.append(e)
+
+    async def run_a() -> None:
+        await b_open.wait()
+        # a's own asyncio loop (not b's), which closes with a, as a peer's does
+        async with (
+            trio.open_nursery() as nursery,
+            open_dht_node(config=client_config, clock=clock) as a,
+        ):
+            started = trio.Event()
+            nursery.start_soon(punch, a, started)
+            await started.wait()
+            await trio.sleep(0.05)  # b ignores the pings: a waits for an answer
+        a_done.set()
+
+    async def run_b() -> None:
+        async with open_dht_node(config=client_config, clock=clock) as b:
+            b_address.append(((b.host, b.port), b.peer_id))
+            b_open.set()
+            await a_done.wait()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_b)
+        nursery.start_soon(run_a)
+    assert len(outcome) == 1 and isinstance(outcome[0], ClosedError), outcome
 
 
 def test_config_validation_says_what_to_change() -> None:
