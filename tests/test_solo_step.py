@@ -9,11 +9,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from trainer_harness import FAST, training_peers
 
 from swarm import Peer
-from trainer import CollaborativeOptimizer
+from trainer import CollaborativeOptimizer, DropCompute
 
 BATCH = 8
 #: one reading lasts the whole test: every step is decided from it
@@ -116,3 +117,54 @@ def test_a_step_that_writes_a_checkpoint_goes_through_the_trio_thread(tmp_path: 
             assert written == ["checkpoint-0000000002.swarm", "checkpoint-0000000004.swarm"]
         finally:
             opt.close()
+
+
+class _ComputeClock:
+    """A peer's compute time (DropCompute's clock), advanced by the test."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize(
+    ("target", "cost", "steps_after", "early"),
+    [
+        (8, 1.0, 3, True),  # 3 s of compute pass the 2.5 s threshold before the target
+        (2, 1.5, 2, False),  # the target and the threshold (3 s) both: the target ended it
+    ],
+)
+def test_a_peer_alone_records_whether_its_drop_compute_threshold_ended_the_step(
+    target: int, cost: float, steps_after: int, early: bool
+) -> None:
+    """DropCompute alone, in the training thread: a step that the threshold
+    ends is recorded as stopped early, with the samples it has; one that the
+    target ends is not, as in a step with others (``_target_reached``)."""
+    torch.set_num_threads(1)
+    model = _model()
+    compute = _ComputeClock()
+    config = replace(STILL, drop_compute=DropCompute(threshold=2.5))
+    with training_peers(1) as (_, (peer,)):
+        opt = _alone(
+            peer, model, "solo-drop", target=target * BATCH, config=config, compute_clock=compute
+        )
+        try:
+            assert opt.wait_for_peers(1, 10.0)
+            crossings = _Crossings(peer)
+            stepped = []
+            for x in _batches(2 * steps_after):
+                model(x).pow(2).mean().backward()
+                compute.now += cost
+                stepped.append(opt.step())
+                opt.zero_grad()
+            crossed = crossings.count
+        finally:
+            opt.close()
+    assert stepped == ([False] * (steps_after - 1) + [True]) * 2
+    assert crossed == 0  # decided in the training thread
+    step = opt.last_step
+    assert step is not None and step.samples == steps_after * BATCH
+    assert step.stopped_early is early
+    assert step.compute_seconds == pytest.approx(steps_after * cost)
