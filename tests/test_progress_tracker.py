@@ -3,10 +3,13 @@ through the aggregation tree, names in a directory that stays small."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import trio
-from dht_harness import open_swarm
+from dht_harness import TEST_CONFIG, open_swarm
 
+from dht import open_dht_node
 from swarm import ConfigError, ManualClock, PeerID
 from swarm.cli import _status_object, _status_table
 from trainer import (
@@ -60,6 +63,39 @@ async def test_a_peer_counts_in_the_run_from_its_first_publication_until_it_with
         assert (reading.swarm.num_peers, reading.expected) == (2, 1)
         await second.withdraw()
         assert (await first.refresh()).swarm.num_peers == 1
+
+
+async def test_a_read_that_misses_a_live_peer_keeps_counting_it_until_its_record_is_stale() -> None:
+    """A read that reaches no node that holds the records (here: the only full
+    node stopped; in life: a NATed client whose one contact timed out under
+    load) is not news that the others left. It once read as "nobody else is
+    training", and a peer stepped alone for seven epochs and lost its group.
+    A peer counts until its last record read goes stale, or it withdraws."""
+    clock = ManualClock(NOW)
+    client = replace(TEST_CONFIG, client_mode=True)
+    stop_storage = trio.Event()
+
+    async def storage(task_status: trio.TaskStatus[tuple[str, int]]) -> None:
+        async with open_dht_node(config=TEST_CONFIG, clock=clock) as node:
+            task_status.started((node.host, node.port))
+            await stop_storage.wait()
+
+    async with trio.open_nursery() as nursery:
+        initial = [await nursery.start(storage)]
+        async with (
+            open_dht_node(config=client, clock=clock, initial_peers=initial) as a,
+            open_dht_node(config=client, clock=clock, initial_peers=initial) as b,
+        ):
+            first, second = _tracker(a, clock, [4]), _tracker(b, clock, [4])
+            await first.refresh()
+            assert (await second.refresh()).swarm.num_peers == 2
+            stop_storage.set()
+            await trio.sleep(0.1)
+            assert await b.get(progress_key("run")) is None  # the read reaches nobody now
+            clock.advance(20.0)
+            assert (await second.refresh()).swarm.num_peers == 2  # a's record is 20 s old
+            clock.advance(11.0)
+            assert (await second.refresh()).swarm.num_peers == 1  # 31 s: stale (ttl 30 s)
 
 
 def test_a_tracker_config_that_would_make_live_peers_look_gone_is_refused() -> None:

@@ -172,6 +172,8 @@ class ProgressTracker:
         self._rank = int.from_bytes(digest.digest(), "big") / 2**64
         #: live peers at the last reading
         self._peers = 1
+        #: the other peers' records of the directory, as last read (``_remember``)
+        self._records: dict[PeerID, PeerProgress] = {}
 
     async def refresh(self, *, publish: bool = True) -> Reading:
         """Publish this peer's record (unless not ``publish``) and read the
@@ -226,8 +228,8 @@ class ProgressTracker:
         elif summary is None:
             log.warning("progress tracking: the tree could not be read; counting a sample")
             await directory(read=True)
-        records = [r for r in records if r.peer_id != mine.peer_id] + [mine]
         now = dht.now()
+        records = [*self._remember(records, mine.peer_id, now, read=summary is None), mine]
         if summary is not None and not publish:
             # a read-only refresh counts this peer too (it is not in the tree)
             own = ProgressSummary.of_records([mine], now=now, stale_after=ttl)
@@ -273,6 +275,27 @@ class ProgressTracker:
             swarm, mine.epoch, mine.samples, self._clock(), expected, awaited, others, ahead
         )
         return self.reading
+
+    def _remember(
+        self, records: list[PeerProgress], me: PeerID, now: float, *, read: bool
+    ) -> list[PeerProgress]:
+        """The other peers' records of the directory: those just read
+        (``read``: it was read), and of the last ones those that this read
+        missed and that are not stale yet.
+
+        A peer leaves the count when its record goes stale or it withdraws
+        (a stale record replaces its last), not when one read misses it: a
+        read that reached no node holding the directory (a NATed peer whose
+        one contact timed out under load; the DHT drops a contact that did
+        not answer) returns nothing, and read as "nobody else is training"
+        it once sent a peer stepping alone for seven epochs, out of its group."""
+        fresh = {r.peer_id: r for r in records if r.peer_id != me}
+        if read:
+            for peer_id, record in self._records.items():
+                if peer_id not in fresh and now - record.time <= self.config.progress_ttl:
+                    fresh[peer_id] = record
+            self._records = fresh
+        return list(fresh.values())
 
     def wake(self) -> None:
         """Refresh now rather than at the next interval (no-op unless serving)."""
