@@ -14,6 +14,7 @@ from swarm import (
     Peer,
     PeerConfig,
     PeerCrashedError,
+    PeerUnreachableError,
     open_peer,
 )
 from swarm.cli import _report_failure
@@ -70,6 +71,34 @@ def test_sync_peer_reraises_startup_errors() -> None:
     config = PeerConfig(initial_peers=(f"127.0.0.1:{port}",))
     with pytest.raises(BootstrapError), Peer(config=config):
         pass
+
+
+async def test_a_service_that_fails_as_the_peer_stops_does_not_crash_it() -> None:
+    """A ``SwarmError`` of a service while the peer stops (its relay closed
+    their connection as it finished too) is the stopping, not a crash; the
+    same error while the peer runs still ends it."""
+    stopping = trio.Event()
+
+    async def relay_gone(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            await trio.sleep_forever()
+        finally:
+            stopping.set()
+            raise PeerUnreachableError("the relay closed the connection")
+
+    async with open_peer() as peer:
+        await peer.start_service(relay_gone)
+    assert stopping.is_set()  # it failed, and leaving the block raised nothing
+
+    async def fails_now(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        raise PeerUnreachableError("the relay closed the connection")
+
+    with pytest.raises(PeerUnreachableError):
+        async with open_peer() as peer:
+            await peer.start_service(fails_now)
+            await trio.sleep_forever()
 
 
 def test_sync_peer_surfaces_a_crash_of_its_thread_with_its_traceback() -> None:
