@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 #: First pause before the initial peers are pinged again (doubling, up to
 #: ``rpc_timeout``) while none has answered.
 _BOOTSTRAP_RETRY = 0.1
+#: Contacts remembered to join again through, should every contact be dropped
+_REJOIN_CONTACTS = 8
 
 
 @dataclass(frozen=True)
@@ -211,6 +213,11 @@ class DHTNode:
         self._clock = clock
         self._nursery = nursery
         self._closed = False
+        #: where to join again if every contact is dropped (``_rejoin_if_alone``):
+        #: the initial peers, then contacts of the last maintenance pass
+        self._initial: list[Address] = []
+        self._recent: list[Address] = []
+        self._next_rejoin = -math.inf
         token = trio.lowlevel.current_trio_token()
         #: the node's gauges, read on its trio thread when collected (``swarm._counters``)
         self.metrics = (
@@ -263,6 +270,7 @@ class DHTNode:
         addrs = [a for a in addrs if a != (self.host, self.port)]
         if not addrs:
             return
+        self._initial = addrs
         deadline = trio.current_time() + self.config.bootstrap_timeout
         answered: list[Any] = []
         pause = _BOOTSTRAP_RETRY
@@ -332,6 +340,7 @@ class DHTNode:
             limits=self.config.limits,
         )
         validate(record, self._clock(), self.config.limits)
+        await self._rejoin_if_alone()
         kept = await self._loop.call(self._server.store_record, record, replicas)
         return kept > 0
 
@@ -356,6 +365,7 @@ class DHTNode:
         """
         self._check_open()
         dkey = key_id(encode_key(key))
+        await self._rejoin_if_alone()
         records, crawl = await self._loop.call(self._server.find_records, dkey, latest)
         # every record was validated as it arrived; only expiry can have changed
         now = self._clock()
@@ -365,6 +375,27 @@ class DHTNode:
                 self._write_back, crawl, live, self.config.ksize if latest else 1
             )
         return _to_value(live)
+
+    async def _rejoin_if_alone(self) -> None:
+        """With no contact left, join again through the initial peers and the
+        contacts of the last maintenance pass (at most once per
+        ``rpc_timeout``) before a read or a write.
+
+        The DHT drops a contact that leaves a request unanswered, and a peer
+        behind a NAT (a client) knows few: its one public contact, busy for a
+        moment, leaves it with none, and nobody adds a client back. Its reads
+        then reached nobody and read as empty (a run of peers looked like
+        this peer alone), for good."""
+        if self._server.routing_table_size() or trio.current_time() < self._next_rejoin:
+            return
+        self._next_rejoin = trio.current_time() + self.config.rpc_timeout
+        addrs = list(dict.fromkeys(self._initial + self._recent))
+        if not addrs:
+            return
+        answered = await self._loop.call(self._server.ping_initial, addrs)
+        if answered:
+            await self._loop.call(self._server.crawl_self, answered)
+            log.info("no contact was left: joined again through %d node(s)", len(answered))
 
     async def _write_back(self, crawl: RecordCrawl, records: list[Record], limit: int) -> None:
         await self._loop.call(self._server.write_back, crawl, records, limit)
@@ -456,6 +487,9 @@ class DHTNode:
         while True:
             await trio.sleep(self.config.expiry_sweep_interval)
             self._server.storage.cull()
+            contacts = self._server.contacts()
+            if contacts:
+                self._recent = [(host, port) for _, host, port in contacts[:_REJOIN_CONTACTS]]
             if trio.current_time() >= next_refresh:
                 next_refresh = trio.current_time() + self.config.refresh_interval
                 await self._loop.call(self._server.refresh, self.config.refresh_interval)

@@ -436,6 +436,32 @@ async def test_a_call_in_flight_when_its_node_closes_raises_closed_error() -> No
     assert len(outcome) == 1 and isinstance(outcome[0], ClosedError), outcome
 
 
+async def test_a_client_left_without_contacts_joins_again_through_its_initial_peer() -> None:
+    """A client (a peer behind a NAT) whose one contact left a request and
+    the confirming ping unanswered (busy: here it answers nothing for a
+    moment) drops it and has no contact left; nobody adds a client back. Its next read joins again
+    through its initial peer instead of reading nothing for good."""
+    clock = ManualClock(NOW)
+    client = replace(TEST_CONFIG, client_mode=True)
+    async with open_dht_node(config=TEST_CONFIG, clock=clock) as full:
+        initial = [(full.host, full.port)]
+        async with (
+            open_dht_node(config=client, clock=clock, initial_peers=initial) as a,
+            open_dht_node(config=client, clock=clock, initial_peers=initial) as b,
+        ):
+            assert await a.store("k", "v", NOW + 60)
+            full.set_client_mode(True)  # answers nothing
+            assert await b.get("k") is None
+            for _ in range(200):  # its confirming ping goes unanswered too: dropped
+                if not b.contacts():
+                    break
+                await trio.sleep(0.05)
+            assert b.contacts() == []
+            full.set_client_mode(False)
+            assert await b.get("k") == DHTValue("v", NOW + 60)
+            assert [c[0] for c in b.contacts()] == [full.peer_id]
+
+
 def test_config_validation_says_what_to_change() -> None:
     with pytest.raises(ConfigError, match="bootstrap_timeout"):
         DHTConfig(rpc_timeout=5, bootstrap_timeout=1)
