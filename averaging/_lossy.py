@@ -9,14 +9,20 @@ authenticated UDP datagrams (``_datagrams``) and are never retransmitted.
 Per (sender i, reducer j) pair, over one reliable stream ``LOSSY_STREAM``
 opened by i to j (the control channel)::
 
-    i -> j  header [version, group id, part j, sender i, weight, total, udp port]
+    i -> j  header [version, group id, part j, sender i, weight, total, udp port, got]
     j -> i  [udp port, round]                      (keys exported for ``round``)
     i => j  PART datagrams of part j, paced (``Pacer``)
     i -> j  ["sent", datagrams, seconds]            (end of sending)
     j -> i  ["report", received, seconds, contributor masks]
     j => i  RESULT datagrams of the averaged part j, paced
     j -> i  ["sent", datagrams, seconds]
-    i -> j  ["got", received, seconds]
+
+``got`` is ``[round, received, seconds]``, what i got of the results that j
+sent it in their last round together (j's pacer learns from it), or ``[]``.
+It used to be a message of its own after the results, and the round waited
+for it: at 10% loss one of a round's twelve pairs lost it more often than
+not, and the whole round waited for TCP to resend it. A round late, it
+costs nothing; ``PacerRegistry.late_report`` judges it as a stale report.
 
 Each member opens one UDP socket for the round; its port travels in the
 header and the reply. The masks of the report say, for each contributor of
@@ -102,7 +108,7 @@ logger = logging.getLogger(__name__)
 
 #: Name of the control stream of the lossy all-reduce.
 LOSSY_STREAM = "allreduce-lossy"
-LOSSY_VERSION = 1
+LOSSY_VERSION = 2
 #: Seconds a phase waits for late datagrams after the end-of-sending marker:
 #: the marker travels on TCP, the datagrams it follows on UDP, and the two
 #: may be reordered on the way by a few milliseconds. Only the path's
@@ -112,9 +118,10 @@ LOSSY_VERSION = 1
 #: datagrams loses one more often than not), so it is kept short: 50 ms cost
 #: a round of the digits task 0.1 s, where the round takes 0.04 s.
 DRAIN = 0.01
-#: How long a reducer waits for what a sender got back (it feeds the pacer
-#: only, but the round waits for it): a lost "got" and one retransmission.
-GOT_WAIT = 0.05
+#: How long a member waits for a reducer's end-of-results marker once the
+#: last result datagram came first: the stream must be read to its end to
+#: return to the pool, and a lost marker takes one retransmission.
+MARKER_WAIT = 0.05
 #: How long a control stream for a group this peer does not run (yet) waits.
 UNKNOWN_GROUP_WAIT = 2.0
 HEADER_TIMEOUT = 5.0
@@ -523,12 +530,15 @@ class _LossyRound:
 
     # ----------------------------------------------------------------- reducer
 
-    def accept_header(self, stream: _LossyStream, message: Any) -> tuple[int, float, int]:
-        """A sender's header checked against this round: (sender, weight, udp port).
+    def accept_header(
+        self, stream: _LossyStream, message: Any
+    ) -> tuple[int, float, int, tuple[int, int, float] | None]:
+        """A sender's header checked against this round: (sender, weight, udp
+        port, what it got of our last results or None).
 
         Raises ``ProtocolError`` with the one-line reason for the refusal.
         """
-        fields = expect_list(message, 7, "lossy all-reduce header")
+        fields = expect_list(message, 8, "lossy all-reduce header")
         if expect_int(fields[0], "version") != LOSSY_VERSION:
             raise ProtocolError(f"lossy all-reduce version {fields[0]}, expected {LOSSY_VERSION}")
         me = self.group.local_index
@@ -541,6 +551,7 @@ class _LossyRound:
         if expect_int(fields[5], "total") != self.partition.total:
             raise ProtocolError(f"vector sizes differ: ours has {self.partition.total} elements")
         port = expect_int(fields[6], "udp port", lo=1, hi=65535)
+        got = _parse_got(fields[7])
         member = self.group.members[sender]
         if stream.remote != member.peer_id:
             raise ProtocolError(f"member {sender} of the group is another peer")
@@ -549,7 +560,7 @@ class _LossyRound:
         if sender in self._accepted or sender not in self._senders_left:
             raise ProtocolError(f"member {sender} already has a stream, or is too late")
         self._accepted.add(sender)
-        return sender, weight, port
+        return sender, weight, port, got
 
     def _sender_done(self, sender: int, *, failed: bool = False) -> None:
         self._senders_left.discard(sender)
@@ -611,7 +622,7 @@ class _LossyRound:
             self._all_inbound.append(inbound)
             await stream.send([self.sock.getsockname()[1], round_])
             inbound.expect_last(up.num_pieces - 1)  # every piece, in order
-            marker_read = await self._end_of_sending(stream, inbound, "end of sending")
+            await self._end_of_sending(stream, inbound, "end of sending")
             await self._wait_for_pieces(inbound)
             self._sender_done(sender)
             await self.reduced.wait()
@@ -630,17 +641,10 @@ class _LossyRound:
             pieces = (p for p in range(down.num_pieces) if reducer.has_result(p))
             sent = await self._send_datagrams(sealer, result.numpy(), pieces, address)
             await stream.send(["sent", sealer.seq, sent.span])
-            # What the sender got back only feeds our pacer: wait for it
-            # briefly, not for a retransmission (``_end_of_sending``).
-            with trio.move_on_after(GOT_WAIT):
-                if not marker_read:
-                    _check_marker(await stream.receive(), "end of sending")
-                got = expect_list(await stream.receive(), 3, "results received")
-                if expect_str(got[0], "marker") != "got":
-                    raise ProtocolError("expected the results received")
-                received = expect_int(got[1], "results received", lo=0, hi=sealer.seq)
-                arrival = expect_float(got[2], "seconds")
-                self.pacers.sender_report(stream.remote, sent, received, arrival)
+            # What the sender got comes with its next header. An end of
+            # sending still unread (its last datagram came first) is left
+            # to the connection, which discards it with the stream.
+            self.pacers.results_sent(stream.remote, round_, sent)
         except Exception as e:  # per-peer boundary: this sender only
             logger.info("lossy all-reduce: serving member %d failed: %r", sender, e)
             self._sender_done(sender, failed=not self.reduced.is_set())
@@ -679,6 +683,7 @@ class _LossyRound:
                         self.weight,
                         self.partition.total,
                         self.sock.getsockname()[1],
+                        list(self.pacers.take_got(member.peer_id) or ()),
                     ]
                 )
                 reply = expect_list(await stream.receive(), 2, "lossy all-reduce reply")
@@ -721,14 +726,16 @@ class _LossyRound:
                 # From here on nothing more is taken: the result is what arrived.
                 del self.inbound[(int(Kind.RESULT), part, me)]
                 self._results[part] = (buffer, got, masks)
-                await stream.send(["got", inbound.opener.received, inbound.span])
+                self.pacers.results_got(
+                    member.peer_id, round_, inbound.opener.received, inbound.span
+                )
                 if not marker_read:
                     # Read before leaving: a connection returns to the pool
                     # only once nothing but the remote's EOF is left on it.
-                    with trio.move_on_after(GOT_WAIT):
+                    with trio.move_on_after(MARKER_WAIT):
                         _check_marker(await stream.receive(), "end of results")
         except Exception as e:  # per-peer boundary: this reducer only
-            if part not in self._results:  # after them: the "got" only fed its pacer
+            if part not in self._results:  # after them: only the stream's end was left
                 logger.info("lossy all-reduce: part %d from member %d failed: %r", part, part, e)
                 self._failed_reducers.add(part)
 
@@ -819,6 +826,22 @@ class _LossyRound:
         )
 
 
+def _parse_got(obj: Any) -> tuple[int, int, float] | None:
+    """The header's report on our last results: ``[]``, or ``[round,
+    received, seconds]`` (``ProtocolError`` for anything else)."""
+    if obj == []:
+        return None
+    fields = expect_list(obj, 3, "results received")
+    seconds = expect_float(fields[2], "seconds")
+    if seconds < 0:
+        raise ProtocolError("seconds must be >= 0")
+    return (
+        expect_int(fields[0], "round", lo=0, hi=2**32 - 1),
+        expect_int(fields[1], "results received", lo=0),
+        seconds,
+    )
+
+
 def _check_marker(message: Any, what: str) -> None:
     """An end-of-sending marker ``["sent", datagrams, seconds]``, else ``ProtocolError``."""
     marker = expect_list(message, 3, what)
@@ -847,12 +870,14 @@ class _Registry:
             header = await stream.receive()
         if wait.cancelled_caught:
             raise ProtocolError("no lossy all-reduce header in time")
-        fields = expect_list(header, 7, "lossy all-reduce header")
+        fields = expect_list(header, 8, "lossy all-reduce header")
         gid = expect_bytes(fields[1], "group id", max_size=64)
         rnd = await self._rounds.find(gid, wait=UNKNOWN_GROUP_WAIT)
         if rnd is None:
             raise ProtocolError(f"no lossy all-reduce round for group {gid.hex()[:16]} here")
-        sender, weight, port = rnd.accept_header(stream, header)
+        sender, weight, port, got = rnd.accept_header(stream, header)
+        if got is not None:
+            rnd.pacers.late_report(stream.remote, *got)
         await rnd.serve_sender(stream, sender, weight, port)
 
 

@@ -283,12 +283,26 @@ class Schedule:
 
 
 class PacerRegistry:
-    """A peer's ``Pacer`` and a ``Path`` per remote peer, kept across rounds."""
+    """A peer's ``Pacer`` and a ``Path`` per remote peer, kept across rounds.
+
+    It also carries the reports that arrive a round late. A member reports
+    what it got of a reducer's results with its next header to that peer
+    (``_lossy``), not in a message of its own that the round would wait for:
+    the reducer keeps what it sent each peer last (``results_sent``) until
+    that report comes (``late_report``), and the member what it got from
+    each (``results_got``, taken by ``take_got``). Only the last flow per
+    peer is kept on either side: a report for any other is dropped, as a
+    lost one would be.
+    """
 
     def __init__(self) -> None:
         self.pacer = Pacer()
         self.schedule = Schedule()
         self._paths: dict[PeerID, Path] = {}
+        self._unreported: dict[PeerID, tuple[int, Sending]] = {}
+        self._got: dict[PeerID, tuple[int, int, float]] = {}
+        #: Reports that came a round late and were fed to the pacer.
+        self.late_reports = 0
 
     def path(self, peer: PeerID) -> Path:
         path = self._paths.get(peer)
@@ -332,3 +346,31 @@ class PacerRegistry:
             before * 8e-6,
             pacer.rate * 8e-6,
         )
+
+    def results_sent(self, peer: PeerID, flow: int, sending: Sending) -> None:
+        """We sent ``peer`` results in the flow numbered ``flow`` (its round);
+        the report on it comes with ``peer``'s next header (``late_report``)."""
+        self._unreported[peer] = (flow, sending)
+
+    def late_report(self, peer: PeerID, flow: int, received: int, arrival_span: float) -> bool:
+        """``peer`` says ``received`` datagrams of our flow ``flow`` arrived
+        over ``arrival_span`` seconds. Fed to the pacer (``sender_report``)
+        if it is the last flow we sent ``peer`` and not reported yet; returns
+        whether it was. A later flow's report judges it as stale (``Pacer``):
+        it may lower the rate, never raise it."""
+        unreported = self._unreported.get(peer)
+        if unreported is None or unreported[0] != flow:
+            return False
+        del self._unreported[peer]
+        self.late_reports += 1
+        self.sender_report(peer, unreported[1], received, arrival_span)
+        return True
+
+    def results_got(self, peer: PeerID, flow: int, received: int, arrival_span: float) -> None:
+        """``received`` datagrams of ``peer``'s results in flow ``flow`` arrived
+        over ``arrival_span`` seconds: to report with our next header to it."""
+        self._got[peer] = (flow, received, arrival_span)
+
+    def take_got(self, peer: PeerID) -> tuple[int, int, float] | None:
+        """What we got of ``peer``'s last results and did not report yet."""
+        return self._got.pop(peer, None)

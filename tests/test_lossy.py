@@ -25,7 +25,7 @@ from averaging._codecs import FLOAT16
 from averaging._datagrams import FULL_DATAGRAM, PIECE_ELEMENTS
 from averaging._faults import DatagramFaults, FaultPlan
 from averaging._group import Group, GroupMember, MemberMode
-from averaging._lossy import LOSSY_STREAM, LOSSY_VERSION, _tune, send_burst
+from averaging._lossy import LOSSY_STREAM, LOSSY_VERSION, _pacers, _tune, send_burst
 from swarm import ConfigError, Identity, SwarmError
 from swarm._connections import ConnectionConfig, Connections, open_connections
 
@@ -173,6 +173,19 @@ async def test_rounds_reuse_connections_and_keys_differ() -> None:
             assert check_pieces(inputs, outputs, results, [1.0, 1.0], range(2)) == 0
 
 
+async def test_what_a_member_got_reaches_its_reducer_with_the_next_header() -> None:
+    """No round waits for a member to say what it got of a reducer's
+    results: the report rides on its next header to that peer. From the
+    second round on, each reducer's pacer is fed one report per other member
+    and round, each about the results of the round before."""
+    async with open_peers(3) as nets:
+        groups = make_groups(nets)
+        for rounds in range(1, 4):
+            inputs, outputs, results = await run_round(nets, groups, WEIGHTS[:3])
+            assert check_pieces(inputs, outputs, results, WEIGHTS[:3], range(3)) == 0
+            assert [_pacers(net).late_reports for net in nets] == [2 * (rounds - 1)] * 3
+
+
 async def test_lossy_needs_raw_float32_and_the_mean() -> None:
     from averaging import CenteredClip
 
@@ -187,8 +200,9 @@ async def test_lossy_needs_raw_float32_and_the_mean() -> None:
 async def test_control_streams_that_break_the_rules_are_refused() -> None:
     """Member 0 runs a round with member 1, which never shows up; peer 2, not
     a member, opens control streams to member 0 by hand: claiming member 1's
-    index, or naming a group member 0 does not run. Both are refused with a
-    one-line reason, and member 0 ends with its own values and member 1 out."""
+    index, another version, a malformed report on earlier results, or naming
+    a group member 0 does not run. Each is refused with a one-line reason,
+    and member 0 ends with its own values and member 1 out."""
     async with open_peers(3) as nets:
         groups = make_groups(nets[:2])
         x = member_data(0)
@@ -208,9 +222,11 @@ async def test_control_streams_that_break_the_rules_are_refused() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(member0)
             gid = groups[0].group_id
-            await refused([LOSSY_VERSION, gid, 0, 1, 1.0, TOTAL, 9], "another peer")
-            await refused([LOSSY_VERSION + 1, gid, 0, 1, 1.0, TOTAL, 9], "version")
-            await refused([LOSSY_VERSION, b"nope", 0, 1, 1.0, TOTAL, 9], "no lossy all-reduce")
+            await refused([LOSSY_VERSION, gid, 0, 1, 1.0, TOTAL, 9, []], "another peer")
+            await refused([LOSSY_VERSION + 1, gid, 0, 1, 1.0, TOTAL, 9, []], "version")
+            await refused([LOSSY_VERSION, gid, 0, 1, 1.0, TOTAL, 9, [1, 2]], "results received")
+            await refused([LOSSY_VERSION, gid, 0, 1, 1.0, TOTAL, 9, [1, -2, 0.0]], "received")
+            await refused([LOSSY_VERSION, b"nope", 0, 1, 1.0, TOTAL, 9, []], "no lossy all-reduce")
     assert results[0].failed_senders == {1} and results[0].failed_reducers == {1}
     assert torch.equal(x, member_data(0))
 

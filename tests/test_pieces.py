@@ -19,11 +19,13 @@ from averaging._pacing import (
     MIN_SAMPLE,
     PROBE,
     Pacer,
+    PacerRegistry,
     Path,
     Schedule,
+    Sending,
 )
 from averaging._pieces import PieceMask, PieceReducer, contributor_codes
-from swarm import ProtocolError
+from swarm import PeerID, ProtocolError
 
 N_PIECES = 4
 SIZE = N_PIECES * PIECE_ELEMENTS - 10  # the last piece is short
@@ -289,6 +291,39 @@ def test_pacer_judges_a_report_by_the_rate_its_phase_was_paced_at() -> None:
     span = span_at(doubled)
     assert not pacer.report(path, 1000, 1000, span, span, paced_at=doubled)
     assert pacer.rate == doubled * FAST_START
+
+
+def test_a_report_on_results_a_round_late_counts_once_for_the_last_flow_only() -> None:
+    """A member reports what it got of a reducer's results with its next
+    header: the reducer feeds it to its pacer once, if it is about the last
+    flow it sent that peer; and judged against the rate of that flow, so a
+    report that comes after the rate moved cannot raise it."""
+    registry = PacerRegistry()
+    peer, other = PeerID(bytes([1]) * 20), PeerID(bytes([2]) * 20)
+    first = registry.pacer.rate
+    span = span_at(first)
+    registry.results_sent(peer, 7, Sending(1000, span, first, 1.0, 0.0))
+    assert not registry.late_report(peer, 6, 1000, span)  # another round's flow
+    assert not registry.late_report(other, 7, 1000, span)  # another peer
+    assert registry.late_report(peer, 7, 1000, span) and registry.late_reports == 1
+    assert registry.pacer.rate == first * FAST_START
+    assert not registry.late_report(peer, 7, 1000, span)  # once only
+    # Only the last flow sent to a peer waits for its report.
+    raised = registry.pacer.rate
+    registry.results_sent(peer, 8, Sending(1000, span_at(raised), raised, 1.0, 0.0))
+    registry.results_sent(peer, 9, Sending(1000, span_at(raised), raised, 1.0, 0.0))
+    assert not registry.late_report(peer, 8, 1000, span_at(raised))
+    # Meanwhile a report in the round raised the rate: the late one is stale.
+    registry.sender_report(other, Sending(1000, span_at(raised), raised, 1.0, 0.0), 1000, 0.0)
+    assert registry.pacer.rate == raised * FAST_START
+    assert registry.late_report(peer, 9, 1000, span_at(raised)) and registry.late_reports == 2
+    assert registry.pacer.rate == raised * FAST_START
+    # The member's side: what it got waits for its next header to that peer.
+    assert registry.take_got(peer) is None
+    registry.results_got(peer, 3, 5, 0.01)
+    assert registry.take_got(other) is None
+    assert registry.take_got(peer) == (3, 5, 0.01)
+    assert registry.take_got(peer) is None
 
 
 def test_a_stale_congested_report_lowers_the_rate_at_most_to_its_back_off() -> None:
