@@ -1104,7 +1104,7 @@ class Connections:
                     if connection is None and await self._punched_settled(peer_id):
                         connection = await self._pooled(peer_id)
                     if connection is None:
-                        connection = await self._dial(peer_id, address)
+                        connection = await self._ending_or_dial(peer_id, address)
                 stream = Stream(connection, name, opening=pack([name]))
                 try:
                     if not defer_open:
@@ -1342,6 +1342,66 @@ class Connections:
             await entry.done.wait()
             if not entry.connection.closed:
                 return entry.connection
+
+    async def _ending_or_dial(self, peer_id: PeerID, address: Address) -> _Connection:
+        """A connection for a stream to ``peer_id`` when none in the pool is
+        ready: a pooled one whose last stream is ending (the remote's EOF came,
+        the DONE saying its handler returned not yet), if it gets ready before
+        a dial begun ``REUSE_HEAD_START`` later connects; else the dialed one.
+
+        Why: a stream often follows another to the same peer at once (a group
+        member's all-reduce stream follows its matchmaking stream to the
+        leader), a round trip before that DONE can come back. Dialing costs
+        more round trips and, on a link that loses packets, often a lost SYN
+        (``open_tcp_racing``): at 10% loss such dials cost averaging rounds a
+        quarter of a second each. Whichever loses is not wasted: a connection
+        that gets ready after the dial won stays in the pool, and one dialed
+        after the pooled one got ready joins it there. A dial that fails
+        leaves the ending connection as the one chance: its error is raised
+        only once that one is dropped too (bounded like any wait of
+        ``open_stream``, by the caller's deadline).
+        """
+        ending = [e for e in self._pool.get(peer_id, []) if e.eof and not e.ready]
+        if not ending:
+            return await self._dial(peer_id, address)
+        won: list[_Connection] = []
+        failed: list[SwarmError] = []
+
+        def take(connection: _Connection, nursery: trio.Nursery) -> None:
+            if won:
+                self._pool_connection(connection, eof=True, ready=True)
+            else:
+                won.append(connection)
+                nursery.cancel_scope.cancel()
+
+        async def reuse(nursery: trio.Nursery) -> None:
+            for entry in ending:
+                await entry.settled.wait()
+                # Taking a pooled connection waits for its watcher to stop; a
+                # cancellation then would lose the connection.
+                with trio.CancelScope(shield=True):
+                    connection = await self._pooled(peer_id)
+                if connection is not None:
+                    take(connection, nursery)
+                    return
+
+        async def dial(nursery: trio.Nursery) -> None:
+            await trio.sleep(REUSE_HEAD_START)
+            try:
+                connection = await self._dial(peer_id, address)
+            except SwarmError as e:
+                failed.append(e)
+                return
+            take(connection, nursery)
+
+        # Each task ends by taking a connection (which cancels the other) or
+        # failing: the nursery ends with a connection or the dial's error.
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reuse, nursery)
+            nursery.start_soon(dial, nursery)
+        if won:
+            return won[0]
+        raise failed[0]
 
     async def _punched_settled(self, peer_id: PeerID) -> bool:
         """Wait (at most ``connect_timeout``) until a punched connection to
@@ -1704,6 +1764,11 @@ _TCP_DELACK_MAX_US = 46
 _RTO_MINIMA_US = (10_000, 20_000)
 
 
+#: Seconds a stream waits for a pooled connection to the same peer whose last
+#: stream is ending before it also dials (``Connections._ending_or_dial``):
+#: the round trip that brings the connection's DONE on a short path, and on
+#: a lossy one the dial still loses to a DONE resent by TCP more often than not.
+REUSE_HEAD_START = 0.02
 #: Seconds after which a dial that has not connected yet is raced by another
 #: to the same address, then twice as long for the next (``open_tcp_racing``).
 REDIAL_AFTER = 0.25

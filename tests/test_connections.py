@@ -654,6 +654,44 @@ async def test_connection_is_reused_only_after_the_handler_returned() -> None:
         assert len(pooled) == 2 and all(entry.ready for entry in pooled)
 
 
+async def test_a_stream_takes_a_connection_whose_last_stream_is_ending_rather_than_dial() -> None:
+    """The next stream opens while the last one's handler has not returned
+    yet (both EOFs sent, no DONE): when it returns, the stream takes that
+    connection. The address it was given leads nowhere, so a dial, which
+    it also tries (``REUSE_HEAD_START`` later), can only fail: the stream
+    still gets the ending connection, and nothing more was dialed."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        nowhere = (HOST, s.getsockname()[1])
+    async with two_peers() as (a, b):
+        release = trio.Event()
+
+        async def lingering(stream: Stream) -> None:
+            await stream.send_eof()
+            async for _ in receive_all(stream):
+                pass
+            await release.wait()
+
+        b.set_handler("lingering", lingering)
+        b.set_handler("echo", echo)
+        async with a.open_stream(B.peer_id, address(b), "lingering") as stream:
+            with pytest.raises(EndOfStreamError):
+                await stream.receive()
+        [entry] = a._pool[B.peer_id]
+        assert entry.eof and not entry.ready
+        replies: list[Any] = []
+
+        async def next_stream() -> None:
+            replies.append(await a.call(B.peer_id, nowhere, "echo", 7, timeout=5))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(next_stream)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not replies
+            release.set()
+        assert replies == [7] and a.dialed == 1 and len(a._connections) == 1
+
+
 async def test_silent_listener_is_a_handshake_deadline() -> None:
     """A TCP listener that never answers the handshake: DeadlineError."""
     listeners = await trio.open_tcp_listeners(0, host=HOST)
