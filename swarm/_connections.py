@@ -1345,13 +1345,15 @@ class Connections:
 
     async def _ending_or_dial(self, peer_id: PeerID, address: Address) -> _Connection:
         """A connection for a stream to ``peer_id`` when none in the pool is
-        ready: a pooled one whose last stream is ending (the remote's EOF came,
-        the DONE saying its handler returned not yet), if it gets ready before
-        a dial begun ``REUSE_HEAD_START`` later connects; else the dialed one.
+        ready: a pooled one whose last stream is ending (we left it; the
+        remote's EOF, or the DONE saying its handler returned, has not come
+        yet), if it gets ready before a dial begun ``REUSE_HEAD_START`` later
+        connects; else the dialed one.
 
         Why: a stream often follows another to the same peer at once (a group
         member's all-reduce stream follows its matchmaking stream to the
-        leader), a round trip before that DONE can come back. Dialing costs
+        leader, whose handler ends with the group message), a round trip
+        before the remote's EOF and DONE can come back. Dialing costs
         more round trips and, on a link that loses packets, often a lost SYN
         (``open_tcp_racing``): at 10% loss such dials cost averaging rounds a
         quarter of a second each. Whichever loses is not wasted: a connection
@@ -1361,7 +1363,7 @@ class Connections:
         only once that one is dropped too (bounded like any wait of
         ``open_stream``, by the caller's deadline).
         """
-        ending = [e for e in self._pool.get(peer_id, []) if e.eof and not e.ready]
+        ending = [e for e in self._pool.get(peer_id, []) if not e.ready]
         if not ending:
             return await self._dial(peer_id, address)
         won: list[_Connection] = []

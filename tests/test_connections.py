@@ -656,10 +656,11 @@ async def test_connection_is_reused_only_after_the_handler_returned() -> None:
 
 async def test_a_stream_takes_a_connection_whose_last_stream_is_ending_rather_than_dial() -> None:
     """The next stream opens while the last one's handler has not returned
-    yet (both EOFs sent, no DONE): when it returns, the stream takes that
-    connection. The address it was given leads nowhere, so a dial, which
-    it also tries (``REUSE_HEAD_START`` later), can only fail: the stream
-    still gets the ending connection, and nothing more was dialed."""
+    yet (both EOFs sent, no DONE; it is the same while the remote's EOF is
+    on its way): when it returns, the stream takes that connection. The
+    address it was given leads nowhere, so a dial, which it also tries
+    (``REUSE_HEAD_START`` later), can only fail: the stream still gets the
+    ending connection, and nothing more was dialed."""
     with socket.socket() as s:
         s.bind((HOST, 0))
         nowhere = (HOST, s.getsockname()[1])
