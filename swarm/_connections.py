@@ -1370,11 +1370,13 @@ class Connections:
         failed: list[SwarmError] = []
 
         def take(connection: _Connection, nursery: trio.Nursery) -> None:
-            if won:
-                self._pool_connection(connection, eof=True, ready=True)
-            else:
+            if not won:
                 won.append(connection)
                 nursery.cancel_scope.cancel()
+            elif self._closed:  # the pool's nursery may be gone
+                self._drop(connection)
+            else:
+                self._pool_connection(connection, eof=True, ready=True)
 
         async def reuse(nursery: trio.Nursery) -> None:
             for entry in ending:
