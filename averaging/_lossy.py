@@ -19,10 +19,11 @@ opened by i to j (the control channel)::
 
 ``got`` is ``[round, received, seconds]``, what i got of the results that j
 sent it in their last round together (j's pacer learns from it), or ``[]``.
-It used to be a message of its own after the results, and the round waited
-for it: at 10% loss one of a round's twelve pairs lost it more often than
-not, and the whole round waited for TCP to resend it. A round late, it
-costs nothing; ``PacerRegistry.late_report`` judges it as a stale report.
+It used to be a message of its own after the results, and the reducer's
+round waited for it: at 10% loss one of a round's twelve pairs lost it more
+often than not, and that reducer waited for TCP to resend it (50 ms at
+most). A round late, it costs nothing; ``PacerRegistry.late_report`` judges
+it as a stale report.
 
 Each member opens one UDP socket for the round; its port travels in the
 header and the reply. The masks of the report say, for each contributor of
