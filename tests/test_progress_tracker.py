@@ -4,6 +4,7 @@ through the aggregation tree, names in a directory that stays small."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import trio
@@ -188,3 +189,55 @@ async def test_an_observer_reads_the_totals_from_the_tree_when_the_directory_hol
         table = _status_table(status)
         assert "run run: epoch 4, 8 peers" in table
         assert f"a sample of {len(seen.listed)} of the 8 peers" in table
+
+
+class _Reads:
+    """A real DHT node that notes the keys its tracker reads."""
+
+    def __init__(self, node: object) -> None:
+        self.node = node
+        self.keys: list[str] = []
+
+    async def store(self, *args: Any, **kwargs: Any) -> Any:
+        return await self.node.store(*args, **kwargs)  # type: ignore[attr-defined]
+
+    async def get(self, key: str, *, latest: bool = False) -> Any:
+        self.keys.append(key)
+        return await self.node.get(key, latest=latest)  # type: ignore[attr-defined]
+
+    def now(self) -> float:
+        return self.node.now()  # type: ignore[attr-defined, no-any-return]
+
+
+async def test_a_cold_start_reads_the_whole_directory_once_and_fills_the_tree() -> None:
+    clock = ManualClock(NOW)
+    config = TrackerConfig(
+        progress_interval=1.0, progress_ttl=30.0, fresh_within=5.0, directory_size=2
+    )
+    async with open_swarm(8, clock, seed=4) as swarm:
+        dhts = [_Reads(node) for node in swarm.nodes]
+        trackers = []
+        for dht in dhts:
+            tracker = _tracker(dht.node, clock, [4])
+            tracker.dht = dht  # type: ignore[assignment]
+            tracker.config = config
+            trackers.append(tracker)
+        # one peer after another: peer i counts i + 1 peers in the directory
+        for tracker in trackers:
+            await tracker.refresh()
+        counted = [t.reading.swarm.num_peers for t in trackers if t.reading is not None]
+        assert counted == list(range(1, 9))
+        # the first refresh wrote the tree too, so it fills while the counts
+        # that it reads are still short of the swarm: a peer that counted more
+        # than directory_size sticks to the tree instead of reading the whole
+        # directory again (and not writing the tree) every other refresh
+        for dht in dhts:
+            dht.keys.clear()
+        for _ in range(3):
+            for tracker in trackers:
+                await tracker.refresh()
+        for count, dht in zip(counted, dhts, strict=True):
+            if count > config.directory_size:
+                assert progress_key("run") not in dht.keys
+        for tracker in trackers:
+            assert tracker.reading is not None and tracker.reading.swarm.num_peers == 8

@@ -27,13 +27,15 @@ Layout, and why (issue 19). Two records per peer, for two kinds of reader:
   are exact once every peer has refreshed since the last change (no sampling
   error, unlike scaling up a sample).
 
-Which a peer uses follows its last count N, with a margin of 2x on each side
-so that peers whose counts differ still read a complete source: up to
-``directory_size`` it reads the directory (exact: everyone writes it up to
-twice that) and nothing else, as cheap as before the tree (a tree refresh
-costs about three times the datagrams); above ``directory_size / 2`` it also
-writes the tree, and above ``directory_size`` it reads the totals from the
-tree (everyone writes it from half that) and ``expected`` is the tree's
+Which a peer uses follows its count N (the most it counted within
+``progress_ttl``, so that a tree still filling up in a cold start does not send
+it back to the directory), with a margin of 2x on each side so that peers
+whose counts differ still read a complete source: up to ``directory_size`` it
+reads the directory (exact: everyone writes it up to twice that) and nothing
+else, as cheap as before the tree (a tree refresh costs about three times the
+datagrams); above ``directory_size / 2`` (and in its first refresh, when it
+knows no N yet) it also writes the tree, and above ``directory_size`` it reads
+the totals from the tree (everyone writes it from half that) and ``expected`` is the tree's
 count of peers at the swarm's epoch (a swarm that large averages on a grid of
 more than one axis, whose rounds do not wait for a count). If the tree cannot
 be read, the directory's records are the reading, and the log says so.
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -170,10 +173,12 @@ class ProgressTracker:
         #: this peer's place in the directory's sample, uniform in [0, 1)
         digest = hashlib.blake2b(bytes(peer_id), digest_size=8, person=b"swarm.progress.d")
         self._rank = int.from_bytes(digest.digest(), "big") / 2**64
-        #: live peers at the last reading
-        self._peers = 1
         #: the other peers' records of the directory, as last read (``_remember``)
         self._records: dict[PeerID, PeerProgress] = {}
+        #: the most live peers counted within ``progress_ttl``, and when (``_count``)
+        self._peak = (1, -math.inf)
+        #: whether this peer has written the tree (``withdraw`` then leaves it)
+        self._wrote_tree = False
 
     async def refresh(self, *, publish: bool = True) -> Reading:
         """Publish this peer's record (unless not ``publish``) and read the
@@ -189,13 +194,16 @@ class ProgressTracker:
         records: list[PeerProgress] = []
         # see the module docstring: the directory is exact up to 2 * directory_size
         small = self._peers <= config.directory_size
-        tree = self._peers > config.directory_size / 2
+        # a first refresh writes the tree too: in a cold start of a large swarm
+        # it then fills a refresh sooner (everyone counts only itself so far)
+        tree = self._peers > config.directory_size / 2 or self.reading is None
         listed = self._rank < 2 * config.directory_size / self._peers
 
         async def totals() -> None:
             nonlocal summary
             try:
                 if publish and tree:
+                    self._wrote_tree = True
                     summary = await self.tree.refresh(
                         dht, mine, now=now, ttl=ttl, stale_after=ttl, rng=self._rng
                     )
@@ -270,7 +278,7 @@ class ProgressTracker:
                 )
                 for epoch in (mine.epoch, mine.epoch + 1)
             )
-        self._peers = max(1, swarm.num_peers)
+        self._count(swarm.num_peers, now)
         self.reading = Reading(
             swarm, mine.epoch, mine.samples, self._clock(), expected, awaited, others, ahead
         )
@@ -296,6 +304,24 @@ class ProgressTracker:
                     fresh[peer_id] = record
             self._records = fresh
         return list(fresh.values())
+
+    @property
+    def _peers(self) -> int:
+        """The live peers the layout goes by (see the module docstring)."""
+        return self._peak[0]
+
+    def _count(self, peers: int, now: float) -> None:
+        """Remember a reading's count of live peers: the layout goes by the
+        most counted within ``progress_ttl``. A lower count within that time is
+        rather a tree still filling than peers gone (whose records live that
+        long anyway): in a cold start every peer reads the directory first,
+        then the tree while its summaries still cover few peers (they cover
+        everyone after ``depth + 1`` refreshes), and going by that count sent
+        it back to reading the whole directory and to not writing the tree,
+        every other refresh."""
+        peers = max(1, peers)
+        if peers >= self._peak[0] or now - self._peak[1] > self.config.progress_ttl:
+            self._peak = (peers, now)
 
     def wake(self) -> None:
         """Refresh now rather than at the next interval (no-op unless serving)."""
@@ -324,8 +350,8 @@ class ProgressTracker:
         await dht.store(
             progress_key(self.run_id), value, dht.now() + 2 * ttl, subkey=owner_marker(self.peer_id)
         )
-        if self._peers <= self.config.directory_size / 2:
-            return  # it never wrote the tree (see ``refresh``)
+        if not self._wrote_tree:
+            return  # see ``refresh``
         try:
             await self.tree.withdraw(dht, mine, now=dht.now(), ttl=ttl, stale_after=ttl)
         except* SwarmError as failed:  # the tree writes in parallel
