@@ -27,9 +27,11 @@ most common version may be the stale one. ``RecordCrawl`` validates every
 record it receives and merges them per sub-key (latest expiration wins):
 
 - ``latest=False`` stops once the ``quorum`` closest live nodes it has found
-  have answered. Every writer stores to the k closest nodes its own look-up
-  found; those look-ups converge on the very closest nodes first, so these few
-  hold every writer's sub-keys even where the outer part of the k-sets differs.
+  have answered with all their records (a node late or answering in part is
+  passed over, or read whole when its late answer comes). Every writer
+  stores to the k closest nodes its own look-up found; those look-ups
+  converge on the very closest nodes first, so these few hold every writer's
+  sub-keys even where the outer part of the k-sets differs.
   Stopping at the first node that holds anything would not: it may be a node
   that only one writer counted among its k closest.
 - ``latest=True`` asks every one of the k closest nodes it can reach, so the
@@ -249,10 +251,24 @@ class RecordCrawl(LookupCrawl):
         always; otherwise only if it is among the ``quorum`` closest candidates
         when its first page arrives, whose records the result must hold whole.
         (A key that k nodes replicate would otherwise be read whole from
-        every holder met on the way, several pages each.)"""
+        every holder met on the way, several pages each.) A late answer counts
+        like any other here: the look-up takes it back among the closest."""
         if self.latest:
             return True
-        return any(n.id == peer.id for n in self.closest()[: self.quorum])
+        return any(n.id == peer.id for n in self._quorum(answering=peer.id))
+
+    def _quorum(self, answering: bytes | None = None) -> list[Node]:
+        """The ``quorum`` closest candidates whose records the result must hold
+        whole: neither late (except ``answering``, whose late answer is coming
+        in) nor known to have answered in part (its first page only, or a page
+        lost). Counting a partial answer toward the quorum let a look-up end
+        without any of the closest nodes' later pages, and the sub-keys sorted
+        last went missing from the result: the closest nodes of a hot key are
+        busy, so often late, and a late first page was all that was read."""
+        skip = {peer for peer, (_, _, partial) in self.replies.items() if partial} | self.late
+        if answering is not None:
+            skip.discard(answering)
+        return self.nearest.closest(self.quorum, skip=skip)
 
     def _answered(self, peer: Node, answer: Any) -> None:
         records, contacts, incomplete = answer
@@ -280,8 +296,7 @@ class RecordCrawl(LookupCrawl):
     def _satisfied(self) -> bool:
         if self.latest:
             return False
-        closest = self.closest()[: self.quorum]
-        return all(n.id in self.replies for n in closest) and not self._wait_for_late()
+        return all(n.id in self.replies for n in self._quorum()) and not self._wait_for_late()
 
     def stale_responders(self, limit: int) -> list[tuple[Node, list[Record]]]:
         """Responders (closest first) that lack some of the merged records, with

@@ -19,8 +19,10 @@ from kademlia.node import Node
 
 from dht import DHTConfig, DHTValue
 from dht._messages import Kind, decode
+from dht._records import encode_key, key_id, make_record
 from dht._rtt import RoundTrips
 from swarm import ConfigError, ManualClock
+from swarm._wire import unpack
 
 NOW = 1_700_000_000.0
 
@@ -209,3 +211,45 @@ async def test_a_request_sent_again_fails_once_when_the_node_closes() -> None:
             assert proto.resent_requests >= 1 and len(proto._outstanding) >= 2
             await node._loop.run_sync(proto.close)
             assert replies == [(False, None)] and not proto._outstanding
+
+
+def _first_page_request(data: bytes, dkey: bytes) -> bool:
+    """Whether a datagram asks for the first page of ``dkey``'s records."""
+    try:
+        body = unpack(unpack(data)[4])
+    except (ValueError, IndexError, TypeError):
+        return False
+    return isinstance(body, list) and body[0] == "find_value" and body[1] == [dkey]
+
+
+async def test_a_late_answer_from_the_closest_node_is_read_whole() -> None:
+    # A timeout of 5 s: the lost request is sent again long before it fails,
+    # and the answer to the copy comes after the look-up counted it late.
+    config = replace(TEST_CONFIG, rpc_timeout=5.0, rpc_timeout_floor=5.0, bootstrap_timeout=5.0)
+    async with open_swarm(6, ManualClock(NOW), config=config, seed=3) as swarm:
+        reader, *others = swarm.nodes
+        dkey = key_id(encode_key("crowded"))
+        holder = min(others, key=lambda n: int.from_bytes(bytes(n.peer_id)) ^ int.from_bytes(dkey))
+        # the closest node alone holds the key (as just after a partition):
+        # sixty sub-keys, several pages of a find_value reply
+        for i in range(60):
+            record = make_record(
+                "crowded", {"i": i, "pad": "x" * 20}, NOW + 60, subkey=i, limits=config.limits
+            )
+            assert holder._server.storage.store(record)
+        proto = holder._server.proto
+        receive = proto.datagram_received
+        lost: list[bytes] = []
+
+        def lossy_receive(data: bytes, addr: tuple[str, int]) -> None:
+            if addr[1] == reader.port and not lost and _first_page_request(data, dkey):
+                lost.append(data)
+                return
+            receive(data, addr)
+
+        proto.datagram_received = lossy_receive  # type: ignore[method-assign]
+        with trio.fail_after(10):
+            found = await reader.get("crowded")
+        assert lost  # the holder's answer was late
+        assert found is not None
+        assert {k: v.value["i"] for k, v in found.value.items()} == {i: i for i in range(60)}
