@@ -209,7 +209,7 @@ class _Reads:
         return self.node.now()  # type: ignore[attr-defined, no-any-return]
 
 
-async def test_a_cold_start_reads_the_whole_directory_once_and_fills_the_tree() -> None:
+async def test_a_cold_start_reads_the_whole_directory_only_while_the_swarm_is_small() -> None:
     clock = ManualClock(NOW)
     config = TrackerConfig(
         progress_interval=1.0, progress_ttl=30.0, fresh_within=5.0, directory_size=2
@@ -222,22 +222,26 @@ async def test_a_cold_start_reads_the_whole_directory_once_and_fills_the_tree() 
             tracker.dht = dht  # type: ignore[assignment]
             tracker.config = config
             trackers.append(tracker)
-        # one peer after another: peer i counts i + 1 peers in the directory
+        # one peer after another: each counts the peers before it and itself,
+        # the first ones in the directory, the others (whose first look at the
+        # tree's root counted more than directory_size) in the tree alone
         for tracker in trackers:
             await tracker.refresh()
         counted = [t.reading.swarm.num_peers for t in trackers if t.reading is not None]
         assert counted == list(range(1, 9))
-        # the first refresh wrote the tree too, so it fills while the counts
-        # that it reads are still short of the swarm: a peer that counted more
-        # than directory_size sticks to the tree instead of reading the whole
-        # directory again (and not writing the tree) every other refresh
+        directory = [progress_key("run") in dht.keys for dht in dhts]
+        assert directory == [True] * 2 + [False] * 6
+        # everyone at once, and in every order: the tree fills while the
+        # counts read from it are still short of the swarm, and a peer that
+        # counted more than directory_size sticks to the tree instead of
+        # reading the whole directory again (and not writing the tree)
         for dht in dhts:
             dht.keys.clear()
         for _ in range(3):
-            for tracker in trackers:
-                await tracker.refresh()
+            async with trio.open_nursery() as nursery:
+                for tracker in trackers:
+                    nursery.start_soon(tracker.refresh)
         for count, dht in zip(counted, dhts, strict=True):
-            if count > config.directory_size:
-                assert progress_key("run") not in dht.keys
+            assert (progress_key("run") in dht.keys) == (count <= config.directory_size)
         for tracker in trackers:
             assert tracker.reading is not None and tracker.reading.swarm.num_peers == 8

@@ -28,17 +28,18 @@ Layout, and why (issue 19). Two records per peer, for two kinds of reader:
   error, unlike scaling up a sample).
 
 Which a peer uses follows its count N (the most it counted within
-``progress_ttl``, so that a tree still filling up in a cold start does not send
-it back to the directory), with a margin of 2x on each side so that peers
-whose counts differ still read a complete source: up to ``directory_size`` it
-reads the directory (exact: everyone writes it up to twice that) and nothing
-else, as cheap as before the tree (a tree refresh costs about three times the
-datagrams); above ``directory_size / 2`` (and in its first refresh, when it
-knows no N yet) it also writes the tree, and above ``directory_size`` it reads
-the totals from the tree (everyone writes it from half that) and ``expected`` is the tree's
-count of peers at the swarm's epoch (a swarm that large averages on a grid of
-more than one axis, whose rounds do not wait for a count). If the tree cannot
-be read, the directory's records are the reading, and the log says so.
+``progress_ttl``, so that a tree still filling up in a cold start does not
+send it back to the directory; before its first refresh, what the tree's root
+counts), with a margin of 2x on each side so that peers whose counts differ
+still read a complete source: up to ``directory_size`` it reads the directory
+(exact: everyone writes it up to twice that) and nothing else, as cheap as
+before the tree (a tree refresh costs about three times the datagrams); above
+``directory_size / 2`` (and in its first refresh) it also writes the tree, and
+above ``directory_size`` it reads the totals from the tree (everyone writes it
+from half that) and ``expected`` is the tree's count of peers at the swarm's
+epoch (a swarm that large averages on a grid of more than one axis, whose
+rounds do not wait for a count). If the tree cannot be read, the directory's
+records are the reading, and the log says so.
 
 An observer that writes nothing (``swarm status``) knows no N beforehand:
 ``observe_progress`` reads both and takes the totals from the tree when the
@@ -192,6 +193,8 @@ class ProgressTracker:
         ttl = config.progress_ttl
         summary: ProgressSummary | None = None
         records: list[PeerProgress] = []
+        if self.reading is None and publish:
+            await self._size_up(now)
         # see the module docstring: the directory is exact up to 2 * directory_size
         small = self._peers <= config.directory_size
         # a first refresh writes the tree too: in a cold start of a large swarm
@@ -309,6 +312,20 @@ class ProgressTracker:
     def _peers(self) -> int:
         """The live peers the layout goes by (see the module docstring)."""
         return self._peak[0]
+
+    async def _size_up(self, now: float) -> None:
+        """Before a first refresh, count the swarm from the tree's root (one
+        key of at most ``fanout`` summaries): a peer joining a large swarm,
+        or a late one in a cold start, then neither reads the whole directory
+        nor lists itself there as if the swarm were this peer alone. A DHT
+        failure is logged; the refresh then goes as if the swarm were new."""
+        try:
+            summary = await self.tree.read(self.dht, now=now, stale_after=self.config.progress_ttl)
+        except SwarmError as e:
+            log.warning("progress tracking: the tree's root could not be read: %s", e)
+            return
+        if summary is not None:
+            self._count(summary.peers + 1, now)  # and this peer, not in the tree yet
 
     def _count(self, peers: int, now: float) -> None:
         """Remember a reading's count of live peers: the layout goes by the
