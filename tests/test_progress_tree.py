@@ -17,6 +17,7 @@ import trio
 from dht_harness import open_swarm
 
 from dht import make_record, owner_marker
+from dht._records import encode_key, key_id
 from swarm import ConfigError, Identity, ManualClock, PeerID, ProtocolError
 from trainer import (
     MAX_DEVICE_LABEL,
@@ -174,3 +175,39 @@ async def test_hundreds_of_progress_records_under_one_key_are_read_whole() -> No
         assert sorted(r.peer_id for r in records) == sorted(peers)
         swarm_view = estimate(records, now=NOW, target_batch_size=10**6, stale_after=30)
         assert swarm_view.num_peers == 300 and swarm_view.reported == sum(range(300))
+
+
+async def test_a_sub_tree_read_short_of_what_its_parent_counts_is_read_again_whole() -> None:
+    clock = ManualClock(NOW)
+    tree = ProgressTree("run", fanout=2, depth=1)
+    async with open_swarm(10, clock, seed=7) as swarm:
+        reader, *others = swarm.nodes
+        digit = tree.leaf(reader.peer_id)
+        # another peer of the reader's leaf, whose record only nodes beyond the
+        # three closest to the leaf's key hold: where the reader's look-up
+        # stops, as when its look-up and the writer's found different nodes
+        seeds = (random.Random(i).randbytes(32) for i in range(1000))
+        other = next(i for i in map(Identity.from_seed, seeds) if tree.leaf(i.peer_id) == digit)
+        key = tree.leaf_key(digit)
+        record = make_record(
+            key,
+            PeerProgress(other.peer_id, 3, 40, 0.0, NOW).to_value(),
+            NOW + 60,
+            subkey=owner_marker(other.peer_id),
+            signer=other,
+            limits=reader.config.limits,
+        )
+        target = int.from_bytes(key_id(encode_key(key)))
+        nearest = sorted(others, key=lambda n: int.from_bytes(bytes(n.peer_id)) ^ target)
+        for node in nearest[3:8]:
+            assert node._server.storage.store(record)
+        # the root counts both peers of the leaf (the other peer wrote it)
+        both = ProgressSummary(3, 80.0, 80, 0.0, 2, 2, NOW)
+        assert await others[0].store(
+            tree.summary_key(()), both.to_value(), NOW + 60, subkey=str(digit[0])
+        )
+        mine = PeerProgress(reader.peer_id, 3, 40, 0.0, NOW)
+        view = await tree.refresh(
+            reader, mine, now=NOW, ttl=60, stale_after=30, rng=random.Random(0)
+        )
+        assert (view.peers, view.reported) == (2, 80)

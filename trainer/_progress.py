@@ -50,9 +50,12 @@ root from taking N writes per refresh, a peer writes the summary of a
 sub-tree that holds ``n`` peers (as it counted them last) with probability
 ``min(1, writers / n)``: about ``writers`` (3) writes per summary per
 refresh, whatever N. A summary older than ``stale_after`` is ignored, like a
-record: its sub-tree is gone. Counts are exact once every peer has refreshed
-once since the last change; samples between refreshes are extrapolated from
-the rates. Trust: a summary can be forged by any peer of the run (records
+record: its sub-tree is gone. A key of a peer's path whose entries add up to
+fewer live peers than its parent's summary of it counts was read short (the
+read and the writers reached different nodes): it is read again from every
+node close to it (``ProgressTree._read_short``). Counts are exact once every
+peer has refreshed once since the last change; samples between refreshes are
+extrapolated from the rates. Trust: a summary can be forged by any peer of the run (records
 cannot); in a private swarm only members can write at all.
 """
 
@@ -533,6 +536,12 @@ class ProgressTree:
         async with trio.open_nursery() as nursery:
             for index in range(len(keys)):
                 nursery.start_soon(read, index)
+        if not leaving:
+            async with trio.open_nursery() as nursery:
+                for index in self._read_short(found, mine, now=now, stale_after=stale_after):
+                    nursery.start_soon(
+                        functools.partial(self._read_latest, dht, keys, found, index)
+                    )
 
         # a replacement must beat whatever was written before now
         expiration = now + ttl + (_LATER if leaving else 0.0)
@@ -560,6 +569,55 @@ class ProgressTree:
             for key, value, subkey in writes:
                 nursery.start_soon(write, key, value, subkey)
         return summary
+
+    def _read_short(
+        self,
+        found: Sequence[DHTValue | None],
+        mine: PeerProgress,
+        *,
+        now: float,
+        stale_after: float,
+    ) -> list[int]:
+        """Which keys of ``mine``'s path (their indices in ``found``, as
+        ``_update`` reads them) were read short: their entries add up to fewer
+        live peers than the parent's summary of their sub-tree counts.
+
+        A read asks the few nodes closest to a key that its own look-up
+        finds, and a writer stores to those that its look-up finds. Where the
+        two differ (routing tables differ, the more so under load), a reader
+        can keep reading old versions of its own sub-tree's key: it counts
+        fewer peers there than there are, and now and then writes that count
+        up the tree (``benchmarks/scale.py`` at 1,024 peers: one peer missed
+        8, then 10, 13 and 16 of its sub-tree's leaves in steps 6 to 9, which
+        every other peer counted). Such a key is read again with ``latest``,
+        from every node close to it. Peers that left also make a sub-tree
+        shrink until its parent is written again; the re-read then costs one
+        ``latest`` read and changes nothing."""
+        records = [r for r in parse_progress(found[0]) if r.peer_id != mine.peer_id] + [mine]
+        summary = ProgressSummary.of_records(records, now=now, stale_after=stale_after)
+        leaf, below, short = self.leaf(mine.peer_id), 0, []
+        for level in reversed(range(self.depth)):
+            children = _parse_summaries(found[level + 1], self.fanout)
+            previous = children.pop(leaf[level], None)
+            if (
+                previous is not None
+                and summary is not None
+                and now - previous.time <= stale_after
+                and summary.peers < previous.peers
+            ):
+                short.append(below)
+            if summary is not None:
+                children[leaf[level]] = summary
+            summary = ProgressSummary.combine(children.values(), now=now, stale_after=stale_after)
+            below = level + 1
+        return short
+
+    @staticmethod
+    async def _read_latest(
+        dht: RecordDHT, keys: Sequence[str], found: list[DHTValue | None], index: int
+    ) -> None:
+        """Read ``keys[index]`` again from every one of the nodes closest to it."""
+        found[index] = await dht.get(keys[index], latest=True)
 
     async def read(
         self, dht: RecordDHT, *, now: float, stale_after: float
