@@ -55,8 +55,8 @@ fewer live peers than its parent's summary of it counts was read short (the
 read and the writers reached different nodes): it is read again from every
 node close to it (``ProgressTree._read_short``). Counts are exact once every
 peer has refreshed once since the last change; samples between refreshes are
-extrapolated from the rates. Trust: a summary can be forged by any peer of the run (records
-cannot); in a private swarm only members can write at all.
+extrapolated from the rates. Trust: a summary can be forged by any peer of
+the run (records cannot); in a private swarm only members can write at all.
 """
 
 from __future__ import annotations
