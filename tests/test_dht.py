@@ -420,8 +420,9 @@ async def test_a_call_in_flight_when_its_node_closes_raises_closed_error() -> No
         ):
             started = trio.Event()
             nursery.start_soon(punch, a, started)
+            # the punch now waits on a's asyncio loop (b answers nothing): it
+            # went on into the call before the event woke this task
             await started.wait()
-            await trio.sleep(0.05)  # b ignores the pings: a waits for an answer
         a_done.set()
 
     async def run_b() -> None:

@@ -74,12 +74,13 @@ async def test_a_read_that_misses_a_live_peer_keeps_counting_it_until_its_record
     A peer counts until its last record read goes stale, or it withdraws."""
     clock = ManualClock(NOW)
     client = replace(TEST_CONFIG, client_mode=True)
-    stop_storage = trio.Event()
+    stop_storage, storage_stopped = trio.Event(), trio.Event()
 
     async def storage(task_status: trio.TaskStatus[tuple[str, int]]) -> None:
         async with open_dht_node(config=TEST_CONFIG, clock=clock) as node:
             task_status.started((node.host, node.port))
             await stop_storage.wait()
+        storage_stopped.set()
 
     async with trio.open_nursery() as nursery:
         initial = [await nursery.start(storage)]
@@ -91,7 +92,7 @@ async def test_a_read_that_misses_a_live_peer_keeps_counting_it_until_its_record
             await first.refresh()
             assert (await second.refresh()).swarm.num_peers == 2
             stop_storage.set()
-            await trio.sleep(0.1)
+            await storage_stopped.wait()
             assert await b.get(progress_key("run")) is None  # the read reaches nobody now
             clock.advance(20.0)
             assert (await second.refresh()).swarm.num_peers == 2  # a's record is 20 s old
