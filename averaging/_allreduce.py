@@ -84,6 +84,7 @@ from contextlib import (
     nullcontext,
 )
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple, NoReturn, Protocol, TypeVar
 from weakref import WeakKeyDictionary
 
@@ -747,13 +748,10 @@ class _Round:
             missed = True
             return None
 
-        async def add(arrival: _Arrival) -> None:
-            await self._add(sender, arrival)
-
         try:
             with _registry(self.net).scratch() as first, _registry(self.net).scratch() as second:
                 scratches = (first, second)
-                await _overlapped(receive, add)
+                await _overlapped(receive, partial(self._add, sender))
             if missed and reducer.expects(sender):
                 logger.info("all-reduce: member %d missed sender_timeout", sender)
                 await self._completed(reducer.fail(sender))
@@ -850,12 +848,6 @@ class _Round:
                 if chunks_left:
                     return _Item(_Arrival(next_chunk - 1, header, payload, check), None)
 
-        async def add(arrival: _Arrival) -> None:
-            await self._add(sender, arrival)
-
-        async def place(result: _Result) -> None:
-            await self._place(sender, result, own=False)
-
         registry = _registry(self.net)
         try:
             with (
@@ -865,7 +857,9 @@ class _Round:
                 registry.scratch() as r1,
             ):
                 chunk_scratches, result_scratches = (c0, c1), (r0, r1)
-                await _dispatched(receive, add, place)
+                await _dispatched(
+                    receive, partial(self._add, sender), partial(self._place, sender, own=False)
+                )
             # Nothing more is expected: what the sender still sends (an excluded
             # sender's chunks) the connection layer drops.
         except Exception as e:  # per-peer boundary
@@ -1193,12 +1187,11 @@ class _Round:
             blob = None if blob_header is None or payload is None else (blob_header, payload)
             return _Result(chunk, contributors, blob, check)
 
-        async def place(result: _Result) -> None:
-            await self._place(part, result, own=isinstance(stream, _LocalStream))
-
         with _registry(self.net).scratch() as first, _registry(self.net).scratch() as second:
             scratches = (first, second)
-            await _overlapped(receive, place)
+            await _overlapped(
+                receive, partial(self._place, part, own=isinstance(stream, _LocalStream))
+            )
 
     # ------------------------------------------------------------------ result
 
