@@ -1,10 +1,12 @@
-"""Two peers on CUDA in float32, bfloat16 and float16 with GradScaler: every
-contributor counted, identical parameters, a newcomer's download with buffers,
-a checkpoint resume, and the staging layer's pinned, asynchronous copies."""
+"""Two peers on CUDA in float32, bfloat16 and float16 with GradScaler, and
+over the lossy data plane: every contributor counted, identical parameters, a
+newcomer's download with buffers, a checkpoint resume, and the staging layer's
+pinned, asynchronous copies."""
 
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,8 @@ from trainer_harness import FAST, training_peers
 
 from averaging import HostStaging, float32_accumulators
 from swarm import Peer
-from trainer import CollaborativeOptimizer, load_task
+from trainer import CollaborativeConfig, CollaborativeOptimizer, load_task
+from trainer._drift import lost_fraction
 
 EPOCHS = 3
 
@@ -29,17 +32,23 @@ def _net(dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
 
 
 def _train(
-    peer: Peer, i: int, model: torch.nn.Module, amp: bool, out: dict[int, Any], device: torch.device
+    peer: Peer,
+    i: int,
+    model: torch.nn.Module,
+    amp: bool,
+    out: dict[int, Any],
+    device: torch.device,
+    config: CollaborativeConfig = FAST,
 ) -> None:
     dtype = next(model.parameters()).dtype
     opt = CollaborativeOptimizer(
         peer,
-        run_id=f"gpu-{dtype}-{amp}",
+        run_id=f"gpu-{dtype}-{amp}-{config.lossy}",
         model=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
         target_batch_size=128,
         batch_size_per_step=32,
-        config=FAST,
+        config=config,
     )
     scaler = torch.amp.GradScaler("cuda", enabled=amp)
     steps: dict[int, Any] = {}
@@ -62,12 +71,15 @@ def _train(
             if opt.epoch > epoch:
                 step = opt.last_step
                 assert step is not None and step.averaging is not None
+                averaged = step.averaging
+                assert averaged.allreduce is not None and averaged.group is not None
                 steps[opt.epoch] = (
-                    frozenset(step.averaging.members),
+                    frozenset(averaged.members),
                     step.contributors,
                     [t.detach().cpu().clone() for t in model.state_dict().values()],
+                    lost_fraction(averaged.allreduce, len(averaged.group.senders())),
                 )
-        assert all(p.device.type == "cuda" for p in model.parameters())
+        assert all(p.device == device for p in model.parameters())
     finally:
         out[i] = steps
         opt.close()
@@ -79,14 +91,46 @@ def _train(
 def test_two_cuda_peers_average_with_every_contributor(
     cuda: torch.device, dtype: torch.dtype, amp: bool
 ) -> None:
+    models = [_net(dtype, cuda) for _ in range(2)]
+    out, everyone = _train_two(models, amp, cuda, FAST)
+    for epoch in range(1, EPOCHS + 1):
+        for i in range(2):
+            members, contributors, _, _ = out[i][epoch]
+            assert contributors == members == everyone, (epoch, i)
+        _assert_same_parameters(models[0], out[0][epoch][2], out[1][epoch][2], epoch)
+
+
+def test_two_cuda_peers_average_over_the_lossy_data_plane(cuda: torch.device) -> None:
+    """The lossy data plane stages CUDA gradients through the same host copies:
+    both peers in every group, and where no datagram was lost (loopback, two
+    peers) the parameters agree exactly."""
+    models = [_net(torch.float32, cuda) for _ in range(2)]
+    lossy = replace(FAST, lossy=True, state_averaging_interval=2)
+    out, everyone = _train_two(models, False, cuda, lossy)
+    whole = 0
+    for epoch in range(1, EPOCHS + 1):
+        assert all(out[i][epoch][0] == everyone for i in range(2)), epoch
+        if out[0][epoch][3] == out[1][epoch][3] == 0.0 and all(
+            out[i][epoch][1] == everyone for i in range(2)
+        ):
+            _assert_same_parameters(models[0], out[0][epoch][2], out[1][epoch][2], epoch)
+            whole += 1
+        else:
+            break  # after a lost piece the models may differ until re-synchronised
+    assert whole >= 1, "no lossy step on loopback averaged everything"
+
+
+def _train_two(
+    models: list[torch.nn.Module], amp: bool, device: torch.device, config: CollaborativeConfig
+) -> tuple[dict[int, Any], frozenset[bytes]]:
+    """Train ``models`` on two peers in threads; each peer's record per epoch."""
     out: dict[int, Any] = {}
     errors: list[BaseException] = []
     with training_peers(2) as (_, peers):
-        models = [_net(dtype, cuda) for _ in range(2)]
 
         def run(i: int) -> None:
             try:
-                _train(peers[i], i, models[i], amp, out, cuda)
+                _train(peers[i], i, models[i], amp, out, device, config)
             except BaseException as e:  # re-raised below
                 errors.append(e)
 
@@ -97,18 +141,18 @@ def test_two_cuda_peers_average_with_every_contributor(
             t.join(180)
     if errors:
         raise errors[0]
-    everyone = frozenset(p.peer_id for p in peers)
-    for epoch in range(1, EPOCHS + 1):
-        for i in range(2):
-            members, contributors, _ = out[i][epoch]
-            assert contributors == members == everyone, (epoch, i)
-        # parameters and buffers agree (the running statistics are averaged
-        # only by state averaging; the parameters at every step)
-        a, b = out[0][epoch][2], out[1][epoch][2]
-        names = list(models[0].state_dict())
-        for name, x, y in zip(names, a, b, strict=True):
-            if "running" not in name and "num_batches" not in name:
-                assert torch.equal(x, y), (epoch, name)
+    return out, frozenset(p.peer_id for p in peers)
+
+
+def _assert_same_parameters(
+    model: torch.nn.Module, a: list[torch.Tensor], b: list[torch.Tensor], epoch: int
+) -> None:
+    """Parameters and buffers agree (the running statistics are averaged only
+    by state averaging; the parameters at every step)."""
+    names = list(model.state_dict())
+    for name, x, y in zip(names, a, b, strict=True):
+        if "running" not in name and "num_batches" not in name:
+            assert torch.equal(x, y), (epoch, name)
 
 
 def test_a_cuda_newcomer_downloads_parameters_and_buffers(cuda: torch.device) -> None:
