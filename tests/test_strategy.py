@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from trainer import DenseGradients, DiLoCo, LocalSGD, Strategy, Trainee
+from trainer._amp import zero_unless
 from trainer._diloco import OuterLoop
 
 
@@ -53,6 +54,40 @@ def test_dense_gradients_apply_the_sample_weighted_mean_gradient() -> None:
         assert torch.allclose(p.detach(), b - 0.5 * m)
     # the accumulators start over for the next step
     assert all(torch.count_nonzero(acc) == 0 for acc in strategy.averaged)
+
+
+def test_a_batch_refused_on_the_device_adds_nothing_and_a_kept_one_adds_all() -> None:
+    """``keep`` is the device's verdict, never read on the host: a refused
+    batch holding NaN and Inf leaves the accumulators as they were."""
+    trainee = _trainee()
+    strategy = DenseGradients(trainee)
+    good = [torch.full((3,), 1.0), torch.full((2, 2), 2.0)]
+    _backward(trainee, good)
+    strategy.accumulate(2, keep=torch.tensor(True))
+    _backward(trainee, [torch.tensor([float("nan"), 1.0, float("inf")]), torch.full((2, 2), -3.0)])
+    strategy.accumulate(5, keep=torch.tensor(False))
+    for acc, g in zip(strategy.averaged, good, strict=True):
+        assert torch.equal(acc.view_as(g), 2 * g)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_zero_unless_zeroes_nan_and_inf_and_keeps_every_bit_otherwise(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(3)
+    values = torch.randn(4, 6, generator=g).to(dtype)
+    values[0, 0], values[1, 2], values[2, 3] = float("nan"), float("inf"), float("-inf")
+    values[3, 1] = -0.0
+    strided = values.clone().t()  # not contiguous: a view of the same width works too
+    kept, zeroed = [values.clone(), strided.clone()], [values.clone(), strided.clone()]
+    zero_unless(torch.tensor(True), kept)
+    zero_unless(torch.tensor(False), zeroed)
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().view(torch.uint8)
+
+    for t, original in zip(kept, [values, strided], strict=True):
+        assert torch.equal(bits(t), bits(original))  # NaN, -0.0 and all
+    for t in zeroed:
+        assert torch.count_nonzero(bits(t)) == 0  # +0.0
 
 
 def test_a_parameter_without_gradient_in_the_whole_step_keeps_grad_none() -> None:

@@ -20,8 +20,8 @@ On CUDA the check does not wait for the device (``device_flags``,
 thread until the GPU has run the whole backward, so the next forward's
 kernels are launched only then and the GPU idles meanwhile. Instead the
 flags are computed on the device, a refused batch's gradients are zeroed in
-place (``masked_fill_``, not a multiplication: NaN times zero is still NaN)
-before they are added to the accumulators, and the flags come back by a
+place (``zero_unless``: their bits, not their values, times the flag: NaN
+times zero is still NaN) before they are added to the accumulators, and the flags come back by a
 non-blocking copy that the training thread reads at a later call, once the
 device is past them, and at the latest, waiting for them, when the global
 step is due. A refused batch is then taken out of the count, and one with
@@ -75,6 +75,31 @@ def unscale(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
     if not scaler.is_enabled():
         return False
     return bool(sum(v.item() for v in _found_inf(scaler, optimizer)))
+
+
+#: the integer type of each float width, to zero gradients bit by bit
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def zero_unless(keep: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
+    """Zero ``grads`` in place where the 0-dim bool ``keep`` is False, with
+    no read of ``keep`` on the host and a few multi-tensor kernels in all.
+
+    Multiplying the values by 0 would leave NaN and Inf as NaN, so the bits
+    are multiplied instead: each gradient viewed as the integer type of its
+    width, times 1 (unchanged, exactly) or 0 (+0.0). One ``masked_fill_`` per
+    gradient did the same with a kernel launch each, about a hundred per
+    micro-batch of a small transformer, where the host's launches are what
+    limits the step."""
+    by_width: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        bits = _BITS.get(g.element_size()) if g.is_floating_point() else None
+        if bits is None:
+            g.masked_fill_(~keep, 0)
+        else:
+            by_width.setdefault(bits, []).append(g.view(bits))
+    for bits, views in by_width.items():
+        torch._foreach_mul_(views, keep.to(bits))
 
 
 def device_flags(

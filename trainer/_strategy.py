@@ -35,6 +35,7 @@ import torch
 
 from averaging import Averager, AveragerConfig, Group, StepResult, float32_accumulators
 
+from ._amp import zero_unless
 from ._diloco import OuterLoop
 from ._ef21m import EF21M
 
@@ -198,20 +199,20 @@ class DenseGradients(Strategy):
     def accumulate(self, size: int, keep: torch.Tensor | None = None) -> None:
         accs: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
-        refused = None if keep is None else ~keep
         with torch.no_grad():
             for i, (acc, p) in enumerate(zip(self.grads, self.trainee.params, strict=True)):
                 if p.grad is None:
                     continue
                 self._got_grad[i] = True
-                if refused is not None:
-                    # zeros where refused, in place (a copy would be one more
-                    # gradient's memory); selected, not scaled: NaN * 0 is NaN
-                    p.grad.masked_fill_(refused, 0.0)
                 accs.append(acc)
                 grads.append(p.grad)
-            if accs:
-                torch._foreach_add_(accs, grads, alpha=size)
+            if not accs:
+                return
+            if keep is not None:
+                # zeros where refused, in place (a copy would be one more
+                # gradient's memory), NaN and Inf included
+                zero_unless(keep, grads)
+            torch._foreach_add_(accs, grads, alpha=size)
 
     def steps_alone_on_device(self) -> bool:
         # an offloaded optimizer steps on the host: it needs the host copy
