@@ -7,7 +7,9 @@
     with NetBed([Link()] * 4, nats=[None, None, Nat(), Nat(symmetric=True)]) as bed:
         ...
 
-Layout (every name is unique to this bed, ``<tag>`` = ``swnb<pid>x<random hex>``):
+Layout (every name is unique to this bed, ``<tag>`` = ``swnb<pid>x<random hex>``,
+followed by ``-<label>`` if the bed has one, to tell whose beds are whose on
+a shared machine):
 
 - namespace ``<tag>-br`` holds bridge ``br0`` and one veth end ``v<i>`` per
   peer. The bridge lives in its own namespace, not the root one, and no
@@ -64,6 +66,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -77,6 +80,8 @@ PREFIX = "swnb"
 SUBNET = "10.77.0"
 #: A NATed peer i's home network is ``10.78.<i>.0/24``.
 HOME_SUBNET = "10.78"
+#: What a bed's ``label`` may be: part of every namespace name of the bed.
+_LABEL = re.compile(r"[a-z0-9-]{0,16}")
 
 
 @dataclass(frozen=True)
@@ -190,9 +195,17 @@ class NetBed:
     if a command fails, after removing what was built), exiting tears it down.
     """
 
-    def __init__(self, links: Sequence[Link], nats: Sequence[Nat | None] | None = None) -> None:
+    def __init__(
+        self,
+        links: Sequence[Link],
+        nats: Sequence[Nat | None] | None = None,
+        *,
+        label: str = "",
+    ) -> None:
         if not 1 <= len(links) <= 200:
             raise ValueError("a bed has 1 to 200 peers")
+        if not _LABEL.fullmatch(label):
+            raise ValueError(f"label={label!r}: at most 16 of a-z, 0-9 and '-'")
         self.links = tuple(links)
         self.nats: tuple[Nat | None, ...] = (
             (None,) * len(links) if nats is None else tuple(nats)
@@ -201,7 +214,7 @@ class NetBed:
             raise ValueError(f"{len(self.nats)} nats for {len(self.links)} links: one per peer")
         # the pid marks whose bed it is (remove_stale_beds); the random part
         # keeps a later process that got the same pid from colliding with it
-        self.tag = f"{PREFIX}{os.getpid()}x{secrets.token_hex(3)}"
+        self.tag = f"{PREFIX}{os.getpid()}x{secrets.token_hex(3)}" + (f"-{label}" if label else "")
         self.bridge_ns = f"{self.tag}-br"
         self.peer_ns = [f"{self.tag}-p{i}" for i in range(len(links))]
         self.router_ns = [
