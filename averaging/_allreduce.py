@@ -72,6 +72,7 @@ Faults (DESIGN.md, "Butterfly all-reduce"):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -118,6 +119,7 @@ from ._link_meter import LinkMeter, RoundTraffic
 from ._lossy import lossy_all_reduce, serve_lossy_allreduce
 from ._partition import Partition, flatten, unflatten_into
 from ._reducer import PartReducer, ReceivedParts
+from ._ring import RingFailed, ring_all_reduce, ring_eligible, serve_ring
 from ._robust import CenteredClip
 from ._rounds import RoundsByGroup
 from ._staging import LocalTensorError
@@ -209,6 +211,14 @@ class AllReduceConfig:
     #: Raw float32 only (codec ``NONE``), weighted mean only. Every member
     #: must use the same setting.
     lossy: bool = False
+    #: Run the pipelined ring (``_ring``) where the group allows it (every
+    #: member a node with a part; codec ``NONE``, weighted mean): one TCP flow
+    #: per link instead of n - 1, which keeps links of equal speed full. Its
+    #: bottleneck is the slowest uplink, whatever the part sizes, so it suits
+    #: groups whose links are alike. If the ring breaks, the round falls back
+    #: to the butterfly in the time left (a failed member is left out there).
+    #: Every member must use the same setting.
+    ring: bool = False
 
     def __post_init__(self) -> None:
         for name in ("sender_timeout", "reducer_timeout", "round_timeout"):
@@ -358,6 +368,13 @@ async def all_reduce(
     chunk = pipelined_chunk_elements(partition, config)
     if chunk != partition.chunk_elements:
         partition = Partition(partition.total, partition.part_bounds, chunk)
+    if (
+        config.ring
+        and codec == NONE
+        and config.aggregation is None
+        and ring_eligible(group, partition)
+    ):
+        return await _ring_round(net, group, tensors, flat, partition, weight, codec, config)
     traffic = meter.round_traffic() if meter is not None else None
     rnd = _Round(net, group, partition, flat, weight, codec, config, fault, traffic)
     with (
@@ -378,6 +395,59 @@ async def all_reduce(
     if group.local.mode is not MemberMode.AUX:
         unflatten_into(flat, tensors)
         _log_contributors(result, len(group.senders()))
+    return result
+
+
+async def _ring_round(
+    net: Network,
+    group: Group,
+    tensors: Sequence[torch.Tensor],
+    flat: torch.Tensor,
+    partition: Partition,
+    weight: float,
+    codec: Codec,
+    config: AllReduceConfig,
+) -> AllReduceResult:
+    """``all_reduce`` around the ring (``_ring``); if the ring breaks, the
+    butterfly in the time left, under a group id of its own (so that its
+    streams never meet the ring's), with the same promises."""
+    started = trio.current_time()
+    outcome = None
+    with trio.move_on_after(config.round_timeout) as deadline:
+        try:
+            outcome = await ring_all_reduce(
+                net, group, partition, flat, weight, config.reducer_timeout
+            )
+        except RingFailed as e:
+            logger.info(
+                "all-reduce %s: %s; falling back to the butterfly", group.group_id.hex()[:8], e
+            )
+    left = config.round_timeout - (trio.current_time() - started)
+    if outcome is None:
+        fallback = dataclasses.replace(config, ring=False, round_timeout=max(left, 1e-3))
+        if deadline.cancelled_caught or left <= 0:
+            fallback = dataclasses.replace(fallback, round_timeout=1e-3)
+        result = await all_reduce(
+            net,
+            group.sub_round(b"ring fallback"),
+            tensors,
+            weight=weight,
+            codec=codec,
+            config=fallback,
+        )
+        return dataclasses.replace(result, group_id=group.group_id)
+    result = AllReduceResult(
+        group_id=group.group_id,
+        local_index=group.local_index,
+        part_bounds=partition.part_bounds,
+        chunk_elements=partition.chunk_elements,
+        contributors=outcome.contributors,
+        failed_senders=frozenset(),
+        failed_reducers=frozenset(),
+        timed_out=False,
+    )
+    unflatten_into(flat, tensors)
+    _log_contributors(result, len(group.senders()))
     return result
 
 
@@ -1792,6 +1862,7 @@ def serve_allreduce(net: Network) -> None:
     """
     _registry(net)
     serve_lossy_allreduce(net)
+    serve_ring(net)
 
 
 def sender_weights(net: Network, group_id: bytes) -> dict[PeerID, float]:

@@ -379,6 +379,7 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         window_bytes=args.window_bytes,
         min_chunks_per_part=args.min_chunks_per_part,
         lossy=args.lossy_worker,
+        ring=args.ring_worker,
     )
     x = torch.empty(args.size, dtype=torch.float32)
     bounds = [args.size * i // args.split for i in range(args.split + 1)]
@@ -544,6 +545,7 @@ def launch(
     bandwidths: list[float] | None = None,
     measured: bool = False,
     lossy: bool = False,
+    ring: bool = False,
 ) -> dict[str, Any]:
     """Run one implementation's workers (in ``bed``'s namespaces, if given)."""
     with tempfile.TemporaryDirectory(prefix=f"allreduce-{impl}-") as tmp:
@@ -594,6 +596,7 @@ def launch(
                     + (["--congestion", args.congestion] if args.congestion else [])
                     + (["--encrypt"] if encrypt else [])
                     + (["--lossy-worker"] if lossy else [])
+                    + (["--ring-worker"] if ring else [])
                     + (["--pacing-log"] if args.pacing_log else []),
                 ),
                 stdout=subprocess.PIPE,
@@ -689,6 +692,12 @@ def main() -> None:
     )
     parser.add_argument("--lossy-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
+        "--ring",
+        action="store_true",
+        help="with --link-rate: also run ours around the ring (AllReduceConfig.ring)",
+    )
+    parser.add_argument("--ring-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
         "--pacing-log",
         action="store_true",
         help="with --lossy: log each receiver report and the send rate it set (stderr)",
@@ -703,6 +712,11 @@ def main() -> None:
         "--codecs",
         default=",".join(CODECS),
         help="with --link-rate: our codecs to run (comma-separated: none,float16,uint8)",
+    )
+    parser.add_argument(
+        "--bed-label",
+        default="",
+        help="with --link-rate: a label in the bed's namespace names (whose they are)",
     )
     parser.add_argument("--codec", default="none", choices=CODECS, help=argparse.SUPPRESS)
     parser.add_argument("--hosts", help=argparse.SUPPRESS)
@@ -815,7 +829,7 @@ def link_main(args: argparse.Namespace) -> None:
     rows: list[tuple[str, dict[str, Any], float]] = []
     if args.lossy and "none" not in codecs:
         raise SystemExit("--lossy sends raw float32: --codecs must include none")
-    with NetBed(links) as bed:
+    with NetBed(links, label=args.bed_label) as bed:
         congestion = subprocess.run(
             bed.exec(0, ["cat", "/proc/sys/net/ipv4/tcp_congestion_control"]),
             check=True,
@@ -847,6 +861,13 @@ def link_main(args: argparse.Namespace) -> None:
             result = launch(variant, "ours", False, "none", bed)
             bound = link_bound(wire_bytes(args.size, "none"), up, down)
             rows.append((f"ours, plaintext, {chunks} chunks/part", result, bound))
+        if args.ring:
+            # interleaved with the butterfly's rows above: the same bed, the same minute
+            for encrypt in (False,) if args.plain_only else (False, True):
+                result = launch(args, "ours", encrypt, "none", bed, ring=True)
+                bound = link_bound(wire_bytes(args.size, "none"), up, down)
+                kind = "encrypted" if encrypt else "plaintext"
+                rows.append((f"ours, ring, {kind}, none", result, bound))
         if args.lossy:
             result = launch(args, "ours", True, "none", bed, None, lossy=True)
             rows.append(("ours, lossy datagrams", result, link_bound(4 * args.size, up, down)))

@@ -1,0 +1,499 @@
+"""A pipelined ring all-reduce, for groups whose links are alike.
+
+In the butterfly (``_allreduce``) every member sends to every other, so each
+uplink and each downlink carries n - 1 TCP flows at once. Those flows start
+and stop as their windows and results allow, and congestion control hands a
+link back and forth between them too slowly to keep it full: on 4 peers x
+100 Mbit/s its uploads sat below 80% of the link in 40% of 10 ms steps while
+bytes were waiting (``benchmarks/allreduce.py --timeline``). A ring carries
+one flow per link, from member i to member i + 1, busy all round.
+
+The parts and chunks are the butterfly's (``Partition``). Member i sends, in
+this order: the weighted sums of part i - 1 (its own data), then one item
+for each item that arrives from member i - 1, in the order they arrive:
+
+- the running sum of chunk c of part p (p != i): it adds its weighted values
+  and forwards it; member p + 1 started it, member p ends it;
+- the running sum of part i: the last one; it divides by the weight sum and
+  sends the result on (``RESULT``), keeping it;
+- a result of part p: it keeps it and forwards it, unless member i + 1
+  reduced it (then everyone has it).
+
+Each item that arrives was sent one part earlier than the item it becomes,
+so as long as chunks arrive as fast as they leave, no link ever waits
+(the pipelined ring of Patarasuk and Yuan, J. Parallel Distrib. Comput. 2009).
+Every member ends with the same bits: the reducer's.
+
+Wire protocol of the stream (name ``RING_STREAM``) from member i - 1 to i:
+a header ``[version, group_id, sender]``, then per item a raw frame ``u8
+kind | u32 part | u32 chunk | f64 weight sum | contributor mask`` (the mask
+as ``_allreduce``'s) and, unless the mask is empty, a raw frame with the
+float32 values. An empty mask: nobody with weight > 0 is in the sum yet, or
+the sum of finite values overflowed float32 (kind ``OVERFLOW``), or the
+result has none; then every member keeps its local values there.
+
+A member whose weighted values would make a running sum NaN or Inf (its own
+data is not finite, or the sum overflows) leaves itself out of that chunk.
+A running sum or result that arrives with NaN or Inf breaks the protocol.
+
+Faults: the ring needs every member. Any failure (a stream that does not
+open, breaks or stalls for ``reducer_timeout``, a broken protocol) ends it
+at this member, which closes both of its streams so that its neighbours
+notice at once, and so on around the ring. Results are kept apart from the
+local values until the ring has finished, so a member whose ring failed
+still holds its local values and can fall back to the butterfly
+(``all_reduce`` does), which leaves a failed member out.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+from collections.abc import Iterator
+from contextlib import AsyncExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+from weakref import WeakKeyDictionary
+
+import torch
+import trio
+
+from swarm import PeerID, ProtocolError, SwarmError
+from swarm._wire import expect_bytes, expect_int, expect_list
+
+from ._codecs import all_finite
+from ._group import Group, MemberMode
+from ._partition import Partition
+from ._rounds import RoundsByGroup
+
+logger = logging.getLogger(__name__)
+
+#: Name of the stream (connection handler) of the ring all-reduce.
+RING_STREAM = "allreduce-ring"
+RING_VERSION = 1
+#: How long a ring stream for a group this peer does not (yet) run waits for
+#: that round to start before it is refused (as ``UNKNOWN_GROUP_WAIT``).
+RING_GROUP_WAIT = 2.0
+#: The item kinds.
+SUM = 0
+RESULT = 1
+#: a running sum of finite values that overflowed float32: it has no result
+OVERFLOW = 2
+_ITEM = struct.Struct("<BIId")
+#: What breaks a ring at a member: a peer's failure (``SwarmError``), a
+#: deadline, a send to a stream that broke.
+_BREAKS = (SwarmError, trio.TooSlowError, trio.BrokenResourceError)
+
+
+def ring_eligible(group: Group, partition: Partition) -> bool:
+    """Whether ``group`` can run the ring: at least two members, each a node
+    (one that accepts connections and has data) with a part of its own.
+    Every member computes the same from the group."""
+    return group.size >= 2 and all(
+        m.mode is MemberMode.NODE and partition.part_size(j) > 0
+        for j, m in enumerate(group.members)
+    )
+
+
+@dataclass(frozen=True)
+class RingOutcome:
+    """A finished ring: ``contributors[j][c]`` is whose data is in chunk c of
+    part j (empty: it has no result, and keeps the local values)."""
+
+    contributors: tuple[tuple[frozenset[int], ...], ...]
+
+
+class RingFailed(SwarmError):
+    """The ring did not finish here; the local values are untouched."""
+
+
+def _mask_size(group_size: int) -> int:
+    """Bytes of a contributor mask: one bit per member, in whole u32s."""
+    return -(-group_size // 32) * 4
+
+
+def _mask_bytes(members: frozenset[int], size: int) -> bytes:
+    mask = bytearray(_mask_size(size))
+    for i in members:
+        mask[i // 8] |= 1 << (i % 8)
+    return bytes(mask)
+
+
+class _Item:
+    """One item that arrived or leaves: a running sum or a result of one chunk."""
+
+    __slots__ = ("buffer", "chunk", "kind", "members", "part", "values", "weight")
+
+    def __init__(
+        self,
+        kind: int,
+        part: int,
+        chunk: int,
+        weight: float,
+        members: frozenset[int],
+        values: torch.Tensor | None,
+        buffer: bytearray | None = None,
+    ) -> None:
+        self.kind = kind
+        self.part = part
+        self.chunk = chunk
+        self.weight = weight
+        self.members = members
+        self.values = values
+        #: the pooled buffer ``values`` lives in, if any: given back once sent
+        self.buffer = buffer
+
+
+class _Ring:
+    """One member's ring round (module docstring)."""
+
+    def __init__(
+        self,
+        group: Group,
+        partition: Partition,
+        flat: torch.Tensor,
+        weight: float,
+        reducer_timeout: float,
+        spares: _Spares,
+    ) -> None:
+        self.group = group
+        self.partition = partition
+        self.flat = flat
+        self.weight = weight
+        self.reducer_timeout = reducer_timeout
+        n, me = group.size, group.local_index
+        self.me = me
+        self.prev = (me - 1) % n
+        self.next = (me + 1) % n
+        #: results, kept apart from the local values until the ring finished
+        self.results = spares.take_results(flat.numel())
+        self.contributors: list[list[frozenset[int]]] = [
+            [frozenset()] * partition.num_chunks(j) for j in range(n)
+        ]
+        self._incoming_send, self._incoming = trio.open_memory_channel[tuple[Any, trio.Event]](0)
+        self._chunk_bytes = 4 * partition.chunk_elements
+        self._pool = spares.pool(self._chunk_bytes)
+        self._failed = False
+
+    # --------------------------------------------------------------- streams
+
+    def check_header(self, remote: PeerID, message: Any) -> None:
+        """Raises ``ProtocolError`` unless ``message`` opens this round's ring
+        stream from our predecessor."""
+        fields = expect_list(message, 3, "ring header")
+        if expect_int(fields[0], "version") != RING_VERSION:
+            raise ProtocolError(f"ring protocol version {fields[0]}, expected {RING_VERSION}")
+        if expect_int(fields[2], "sender") != self.prev:
+            raise ProtocolError(f"ring stream from member {fields[2]}, expected {self.prev}")
+        if remote != self.group.members[self.prev].peer_id:
+            raise ProtocolError(f"member {self.prev} of the group is another peer")
+
+    async def accept(self, stream: Any) -> None:
+        """Hand our predecessor's stream to the round; return when it is done."""
+        done = trio.Event()
+        try:
+            await self._incoming_send.send((stream, done))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise ProtocolError("the ring round no longer accepts its stream") from None
+        await done.wait()
+        if self._failed:  # reset, so that our predecessor notices at once
+            raise ProtocolError("the ring failed at this member")
+
+    # ------------------------------------------------------------------ run
+
+    async def run(self, net: Any) -> RingOutcome:
+        """Run the ring; raises ``RingFailed`` (local values untouched) if it
+        does not finish. Cancellation leaves the local values untouched too."""
+        member = self.group.members[self.next]
+        outgoing_send, outgoing = trio.open_memory_channel[_Item](math.inf)
+        try:
+            async with AsyncExitStack() as stack:
+                stack.callback(self._incoming.close)
+                with trio.fail_after(self.reducer_timeout):
+                    downstream = await stack.enter_async_context(
+                        net.open_stream(member.peer_id, member.address, RING_STREAM)
+                    )
+                    await downstream.send([RING_VERSION, self.group.group_id, self.me])
+                async with trio.open_nursery() as nursery:
+                    # our own part leaves at once, while our predecessor connects
+                    nursery.start_soon(self._send_all, downstream, outgoing)
+                    async with outgoing_send:
+                        await self._own_part(outgoing_send)
+                        with trio.fail_after(self.reducer_timeout):
+                            upstream, done = await self._incoming.receive()
+                        try:
+                            await self._receive_all(upstream, outgoing_send)
+                        except BaseException:
+                            self._failed = True  # before the handler wakes: it resets
+                            raise
+                        finally:
+                            done.set()
+        except _BREAKS as e:
+            self._failed = True
+            raise RingFailed(f"the ring broke at member {self.me}: {e!r}") from e
+        except BaseExceptionGroup as group:  # from the nursery: one task's failure
+            self._failed = True
+            _, others = group.split(_BREAKS)
+            if others is not None:
+                raise
+            first: BaseException = group
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise RingFailed(f"the ring broke at member {self.me}: {first!r}") from first
+        except BaseException:
+            self._failed = True
+            raise
+        self.flat.copy_(self.results)
+        return RingOutcome(tuple(tuple(c) for c in self.contributors))
+
+    def _take(self) -> bytearray:
+        return self._pool.pop() if self._pool else bytearray(self._chunk_bytes)
+
+    def _values(self, buffer: bytearray, size: int) -> torch.Tensor:
+        return torch.frombuffer(buffer, dtype=torch.float32, count=size)
+
+    def _local(self, part: int, chunk: int) -> torch.Tensor:
+        start, _ = self.partition.part_bounds[part]
+        a, b = self.partition.chunk_bounds(part, chunk)
+        return self.flat[start + a : start + b]
+
+    async def _own_part(self, outgoing: trio.MemorySendChannel[_Item]) -> None:
+        """The running sums that start here: our weighted values of part ``prev``."""
+        part = self.prev
+        for chunk in range(self.partition.num_chunks(part)):
+            await outgoing.send(self._add(_Item(SUM, part, chunk, 0.0, frozenset(), None)))
+            await trio.lowlevel.checkpoint()
+
+    async def _receive_all(self, stream: Any, outgoing: trio.MemorySendChannel[_Item]) -> None:
+        """Take each item from our predecessor and hand on what it becomes."""
+        n = self.group.size
+        sums = [(self.prev - 1 - s) % n for s in range(n - 1)]
+        results = [(self.prev - t) % n for t in range(n - 1)]
+        for kind, parts in ((SUM, sums), (RESULT, results)):
+            for part in parts:
+                for chunk in range(self.partition.num_chunks(part)):
+                    with trio.fail_after(self.reducer_timeout):
+                        item = await self._receive_item(stream, kind, part, chunk)
+                    out = self._result(item) if kind == RESULT else self._sum(item)
+                    if out is not None:
+                        await outgoing.send(out)
+
+    async def _receive_item(self, stream: Any, kind: int, part: int, chunk: int) -> _Item:
+        """The next item, which must be ``kind`` (or, for a sum, ``OVERFLOW``)
+        of ``part``'s ``chunk``. ``ProtocolError`` for anything else, and
+        for values that are not all finite."""
+        frame = await stream.receive()
+        if not isinstance(frame, bytes | bytearray | memoryview):
+            raise ProtocolError("ring item header: expected raw bytes")
+        data = memoryview(frame).cast("B")
+        if len(data) != _ITEM.size + _mask_size(self.group.size):
+            raise ProtocolError(f"ring item header of {len(data)} bytes")
+        got_kind, got_part, got_chunk, weight = _ITEM.unpack_from(data)
+        if kind == SUM and got_kind == OVERFLOW:
+            kind = OVERFLOW
+        if (got_kind, got_part, got_chunk) != (kind, part, chunk):
+            raise ProtocolError(
+                f"ring item {(got_kind, got_part, got_chunk)} out of order,"
+                f" expected {(kind, part, chunk)}"
+            )
+        mask = data[_ITEM.size :]
+        members = frozenset(i for i in range(self.group.size) if mask[i // 8] >> (i % 8) & 1)
+        valid = math.isfinite(weight) and weight >= 0 and (weight > 0) == bool(members)
+        if not valid or (kind == OVERFLOW and members):
+            raise ProtocolError(f"ring item with weight sum {weight} and members {sorted(members)}")
+        values = buffer = None
+        if members:
+            a, b = self.partition.chunk_bounds(part, chunk)
+            buffer = self._take()
+            view = memoryview(buffer)[: 4 * (b - a)]
+            if await stream.receive_into(view) != view.nbytes:
+                raise ProtocolError("ring item of the wrong size")
+            values = self._values(buffer, b - a)
+            if not all_finite(values):
+                raise ProtocolError(f"NaN or Inf in ring item {(kind, part, chunk)}")
+        return _Item(kind, part, chunk, weight, members, values, buffer)
+
+    def _sum(self, item: _Item) -> _Item:
+        """A running sum from our predecessor, with our weighted values added:
+        the item to forward, or (our part) the result."""
+        item = self._add(item)
+        return item if item.part != self.me else self._reduce(item)
+
+    def _add(self, item: _Item) -> _Item:
+        """The running sum ``item`` with our weighted values added; as it is
+        if our weight is 0 or our values are not finite; ``OVERFLOW`` if the
+        sum of finite values is not."""
+        if self.weight == 0 or item.kind == OVERFLOW:
+            return item
+        x = self._local(item.part, item.chunk)
+        if item.values is None and self.weight == 1.0:
+            if not all_finite(x):
+                return item
+            # the first value of the sum: sent from the vector itself, which
+            # the ring does not change (results go elsewhere until the end)
+            return _Item(SUM, item.part, item.chunk, 1.0, frozenset({self.me}), x)
+        out_buffer = self._take()
+        out = self._values(out_buffer, x.numel())
+        if item.values is None:
+            torch.mul(x, self.weight, out=out)
+        else:
+            torch.add(item.values, x, alpha=self.weight, out=out)
+        if not all_finite(out):
+            self._pool.append(out_buffer)
+            if item.values is None or not all_finite(x):
+                return item  # our values would spoil the sum: it goes on without them
+            self._give(item)
+            return _Item(OVERFLOW, item.part, item.chunk, 0.0, frozenset(), None)
+        self._give(item)
+        weight, members = item.weight + self.weight, item.members | {self.me}
+        return _Item(SUM, item.part, item.chunk, weight, members, out, out_buffer)
+
+    def _give(self, item: _Item) -> None:
+        """``item``'s buffer goes back to the pool (its values are used up)."""
+        if item.buffer is not None:
+            self._pool.append(item.buffer)
+            item.buffer = None
+
+    def _reduce(self, item: _Item) -> _Item:
+        """The last running sum of a chunk of our part: its result, kept and
+        sent on. No result (every member keeps its local values) if nobody
+        with weight > 0 is in it, or the sum overflowed."""
+        result = self._local_result(item.part, item.chunk)
+        members = item.members
+        if item.values is not None:
+            torch.div(item.values, item.weight, out=result)
+            if not all_finite(result):
+                members = frozenset()
+        if not members:
+            result.copy_(self._local(item.part, item.chunk))
+        self._give(item)
+        self.contributors[item.part][item.chunk] = members
+        weight = item.weight if members else 0.0
+        return _Item(RESULT, item.part, item.chunk, weight, members, result if members else None)
+
+    def _result(self, item: _Item) -> _Item | None:
+        """A result from our predecessor: kept, and sent on unless our
+        successor reduced it."""
+        result = self._local_result(item.part, item.chunk)
+        if item.values is not None:
+            result.copy_(item.values)
+            self._give(item)
+        else:
+            result.copy_(self._local(item.part, item.chunk))
+        self.contributors[item.part][item.chunk] = item.members
+        if item.part == self.next:
+            return None
+        values = result if item.members else None
+        return _Item(RESULT, item.part, item.chunk, item.weight, item.members, values)
+
+    def _local_result(self, part: int, chunk: int) -> torch.Tensor:
+        start, _ = self.partition.part_bounds[part]
+        a, b = self.partition.chunk_bounds(part, chunk)
+        return self.results[start + a : start + b]
+
+    async def _send_all(self, stream: Any, items: trio.MemoryReceiveChannel[_Item]) -> None:
+        async with items:
+            async for item in items:
+                header = _ITEM.pack(item.kind, item.part, item.chunk, item.weight)
+                mask = _mask_bytes(item.members, self.group.size)
+                if item.values is None:
+                    frames: list[Any] = [header + mask]
+                else:
+                    frames = [header + mask, item.values.numpy().data.cast("B")]
+                with trio.fail_after(self.reducer_timeout):
+                    await stream.send_bytes_batch(frames)
+                if item.buffer is not None:
+                    self._pool.append(item.buffer)
+
+
+class _Spares:
+    """Memory a peer's ring rounds reuse: touching fresh memory page by page
+    costs more than the additions (as ``_Registry.take_buffer``)."""
+
+    def __init__(self) -> None:
+        self._results: torch.Tensor | None = None
+        self._pool: list[bytearray] = []
+
+    def take_results(self, size: int) -> torch.Tensor:
+        """A vector of ``size`` float32 values (contents undefined), the
+        spare one while no round holds it."""
+        spare, self._results = self._results, None
+        if spare is None or spare.numel() < size:
+            return torch.empty(size, dtype=torch.float32)
+        return spare[:size]
+
+    def give_results(self, results: torch.Tensor) -> None:
+        base = results._base if isinstance(results._base, torch.Tensor) else results
+        if self._results is None or base.numel() > self._results.numel():
+            self._results = base
+
+    def pool(self, chunk_bytes: int) -> list[bytearray]:
+        """The chunk buffers (each ``chunk_bytes``) that rounds share: a round
+        takes from it and gives back; two rounds at once only share it."""
+        if self._pool and len(self._pool[0]) != chunk_bytes:
+            self._pool = []
+        return self._pool
+
+
+class _RingRegistry:
+    def __init__(self) -> None:
+        self.rounds: RoundsByGroup[_Ring] = RoundsByGroup()
+        self.spares = _Spares()
+
+    async def handle(self, stream: Any) -> None:
+        """The connection handler of ``RING_STREAM``: raises ``ProtocolError``
+        to refuse the stream."""
+        with trio.move_on_after(RING_GROUP_WAIT) as wait:
+            header = await stream.receive()
+        if wait.cancelled_caught:
+            raise ProtocolError("no ring header in time")
+        fields = expect_list(header, 3, "ring header")
+        gid = expect_bytes(fields[1], "group id", max_size=64)
+        rnd = await self.rounds.find(gid, wait=RING_GROUP_WAIT)
+        if rnd is None:
+            raise ProtocolError(f"no ring round for group {gid.hex()[:16]} here")
+        rnd.check_header(stream.remote, header)
+        await rnd.accept(stream)
+
+
+_registries: WeakKeyDictionary[Any, _RingRegistry] = WeakKeyDictionary()
+
+
+def serve_ring(net: Any) -> None:
+    """Accept ring streams on ``net`` from now on."""
+    _ring_registry(net)
+
+
+def _ring_registry(net: Any) -> _RingRegistry:
+    registry = _registries.get(net)
+    if registry is None:
+        registry = _registries[net] = _RingRegistry()
+        net.set_handler(RING_STREAM, registry.handle)
+    return registry
+
+
+@contextmanager
+def _registered(net: Any, rnd: _Ring) -> Iterator[None]:
+    with _ring_registry(net).rounds.register(rnd.group.group_id, rnd):
+        yield
+
+
+async def ring_all_reduce(
+    net: Any,
+    group: Group,
+    partition: Partition,
+    flat: torch.Tensor,
+    weight: float,
+    reducer_timeout: float,
+) -> RingOutcome:
+    """Average ``flat`` with ``group`` around the ring (module docstring), in
+    place. Raises ``RingFailed``, with ``flat`` untouched, if the ring did not
+    finish here."""
+    spares = _ring_registry(net).spares
+    rnd = _Ring(group, partition, flat, weight, reducer_timeout, spares)
+    try:
+        with _registered(net, rnd):
+            return await rnd.run(net)
+    finally:
+        spares.give_results(rnd.results)

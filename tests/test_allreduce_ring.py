@@ -1,0 +1,123 @@
+"""The pipelined ring all-reduce (``AllReduceConfig.ring``) over real sockets
+on 127.0.0.1, several peers in one process, checked as the butterfly is
+(``test_allreduce.check``): each chunk is the exact weighted mean of the
+members recorded as its contributors, and a broken ring falls back to the
+butterfly with the butterfly's promises."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from test_allreduce import (
+    ALL4,
+    CHUNK,
+    CONFIG,
+    TOTAL,
+    WEIGHTS,
+    A,
+    C,
+    N,
+    check,
+    make_groups,
+    member_data,
+    open_peers,
+    run_round,
+    uniform,
+)
+
+from averaging._allreduce import AllReduceResult
+from averaging._codecs import FLOAT16
+from averaging._faults import FaultPlan, MemberFault
+from averaging._partition import Partition
+from averaging._ring import ring_eligible
+
+RING = replace(CONFIG, ring=True)
+
+
+def _results(outcome_results: list[object]) -> list[AllReduceResult]:
+    results = [r for r in outcome_results if isinstance(r, AllReduceResult)]
+    assert len(results) == len(outcome_results)
+    return results
+
+
+async def test_ring_gives_the_exact_weighted_mean_over_one_connection_per_member() -> None:
+    async with open_peers(4) as nets:
+        groups = make_groups(nets, bandwidths=[1.0, 3.0, 0.5, 2.0])
+        outcome = await run_round(nets, groups, WEIGHTS, config=RING)
+        # a ring: each member dialed its successor only (the butterfly dials all)
+        assert [net.dialed for net in nets] == [1, 1, 1, 1]
+    check(outcome, WEIGHTS, range(4), uniform(groups, ALL4))
+    for i in range(1, 4):  # everyone holds the reducer's bits
+        assert torch.equal(outcome.outputs[i], outcome.outputs[0])
+    for result in _results(outcome.results):
+        assert not (result.failed_senders or result.failed_reducers or result.timed_out)
+
+
+async def test_ring_encrypted_and_reusing_connections_across_rounds() -> None:
+    async with open_peers(3, encrypt=True) as nets:
+        for round_ in range(3):
+            groups = make_groups(nets, group_id=f"ring-{round_}".encode())
+            outcome = await run_round(nets, groups, WEIGHTS[:3], config=RING)
+            check(outcome, WEIGHTS[:3], range(3), uniform(groups, frozenset(range(3))))
+        assert [net.dialed for net in nets] == [1, 1, 1]
+
+
+async def test_ring_leaves_out_weight_zero_and_a_member_whose_values_are_not_finite() -> None:
+    """A member of weight 0 is in no result; a member whose own values hold
+    NaN leaves itself out of that chunk only, and the others are not held up."""
+    weights = [1.0, 0.0, 2.0, 1.5]
+    inputs = [member_data(i) for i in range(4)]
+    inputs[3][500 + CHUNK + 3] = float("nan")  # part 2 is [500, 750): its chunk 1
+    async with open_peers(4) as nets:
+        groups = make_groups(nets)
+        outcome = await run_round(nets, groups, weights, inputs=inputs, config=RING)
+    everyone = ALL4 - {1}
+    expected = {k: (everyone - {3} if k == (2, 1) else everyone) for k in uniform(groups, ALL4)}
+    check(outcome, weights, range(4), expected)
+
+
+async def test_ring_chunk_whose_sum_overflows_keeps_local_values() -> None:
+    inputs = [member_data(i) for i in range(3)]
+    for x in inputs:
+        x[3] = 3e38  # part 0, chunk 0: finite values whose sum overflows float32
+    async with open_peers(3) as nets:
+        groups = make_groups(nets)
+        outcome = await run_round(nets, groups, [1.0, 1.0, 1.0], inputs=inputs, config=RING)
+    for i in range(3):
+        result = _results(outcome.results)[i]
+        assert result.contributors[0][0] == frozenset()
+        assert torch.equal(outcome.outputs[i][:CHUNK], inputs[i][:CHUNK])
+        assert result.contributors[1][0] == frozenset(range(3))
+        assert not result.failed_reducers
+
+
+async def test_a_broken_ring_falls_back_to_the_butterfly_without_the_failed_member() -> None:
+    plan = FaultPlan({2: MemberFault(fail_before_sending=True)})
+    async with open_peers(4) as nets:
+        groups = make_groups(nets)
+        outcome = await run_round(nets, groups, WEIGHTS, plan=plan, config=RING)
+    expected = {k: ("local" if k[0] == 2 else ALL4 - {2}) for k in uniform(groups, ALL4)}
+    check(outcome, WEIGHTS, [0, 1, 3], expected)
+    for i in (0, 1, 3):
+        result = outcome.results[i]
+        assert isinstance(result, AllReduceResult)
+        assert result.group_id == groups[i].group_id
+        assert result.failed_reducers == {2} and result.failed_senders == {2}
+
+
+async def test_groups_the_ring_cannot_serve_use_the_butterfly() -> None:
+    """Clients and auxiliary members, and codecs other than raw float32, take
+    the butterfly even with ``ring=True``: every member decides alike."""
+    async with open_peers(4) as nets:
+        groups = make_groups(nets, modes=[N, N, C, A])
+        partition = Partition.for_group(groups[0], TOTAL, CHUNK)
+        assert not ring_eligible(groups[0], partition)
+        outcome = await run_round(nets, groups, [1.0, 1.0, 1.0, 0.0], config=RING)
+        assert all(isinstance(r, AllReduceResult) for r in outcome.results)
+        assert nets[0].dialed > 1
+    async with open_peers(3) as nets:
+        groups = make_groups(nets)
+        outcome = await run_round(nets, groups, WEIGHTS[:3], codec=FLOAT16, config=RING)
+        check(outcome, WEIGHTS[:3], range(3), uniform(groups, frozenset(range(3))), atol=4e-3)
+        assert [net.dialed for net in nets] == [2, 2, 2]
