@@ -88,11 +88,17 @@ _BREAKS = (SwarmError, trio.TooSlowError, trio.BrokenResourceError)
 
 def ring_eligible(group: Group, partition: Partition) -> bool:
     """Whether ``group`` can run the ring: at least two members, each a node
-    (one that accepts connections and has data) with a part of its own.
-    Every member computes the same from the group."""
-    return group.size >= 2 and all(
-        m.mode is MemberMode.NODE and partition.part_size(j) > 0
-        for j, m in enumerate(group.members)
+    (one that accepts connections and has data), with parts alike (within
+    1%). Parts cut in proportion to unequal links are not: every link of a
+    ring carries nearly two vectors' worth whatever the parts, so the
+    slowest uplink would set the pace, where the butterfly gives it less to
+    send. Every member computes the same from the group."""
+    sizes = [partition.part_size(j) for j in range(group.size)]
+    return (
+        group.size >= 2
+        and all(m.mode is MemberMode.NODE for m in group.members)
+        and min(sizes) > 0
+        and max(sizes) - min(sizes) <= max(sizes) // 100
     )
 
 

@@ -43,7 +43,7 @@ def _results(outcome_results: list[object]) -> list[AllReduceResult]:
 
 async def test_ring_gives_the_exact_weighted_mean_over_one_connection_per_member() -> None:
     async with open_peers(4) as nets:
-        groups = make_groups(nets, bandwidths=[1.0, 3.0, 0.5, 2.0])
+        groups = make_groups(nets)
         outcome = await run_round(nets, groups, WEIGHTS, config=RING)
         # a ring: each member dialed its successor only (the butterfly dials all)
         assert [net.dialed for net in nets] == [1, 1, 1, 1]
@@ -107,8 +107,9 @@ async def test_a_broken_ring_falls_back_to_the_butterfly_without_the_failed_memb
 
 
 async def test_groups_the_ring_cannot_serve_use_the_butterfly() -> None:
-    """Clients and auxiliary members, and codecs other than raw float32, take
-    the butterfly even with ``ring=True``: every member decides alike."""
+    """Clients and auxiliary members, parts cut for unequal links, and codecs
+    other than raw float32 take the butterfly even with ``ring=True``: every
+    member decides alike."""
     async with open_peers(4) as nets:
         groups = make_groups(nets, modes=[N, N, C, A])
         partition = Partition.for_group(groups[0], TOTAL, CHUNK)
@@ -116,6 +117,12 @@ async def test_groups_the_ring_cannot_serve_use_the_butterfly() -> None:
         outcome = await run_round(nets, groups, [1.0, 1.0, 1.0, 0.0], config=RING)
         assert all(isinstance(r, AllReduceResult) for r in outcome.results)
         assert nets[0].dialed > 1
+    async with open_peers(3) as nets:
+        groups = make_groups(nets, bandwidths=[1.0, 3.0, 1.0])
+        assert not ring_eligible(groups[0], Partition.for_group(groups[0], TOTAL, CHUNK))
+        outcome = await run_round(nets, groups, WEIGHTS[:3], config=RING)
+        check(outcome, WEIGHTS[:3], range(3), uniform(groups, frozenset(range(3))))
+        assert [net.dialed for net in nets] == [2, 2, 2]
     async with open_peers(3) as nets:
         groups = make_groups(nets)
         outcome = await run_round(nets, groups, WEIGHTS[:3], codec=FLOAT16, config=RING)
