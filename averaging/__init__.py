@@ -14,6 +14,8 @@ Modules, pure code first:
   proposed and read ahead of the rounds (``GridSchedule``)
 - ``_rounds``: the rounds a peer runs now, by group id, where a stream finds its round
 - ``_allreduce``: the fault-tolerant butterfly all-reduce over peer connections
+- ``_ring``: the pipelined ring all-reduce, one flow per link, for groups whose
+  links are alike (``AllReduceConfig(ring=True)``; a broken ring falls back)
 - ``_datagrams``: the lossy data plane's authenticated, frame-sized datagrams
 - ``_pieces``: which pieces arrived, and the per-piece renormalised mean over them
 - ``_pacing``: the lossy data plane's send rate and schedule, from receiver reports

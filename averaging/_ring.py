@@ -81,6 +81,9 @@ RESULT = 1
 #: a running sum of finite values that overflowed float32: it has no result
 OVERFLOW = 2
 _ITEM = struct.Struct("<BIId")
+#: At most this many bytes of values go to the connection in one send
+#: (``_send_all``), unless one item has more.
+SEND_BATCH_BYTES = 4 * 2**20
 #: What breaks a ring at a member: a peer's failure (``SwarmError``), a
 #: deadline, a send to a stream that broke.
 _BREAKS = (SwarmError, trio.TooSlowError, trio.BrokenResourceError)
@@ -399,18 +402,36 @@ class _Ring:
         return self.results[start + a : start + b]
 
     async def _send_all(self, stream: Any, items: trio.MemoryReceiveChannel[_Item]) -> None:
+        """Send the items in order. The items ready are sent together, up to
+        ``SEND_BATCH_BYTES``: each send ends with the trio thread handing the
+        next one to the connection's worker thread, and on a full link every
+        such hand-over that comes late leaves the link idle."""
         async with items:
-            async for item in items:
-                header = _ITEM.pack(item.kind, item.part, item.chunk, item.weight)
-                mask = _mask_bytes(item.members, self.group.size)
-                if item.values is None:
-                    frames: list[Any] = [header + mask]
-                else:
-                    frames = [header + mask, item.values.numpy().data.cast("B")]
+            async for first in items:
+                batch = [first]
+                size = self._frames_size(first)
+                while size < SEND_BATCH_BYTES:
+                    try:
+                        batch.append(items.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break  # none ready, or none to come: ``async for`` ends
+                    size += self._frames_size(batch[-1])
+                frames = [frame for item in batch for frame in self._frames(item)]
                 with trio.fail_after(self.reducer_timeout):
                     await stream.send_bytes_batch(frames)
-                if item.buffer is not None:
-                    self._pool.append(item.buffer)
+                for item in batch:
+                    self._give(item)
+
+    def _frames(self, item: _Item) -> list[bytes | memoryview]:
+        header = _ITEM.pack(item.kind, item.part, item.chunk, item.weight)
+        header += _mask_bytes(item.members, self.group.size)
+        if item.values is None:
+            return [header]
+        return [header, item.values.numpy().data.cast("B")]
+
+    @staticmethod
+    def _frames_size(item: _Item) -> int:
+        return 0 if item.values is None else 4 * item.values.numel()
 
 
 class _Spares:
