@@ -154,6 +154,8 @@ def file_barrier(directory: Path, name: str, rank: int, peers: int) -> None:
         time.sleep(0.001)
 
 
+#: Linux's SO_MAX_PACING_RATE (Python's socket module does not name it)
+_SO_MAX_PACING_RATE = 47
 #: ``--timeline``: how often each worker samples its connections (seconds)
 TIMELINE_STEP = 0.01
 
@@ -168,11 +170,15 @@ class Timeline:
     application starved it) or with data queued (TCP or the link held it).
     """
 
-    def __init__(self, congestion: str | None = None) -> None:
+    def __init__(self, congestion: str | None = None, pacing_rate: str | None = None) -> None:
         import threading
+
+        from netbed import rate_bits
 
         #: an experiment: this congestion control on every connection found
         self.congestion = congestion
+        #: another: this pacing cap (bytes/s) on every connection found
+        self.pacing = int(rate_bits(pacing_rate) / 8) if pacing_rate else None
         self._dups: dict[str, Any] = {}  # socket inode -> a dup of it (None: not TCP)
         self.samples: list[tuple[float, list[tuple[int, ...]]]] = []
         self._stop = threading.Event()
@@ -230,6 +236,8 @@ class Timeline:
                         sock.setsockopt(
                             socket.IPPROTO_TCP, socket.TCP_CONGESTION, self.congestion.encode()
                         )
+                    if self.pacing:
+                        sock.setsockopt(socket.SOL_SOCKET, _SO_MAX_PACING_RATE, self.pacing)
                 except OSError:
                     sock = None
                 self._dups[target] = sock
@@ -332,7 +340,7 @@ def run_gloo(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     cpu_times: list[float] = []
     splits: list[list[float]] = []  # per round: ``cpu_split``
     marks: list[tuple[float, float]] = []
-    timeline = Timeline(args.congestion) if args.timeline else None
+    timeline = Timeline(args.congestion, args.pacing_rate) if args.timeline else None
     if timeline is not None:
         timeline.start()
     for _ in range(args.rounds):
@@ -417,7 +425,7 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
             )
             ports = [int((directory / f"port.{r}").read_text()) for r in range(args.peers)]
             if args.timeline:
-                timeline = Timeline(args.congestion)
+                timeline = Timeline(args.congestion, args.pacing_rate)
                 timeline.start()
             for round_ in range(-warmup, args.rounds):
                 fill(x, args.rank)
@@ -594,6 +602,7 @@ def launch(
                     + (["--profile", args.profile] if args.profile else [])
                     + (["--timeline"] if args.timeline else [])
                     + (["--congestion", args.congestion] if args.congestion else [])
+                    + (["--pacing-rate", args.pacing_rate] if args.pacing_rate else [])
                     + (["--encrypt"] if encrypt else [])
                     + (["--lossy-worker"] if lossy else [])
                     + (["--ring-worker"] if ring else [])
@@ -683,6 +692,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--congestion", help="with --timeline: set this TCP congestion control on every connection"
+    )
+    parser.add_argument(
+        "--pacing-rate",
+        help="with --timeline: cap every connection's pacing (SO_MAX_PACING_RATE), e.g. 98mbit",
     )
     parser.add_argument("--link-rate", help="emulated links: tc rate each way, e.g. 100mbit")
     parser.add_argument("--loss", type=float, default=0.0, help="with --link-rate: loss rate")
@@ -876,7 +889,10 @@ def link_main(args: argparse.Namespace) -> None:
         f" {args.link_rate} each way"
         + (f", peer 0 uploads at {args.slow_peer}" if args.slow_peer else "")
         + (f", {args.loss:.1%} loss" if args.loss else "")
-        + f"; congestion control {congestion}; median of {args.rounds} rounds"
+        + f"; congestion control {args.congestion or congestion}"
+        + (" (set on every connection)" if args.congestion else "")
+        + (f", pacing capped at {args.pacing_rate}" if args.pacing_rate else "")
+        + f"; median of {args.rounds} rounds"
     )
     print(f"  {'':28} {'time':>8} {'bound':>8} {'share':>6} {'CPU/peer':>9}")
     for name, result, bound in rows:
