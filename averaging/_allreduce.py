@@ -411,6 +411,9 @@ async def _ring_round(
     """``all_reduce`` around the ring (``_ring``); if the ring breaks, the
     butterfly in the time left, under a group id of its own (so that its
     streams never meet the ring's), with the same promises."""
+    # The butterfly's handler too, from now on: a member whose ring broke
+    # earlier than ours begins its fallback before we begin ours.
+    serve_allreduce(net)
     started = trio.current_time()
     outcome = None
     with trio.move_on_after(config.round_timeout) as deadline:

@@ -34,7 +34,8 @@ result has none; then every member keeps its local values there.
 
 A member whose weighted values would make a running sum NaN or Inf (its own
 data is not finite, or the sum overflows) leaves itself out of that chunk.
-A running sum or result that arrives with NaN or Inf breaks the protocol.
+A running sum or result that arrives with NaN or Inf breaks the protocol,
+and its sender is banned.
 
 Faults: the ring needs every member. Any failure (a stream that does not
 open, breaks or stalls for ``reducer_timeout``, a broken protocol) ends it
@@ -214,25 +215,24 @@ class _Ring:
     async def run(self, net: Any) -> RingOutcome:
         """Run the ring; raises ``RingFailed`` (local values untouched) if it
         does not finish. Cancellation leaves the local values untouched too."""
-        member = self.group.members[self.next]
         outgoing_send, outgoing = trio.open_memory_channel[_Item](math.inf)
         try:
-            async with AsyncExitStack() as stack:
-                stack.callback(self._incoming.close)
-                with trio.fail_after(self.reducer_timeout):
-                    downstream = await stack.enter_async_context(
-                        net.open_stream(member.peer_id, member.address, RING_STREAM)
-                    )
-                    await downstream.send([RING_VERSION, self.group.group_id, self.me])
+            with self._incoming:
                 async with trio.open_nursery() as nursery:
-                    # our own part leaves at once, while our predecessor connects
-                    nursery.start_soon(self._send_all, downstream, outgoing)
+                    # Our own part leaves as soon as our successor accepts, and
+                    # our predecessor's items are taken meanwhile: a ring that
+                    # broke behind us ends here at once, not once we connected.
+                    nursery.start_soon(self._downstream, net, outgoing)
                     async with outgoing_send:
                         await self._own_part(outgoing_send)
                         with trio.fail_after(self.reducer_timeout):
                             upstream, done = await self._incoming.receive()
                         try:
                             await self._receive_all(upstream, outgoing_send)
+                        except ProtocolError as e:
+                            self._failed = True
+                            self._blame_predecessor(net, e)
+                            raise
                         except BaseException:
                             self._failed = True  # before the handler wakes: it resets
                             raise
@@ -255,6 +255,24 @@ class _Ring:
             raise
         self.flat.copy_(self.results)
         return RingOutcome(tuple(tuple(c) for c in self.contributors))
+
+    async def _downstream(self, net: Any, items: trio.MemoryReceiveChannel[_Item]) -> None:
+        """Open our stream to our successor, then send it every item."""
+        member = self.group.members[self.next]
+        async with AsyncExitStack() as stack:
+            with trio.fail_after(self.reducer_timeout):
+                stream = await stack.enter_async_context(
+                    net.open_stream(member.peer_id, member.address, RING_STREAM)
+                )
+                await stream.send([RING_VERSION, self.group.group_id, self.me])
+            await self._send_all(stream, items)
+
+    def _blame_predecessor(self, net: Any, error: ProtocolError) -> None:
+        """Our predecessor broke the protocol (a malformed item, NaN or Inf:
+        each member forwards only finite values it checked): it is banned,
+        as a butterfly reducer bans a sender for the same."""
+        peer = self.group.members[self.prev].peer_id
+        net.report_offence(peer, f"ring all-reduce: {error}")
 
     def _take(self) -> bytearray:
         return self._pool.pop() if self._pool else bytearray(self._chunk_bytes)

@@ -6,9 +6,12 @@ butterfly with the butterfly's promises."""
 
 from __future__ import annotations
 
+from contextlib import AsyncExitStack
 from dataclasses import replace
 
+import pytest
 import torch
+import trio
 from test_allreduce import (
     ALL4,
     CHUNK,
@@ -26,11 +29,14 @@ from test_allreduce import (
     uniform,
 )
 
-from averaging._allreduce import AllReduceResult
+from averaging._allreduce import AllReduceResult, all_reduce, serve_allreduce
 from averaging._codecs import FLOAT16
 from averaging._faults import FaultPlan, MemberFault
 from averaging._partition import Partition
-from averaging._ring import ring_eligible
+from averaging._ring import _ITEM, RING_STREAM, RING_VERSION, SUM, _mask_bytes, ring_eligible
+from swarm import Identity, ManualClock, SwarmError
+from swarm._bans import BanList
+from swarm._connections import open_connections
 
 RING = replace(CONFIG, ring=True)
 
@@ -128,3 +134,57 @@ async def test_groups_the_ring_cannot_serve_use_the_butterfly() -> None:
         outcome = await run_round(nets, groups, WEIGHTS[:3], codec=FLOAT16, config=RING)
         check(outcome, WEIGHTS[:3], range(3), uniform(groups, frozenset(range(3))), atol=4e-3)
         assert [net.dialed for net in nets] == [2, 2, 2]
+
+
+async def test_a_predecessor_that_sends_nan_is_banned_and_the_others_fall_back() -> None:
+    """Member 3, played here by hand, opens its ring stream to member 0 and
+    sends a running sum with NaN in it: member 0 bans it and breaks the ring,
+    and members 0-2 average without it in the butterfly."""
+    bans = BanList(clock=ManualClock(0.0))
+    async with AsyncExitStack() as stack:
+        nets = [
+            await stack.enter_async_context(
+                open_connections(Identity.from_seed(bytes([1]) * 32), bans=bans)
+            ),
+            *[
+                await stack.enter_async_context(
+                    open_connections(Identity.from_seed(bytes([i + 1]) * 32))
+                )
+                for i in range(1, 4)
+            ],
+        ]
+        serve_allreduce(nets[3])  # member 2's ring stream waits here, then is refused
+        groups = make_groups(nets)
+        inputs = [member_data(i) for i in range(4)]
+        outputs = [x.clone() for x in inputs]
+        results: dict[int, AllReduceResult] = {}
+
+        async def member(i: int) -> None:
+            results[i] = await all_reduce(nets[i], groups[i], [outputs[i]], config=RING)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(member, i)
+            async with nets[3].open_stream(
+                nets[0].peer_id, ("127.0.0.1", nets[0].port), RING_STREAM
+            ) as stream:
+                await stream.send([RING_VERSION, groups[3].group_id, 3])
+                part = Partition.for_group(groups[3], TOTAL, CHUNK)
+                a, b = part.chunk_bounds(2, 0)  # the first sum member 0 expects
+                header = _ITEM.pack(SUM, 2, 0, 1.0) + _mask_bytes(frozenset({3}), 4)
+                await stream.send_bytes_batch(
+                    [header, torch.full((b - a,), float("nan")).numpy().tobytes()]
+                )
+                with pytest.raises(SwarmError):
+                    await stream.receive()  # member 0 resets the stream
+    assert bans.is_banned(nets[3].peer_id)
+    assert "NaN" in (bans.reason(nets[3].peer_id) or "")
+    three = frozenset(range(3))
+    for i in range(3):
+        result = results[i]
+        assert result.group_id == groups[i].group_id
+        assert result.failed_reducers == {3} and result.failed_senders == {3}
+        for j, (start, end) in enumerate(result.part_bounds):
+            want = inputs[i][start:end] if j == 3 else sum(x[start:end] for x in inputs[:3]) / 3
+            assert torch.allclose(outputs[i][start:end], want, atol=1e-5, rtol=0), (i, j)
+            assert result.part_contributors(j) == (frozenset({i}) if j == 3 else three)
