@@ -309,7 +309,8 @@ class _Ring:
     async def _receive_item(self, stream: Any, kind: int, part: int, chunk: int) -> _Item:
         """The next item, which must be ``kind`` (or, for a sum, ``OVERFLOW``)
         of ``part``'s ``chunk``. ``ProtocolError`` for anything else, and
-        for values that are not all finite."""
+        for values that are not all finite (a sum's are checked once ours
+        are added: ``_add``)."""
         frame = await stream.receive()
         if not isinstance(frame, bytes | bytearray | memoryview):
             raise ProtocolError("ring item header: expected raw bytes")
@@ -337,9 +338,10 @@ class _Ring:
             if await stream.receive_into(view) != view.nbytes:
                 raise ProtocolError("ring item of the wrong size")
             values = self._values(buffer, b - a)
-            if not all_finite(values):
-                raise ProtocolError(f"NaN or Inf in ring item {(kind, part, chunk)}")
-        return _Item(kind, part, chunk, weight, members, values, buffer)
+        item = _Item(kind, part, chunk, weight, members, values, buffer)
+        if kind == RESULT or self.weight == 0:  # else ``_add`` checks the sum
+            _check_finite(item)
+        return item
 
     def _sum(self, item: _Item) -> _Item:
         """A running sum from our predecessor, with our weighted values added:
@@ -366,8 +368,11 @@ class _Ring:
             torch.mul(x, self.weight, out=out)
         else:
             torch.add(item.values, x, alpha=self.weight, out=out)
+        # One pass checks both: the sum of finite values with a NaN or an Inf
+        # is not finite. Only a sum that is not tells whose values were.
         if not all_finite(out):
             self._pool.append(out_buffer)
+            _check_finite(item)
             if item.values is None or not all_finite(x):
                 return item  # our values would spoil the sum: it goes on without them
             self._give(item)
@@ -450,6 +455,12 @@ class _Ring:
     @staticmethod
     def _frames_size(item: _Item) -> int:
         return 0 if item.values is None else 4 * item.values.numel()
+
+
+def _check_finite(item: _Item) -> None:
+    """``ProtocolError`` if an item that arrived holds NaN or Inf."""
+    if item.values is not None and not all_finite(item.values):
+        raise ProtocolError(f"NaN or Inf in ring item {(item.kind, item.part, item.chunk)}")
 
 
 class _Spares:
