@@ -219,6 +219,16 @@ class AllReduceConfig:
     #: plans (``_faults``) act on the butterfly only. Every member must use
     #: the same setting.
     ring: bool = False
+    #: This peer's upload rate in bytes per second, if known: each of its
+    #: streams to a reducer (or, around the ring, to its successor) is then
+    #: paced (``SO_MAX_PACING_RATE``) at its share of that rate, the share of
+    #: the round's bytes it carries. Unpaced, the n - 1 flows of an uplink
+    #: build a queue at the link and take it from each other in turns; paced
+    #: to their shares, each flow keeps to its own. On 4 peers x 100 Mbit/s
+    #: (BBR), 97 Mbit/s here took the butterfly from 78-82% of the link limit
+    #: to 93-94%. A local setting: members may differ. Set it a little under
+    #: the link's rate: above it the queue comes back.
+    upload_pacing: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("sender_timeout", "reducer_timeout", "round_timeout"):
@@ -240,6 +250,13 @@ class AllReduceConfig:
         if not 1 <= self.min_chunks_per_part <= 1 << 20:
             raise ConfigError(
                 f"min_chunks_per_part={self.min_chunks_per_part} must be in [1, 2**20]"
+            )
+        if self.upload_pacing is not None and not (
+            math.isfinite(self.upload_pacing) and self.upload_pacing >= 1
+        ):
+            raise ConfigError(
+                f"upload_pacing={self.upload_pacing} must be None or a number of bytes"
+                " per second >= 1"
             )
         if not 1 <= self.window_bytes <= 1 << 40:
             raise ConfigError(f"window_bytes={self.window_bytes} must be in [1, 2**40]")
@@ -307,6 +324,7 @@ class StreamLike(Protocol):
     ) -> int: ...
     async def aclose(self) -> None: ...
     def unacknowledged_bytes(self) -> int: ...
+    def pace(self, rate: float | None) -> None: ...
 
 
 class Network(Protocol):
@@ -419,7 +437,7 @@ async def _ring_round(
     with trio.move_on_after(config.round_timeout) as deadline:
         try:
             outcome = await ring_all_reduce(
-                net, group, partition, flat, weight, config.reducer_timeout
+                net, group, partition, flat, weight, config.reducer_timeout, config.upload_pacing
             )
         except RingFailed as e:
             logger.info(
@@ -1084,11 +1102,17 @@ class _Round:
                 ) as stream:
                     if part in self._pushed:
                         self._push_decided[part].set()  # our results for it go here
+                    rate = self._pacing(part)
+                    if rate is not None:
+                        stream.pace(rate)
                     try:
                         await self._exchange(stream, part)
                     except ProtocolError as e:
                         self._blame(part, e)
                         raise
+                    finally:
+                        if rate is not None:
+                            stream.pace(None)  # the connection goes back to the pool
         except SelfDialError as e:
             self.self_dialed.add(part)
             logger.warning(
@@ -1115,6 +1139,26 @@ class _Round:
                     self._push_decided[part].set()
         if part not in self._pulled:
             self.received.reducer_failed(part)
+
+    def _pacing(self, part: int) -> float | None:
+        """The pace of our stream to the reducer of ``part``: our upload rate
+        (``upload_pacing``) times the share of our round's upload that goes
+        on that stream (our data of its part, and our results for it if they
+        go there too). The replies on others' streams count in the whole."""
+        rate = self.config.upload_pacing
+        if rate is None or self.group.local.mode is MemberMode.AUX:
+            return None
+        me = self.group.local_index
+        ours = self.codec.encoded_size(self.partition.part_size(me))
+
+        def upload(j: int) -> int:  # what we send on our stream to member j
+            data = self.codec.encoded_size(self.partition.part_size(j))
+            return data + (ours if j in self._pushed else 0)
+
+        remote = [j for j in range(self.group.size) if j != me]
+        replies = sum(ours for j in remote if j not in self._pushed and j in self.group.senders())
+        total = sum(upload(j) for j in remote) + (replies if self.reducer is not None else 0)
+        return rate * upload(part) / total if total else None
 
     async def _serve_local(self, stream: _LocalStream) -> None:
         """Our own part, reduced by our own reducer, through the same code."""
@@ -1943,6 +1987,9 @@ class _LocalStream:
 
     def unacknowledged_bytes(self) -> int:
         return 0  # nothing crosses a link
+
+    def pace(self, rate: float | None) -> None:
+        pass  # nothing crosses a link
 
 
 def _local_stream_pair(peer: PeerID) -> tuple[_LocalStream, _LocalStream]:

@@ -166,8 +166,11 @@ class _Ring:
         weight: float,
         reducer_timeout: float,
         spares: _Spares,
+        upload_pacing: float | None = None,
     ) -> None:
         self.group = group
+        #: our whole upload goes to our successor: its stream's pace
+        self.upload_pacing = upload_pacing
         self.partition = partition
         self.flat = flat
         self.weight = weight
@@ -265,6 +268,9 @@ class _Ring:
                     net.open_stream(member.peer_id, member.address, RING_STREAM)
                 )
                 await stream.send([RING_VERSION, self.group.group_id, self.me])
+            if self.upload_pacing is not None:
+                stream.pace(self.upload_pacing)
+                stack.callback(stream.pace, None)  # the connection goes back to the pool
             await self._send_all(stream, items)
 
     def _blame_predecessor(self, net: Any, error: ProtocolError) -> None:
@@ -542,12 +548,13 @@ async def ring_all_reduce(
     flat: torch.Tensor,
     weight: float,
     reducer_timeout: float,
+    upload_pacing: float | None = None,
 ) -> RingOutcome:
     """Average ``flat`` with ``group`` around the ring (module docstring), in
     place. Raises ``RingFailed``, with ``flat`` untouched, if the ring did not
     finish here."""
     spares = _ring_registry(net).spares
-    rnd = _Ring(group, partition, flat, weight, reducer_timeout, spares)
+    rnd = _Ring(group, partition, flat, weight, reducer_timeout, spares, upload_pacing)
     try:
         with _registered(net, rnd):
             return await rnd.run(net)

@@ -369,6 +369,7 @@ def run_gloo(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
 
 def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     import trio
+    from netbed import rate_bits
 
     from averaging import LinkMeter
     from averaging._allreduce import AllReduceConfig, all_reduce, serve_allreduce
@@ -388,6 +389,7 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         min_chunks_per_part=args.min_chunks_per_part,
         lossy=args.lossy_worker,
         ring=args.ring_worker,
+        upload_pacing=rate_bits(args.upload_pacing) / 8 if args.upload_pacing else None,
     )
     x = torch.empty(args.size, dtype=torch.float32)
     bounds = [args.size * i // args.split for i in range(args.split + 1)]
@@ -554,6 +556,7 @@ def launch(
     measured: bool = False,
     lossy: bool = False,
     ring: bool = False,
+    pacing: str | None = None,
 ) -> dict[str, Any]:
     """Run one implementation's workers (in ``bed``'s namespaces, if given)."""
     with tempfile.TemporaryDirectory(prefix=f"allreduce-{impl}-") as tmp:
@@ -606,6 +609,7 @@ def launch(
                     + (["--encrypt"] if encrypt else [])
                     + (["--lossy-worker"] if lossy else [])
                     + (["--ring-worker"] if ring else [])
+                    + (["--upload-pacing", pacing] if pacing else [])
                     + (["--pacing-log"] if args.pacing_log else []),
                 ),
                 stdout=subprocess.PIPE,
@@ -710,6 +714,11 @@ def main() -> None:
         help="with --link-rate: also run ours around the ring (AllReduceConfig.ring)",
     )
     parser.add_argument("--ring-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--upload-pacing",
+        help="with --link-rate: also run ours (plaintext; and the ring, with --ring) with"
+        " AllReduceConfig.upload_pacing at this rate, e.g. 97mbit",
+    )
     parser.add_argument(
         "--pacing-log",
         action="store_true",
@@ -881,6 +890,15 @@ def link_main(args: argparse.Namespace) -> None:
                 bound = link_bound(wire_bytes(args.size, "none"), up, down)
                 kind = "encrypted" if encrypt else "plaintext"
                 rows.append((f"ours, ring, {kind}, none", result, bound))
+        if args.upload_pacing:
+            # the same launch, each uplink's streams paced at their shares of the rate
+            for ring in (False, True) if args.ring else (False,):
+                result = launch(
+                    args, "ours", False, "none", bed, ring=ring, pacing=args.upload_pacing
+                )
+                bound = link_bound(wire_bytes(args.size, "none"), up, down)
+                name = "ring" if ring else "plaintext"
+                rows.append((f"ours, {name}, paced {args.upload_pacing}", result, bound))
         if args.lossy:
             result = launch(args, "ours", True, "none", bed, None, lossy=True)
             rows.append(("ours, lossy datagrams", result, link_bound(4 * args.size, up, down)))

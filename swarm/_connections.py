@@ -487,6 +487,15 @@ class _Connection:
                         self._low_water = low_water
                 await trio.lowlevel.wait_readable(self.socket)
 
+    def pace(self, rate: float | None) -> None:
+        """``Stream.pace``: Linux paces a TCP socket itself (without the fq
+        qdisc) once it has a cap; ~0 (u32) means none."""
+        value = _UNPACED if rate is None else max(1, min(int(rate), _UNPACED - 1))
+        with suppress(OSError):
+            self.socket.setsockopt(
+                socket.SOL_SOCKET, _SO_MAX_PACING_RATE, struct.pack("=I", value)
+            )
+
     def unacknowledged_bytes(self) -> int:
         """Bytes handed to the kernel that the remote has not acknowledged yet
         (queued or in flight: Linux's SIOCOUTQ); 0 where that cannot be read."""
@@ -799,6 +808,14 @@ class Stream:
         """
         self._check_send()
         await self._send([(FrameKind.BYTES, data) for data in frames])
+
+    def pace(self, rate: float | None) -> None:
+        """Cap what this stream's connection sends at ``rate`` bytes per
+        second (``SO_MAX_PACING_RATE``), or lift the cap (None). The cap
+        holds for the connection until lifted: lift it before the stream
+        ends, or the pooled connection keeps it for the next stream. A
+        kernel without the option sends unpaced."""
+        self._connection.pace(rate)
 
     def unacknowledged_bytes(self) -> int:
         """Bytes sent on this stream's connection that the remote's kernel has
@@ -1821,6 +1838,12 @@ async def open_tcp_racing(
         return winner
     assert failure is not None  # the nursery ended: a dial connected or failed
     raise failure
+
+
+#: Linux's SO_MAX_PACING_RATE (Python's socket module does not name it) and
+#: its "no cap" value (u32 ~0: the kernel then takes no cap at all)
+_SO_MAX_PACING_RATE = 47
+_UNPACED = 2**32 - 1
 
 
 def _shorten_retransmission_timer(sock: trio.socket.SocketType) -> None:

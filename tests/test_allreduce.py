@@ -572,6 +572,8 @@ def test_config_validation() -> None:
         AllReduceConfig(chunk_elements=1 << 22)
     with pytest.raises(ConfigError):
         AllReduceConfig(round_timeout=float("nan"))
+    with pytest.raises(ConfigError, match="upload_pacing"):
+        AllReduceConfig(upload_pacing=0.0)
 
 
 async def test_stream_claiming_another_members_index_is_refused() -> None:

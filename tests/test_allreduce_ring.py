@@ -28,6 +28,7 @@ from test_allreduce import (
     run_round,
     uniform,
 )
+from test_connections import max_pacing_rates
 
 from averaging._allreduce import AllReduceResult, all_reduce, serve_allreduce
 from averaging._codecs import FLOAT16
@@ -188,3 +189,17 @@ async def test_a_predecessor_that_sends_nan_is_banned_and_the_others_fall_back()
             want = inputs[i][start:end] if j == 3 else sum(x[start:end] for x in inputs[:3]) / 3
             assert torch.allclose(outputs[i][start:end], want, atol=1e-5, rtol=0), (i, j)
             assert result.part_contributors(j) == (frozenset({i}) if j == 3 else three)
+
+
+async def test_paced_rounds_average_exactly_and_leave_their_connections_unpaced() -> None:
+    """``upload_pacing`` caps each stream at its share of the rate while the
+    round runs (butterfly and ring alike), and lifts the caps at its end:
+    the pooled connections carry whatever comes next unpaced."""
+    for config in (replace(CONFIG, upload_pacing=1e9), replace(RING, upload_pacing=1e9)):
+        async with open_peers(3) as nets:
+            groups = make_groups(nets)
+            outcome = await run_round(nets, groups, WEIGHTS[:3], config=config)
+            check(outcome, WEIGHTS[:3], range(3), uniform(groups, frozenset(range(3))))
+            for net in nets:
+                assert net._connections
+                assert set(max_pacing_rates(net)) == {2**64 - 1}

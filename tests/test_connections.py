@@ -11,6 +11,7 @@ import errno
 import hashlib
 import random
 import socket
+import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -939,3 +940,25 @@ async def test_closing_a_connection_stops_a_bulk_send() -> None:
         assert [type(e) for e in raised] == [ClosedError]
         with trio.fail_after(30):
             await lost.wait()
+
+
+def max_pacing_rates(net: Connections) -> list[int]:
+    """Each connection's SO_MAX_PACING_RATE (bytes/s; 2**64 - 1: no cap)."""
+    return [
+        struct.unpack("=Q", c.socket.getsockopt(socket.SOL_SOCKET, 47, 8))[0]
+        for c in net._connections
+    ]
+
+
+async def test_a_stream_paces_its_connection_until_lifted() -> None:
+    """``Stream.pace`` caps what the connection sends; ``pace(None)`` lifts
+    the cap, so that the pooled connection carries later streams unpaced."""
+    async with two_peers() as (a, b):
+        b.set_handler("echo", echo)
+        async with a.open_stream(B.peer_id, address(b), "echo") as stream:
+            stream.pace(1_250_000.0)
+            await stream.send(1)
+            assert await stream.receive() == 1
+            assert max_pacing_rates(a) == [1_250_000]
+            stream.pace(None)
+            assert max_pacing_rates(a) == [2**64 - 1]
