@@ -225,9 +225,10 @@ class AllReduceConfig:
     #: the round's bytes it carries. Unpaced, the n - 1 flows of an uplink
     #: build a queue at the link and take it from each other in turns; paced
     #: to their shares, each flow keeps to its own. On 4 peers x 100 Mbit/s
-    #: (BBR), 97 Mbit/s here took the butterfly from 78-82% of the link limit
-    #: to 93-94%. A local setting: members may differ. Set it a little under
-    #: the link's rate: above it the queue comes back.
+    #: (BBR), 97-98.5 Mbit/s here took the butterfly from 79-82% of the link
+    #: limit to 92-94%, past gloo's 88-91% in the same launches. A local
+    #: setting: members may differ. The rate counts IP packets (the link
+    #: counts its frames' headers too): set it a little under the link's.
     upload_pacing: float | None = None
 
     def __post_init__(self) -> None:
