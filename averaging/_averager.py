@@ -34,6 +34,14 @@ from ._staging import ChunkedStaging
 
 log = logging.getLogger(__name__)
 
+#: The share of a declared upload rate that ``AveragerConfig.with_upload_rate``
+#: paces at. The pacing rate counts IP packets, while a link also carries each
+#: frame's own header (Ethernet's 14-38 bytes per 1,500, PPPoE or DOCSIS more),
+#: and a provider's shaper rounds in its own favour: paced at the full rate,
+#: the flows still outrun the link and queue at it, which pacing is there to
+#: avoid. On 4 peers x 100 Mbit/s (tbf), 97-98.5 Mbit/s paced best.
+UPLOAD_PACING_SHARE = 0.97
+
 
 class StepInProgressError(SwarmError, RuntimeError):
     """``step()`` was called while another ``step()`` of the same averager runs."""
@@ -51,8 +59,17 @@ class AveragerConfig:
     #: measured in their earlier rounds (``_link_meter``), equal shares until
     #: every member of a group has measured. A number overrides the
     #: measurement: this peer then publishes none, and its groups cut parts by
-    #: declared shares (1.0 for members that declared nothing).
+    #: declared shares (1.0 for members that declared nothing). To declare
+    #: a rate in bytes per second instead, which mixes with the others'
+    #: measurements, use ``upload_rate``.
     bandwidth: float | None = None
+    #: this peer's upload in bytes per second, if the user knows it
+    #: (``swarm train --upload-rate``; set with ``with_upload_rate``, which
+    #: paces the all-reduce to it as well): published in place of the
+    #: measured upload, in the same unit, so parts follow it in groups where
+    #: the others publish measurements. The download is still measured. A
+    #: local setting: members may differ, or declare nothing.
+    upload_rate: float | None = None
     #: NODE (default), AUX (reduces, weight 0); CLIENT follows the peer's client_mode
     mode: MemberMode = MemberMode.NODE
     #: peers the grid is sized for when no grid is given (MoshpitGrid.for_swarm)
@@ -63,8 +80,29 @@ class AveragerConfig:
             math.isfinite(self.bandwidth) and self.bandwidth > 0
         ):
             raise ConfigError(f"bandwidth={self.bandwidth} must be a positive number or None")
+        if self.upload_rate is not None and not (
+            math.isfinite(self.upload_rate) and self.upload_rate > 0
+        ):
+            raise ConfigError(
+                f"upload_rate={self.upload_rate} must be a positive number of bytes per second"
+                " or None"
+            )
+        if self.upload_rate is not None and self.bandwidth is not None:
+            raise ConfigError(
+                "declare bandwidth (a share relative to the others') or upload_rate (bytes per"
+                " second), not both: a declared bandwidth publishes no rates at all"
+            )
         if self.expected_peers < 1:
             raise ConfigError("expected_peers must be at least 1")
+
+    def with_upload_rate(self, bytes_per_second: float) -> AveragerConfig:
+        """This config for a peer whose upload is ``bytes_per_second``: it
+        publishes that rate (``upload_rate``) and paces its all-reduce streams
+        to ``UPLOAD_PACING_SHARE`` of it (``AllReduceConfig.upload_pacing``).
+        Raises ``ConfigError`` for a rate that is not positive and finite."""
+        declared = replace(self, upload_rate=bytes_per_second)  # validates the rate
+        pacing = UPLOAD_PACING_SHARE * bytes_per_second
+        return replace(declared, allreduce=replace(self.allreduce, upload_pacing=pacing))
 
     @property
     def step_bound(self) -> float:
@@ -140,7 +178,8 @@ class Averager:
         config = config or AveragerConfig()
         if target_group_size is not None or min_group_size is not None:
             mm = config.matchmaking
-            config = AveragerConfig(
+            config = replace(
+                config,
                 matchmaking=MatchmakingConfig(
                     target_group_size=target_group_size or mm.target_group_size,
                     min_group_size=min_group_size or mm.min_group_size,
@@ -148,11 +187,6 @@ class Averager:
                     request_timeout=mm.request_timeout,
                     poll_interval=mm.poll_interval,
                 ),
-                allreduce=config.allreduce,
-                codec=config.codec,
-                bandwidth=config.bandwidth,
-                mode=config.mode,
-                expected_peers=config.expected_peers,
             )
         if not prefix or len(prefix) > 64 or any(c.isspace() for c in prefix):
             raise ConfigError(f"prefix {prefix!r} must be 1-64 characters without spaces")
@@ -215,8 +249,8 @@ class Averager:
 
     def _member(self) -> GroupMember:
         """This peer as a group member: its declared share, or (by default)
-        the rates its link was measured to move; announced through its relay
-        when it has one."""
+        the rates its link was measured to move, the upload replaced by the
+        declared one if any; announced through its relay when it has one."""
         host, port = self.peer.endpoint
         if self.mode is MemberMode.CLIENT:
             return GroupMember(self.peer.peer_id, host, port, 0.0, self.mode)
@@ -226,8 +260,9 @@ class Averager:
                 self.peer.peer_id, host, port, self.config.bandwidth, self.mode, relay=relay
             )
         meter = self.link_meter
+        upload = meter.upload if self.config.upload_rate is None else self.config.upload_rate
         return GroupMember(
-            self.peer.peer_id, host, port, 1.0, self.mode, meter.upload, meter.download, relay
+            self.peer.peer_id, host, port, 1.0, self.mode, upload, meter.download, relay
         )
 
     async def step(

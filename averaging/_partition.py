@@ -31,7 +31,8 @@ def part_weights(members: Sequence[GroupMember]) -> list[float]:
     to the same ``Group``.
 
     Members that reduce (not client-mode, declared bandwidth > 0) weigh their
-    measured upload rate when every one of them published one, and their
+    measured upload rate (or the one they declared in bytes per second,
+    ``AveragerConfig.upload_rate``) when every one of them published one, and their
     declared bandwidth otherwise; the others weigh 0. Upload, not the smaller
     of upload and download, because the download a member measures is bounded
     by the uploads of those sending to it (``_link_meter``). A member

@@ -41,6 +41,7 @@ from ._errors import (
     collapse_exception_groups,
 )
 from ._identity import Identity
+from ._link_rate import parse_link_rate
 from ._stdout import say
 from ._throughput import Throughput, ThroughputMeter
 
@@ -140,6 +141,13 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "--client-mode",
         action="store_true",
         help="accept no incoming connections (behind NAT); still trains and averages",
+    )
+    network.add_argument(
+        "--upload-rate",
+        metavar="RATE",
+        help="this peer's upload, e.g. 20mbit or 2.5MB/s: parts of the average follow it "
+        "instead of the measured rate, and the all-reduce paces its streams to 97%% of it "
+        "so that they share the link without queueing (default: measured, unpaced)",
     )
     network.add_argument(
         "--no-auto-punch",
@@ -570,8 +578,11 @@ def _collaborative_config(args: argparse.Namespace) -> CollaborativeConfig:
             f"--averaging-timeout {timeout:g} must exceed --matchmaking-time plus two "
             f"request timeouts ({matchmaking.bound:g}s), or no group can form"
         )
+    averaging = AveragerConfig(matchmaking=matchmaking)
+    if args.upload_rate is not None:
+        averaging = averaging.with_upload_rate(_upload_rate(args.upload_rate))
     return CollaborativeConfig(
-        averaging=AveragerConfig(matchmaking=matchmaking),
+        averaging=averaging,
         averaging_timeout=timeout,
         checkpoint_every=args.checkpoint_every,
         diloco=None if args.diloco is None else DiLoCo(local_steps=args.diloco),
@@ -579,6 +590,13 @@ def _collaborative_config(args: argparse.Namespace) -> CollaborativeConfig:
         lossy=args.lossy,
         offload_optimizer=args.offload_optimizer,
     )
+
+
+def _upload_rate(value: str) -> float:
+    try:
+        return parse_link_rate(value)
+    except ConfigError as e:
+        raise ConfigError(f"--upload-rate: {e}") from None
 
 
 def _drop_compute(value: str | None) -> DropCompute | None:

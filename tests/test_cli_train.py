@@ -156,6 +156,7 @@ async def test_bad_configuration_exits_2_with_one_line(tmp_path: Path) -> None:
         ("train", "--initial-peer", nobody): "no initial peer answered",
         ("status", "--initial-peer", nobody): "no initial peer answered",
         ("status", "--initial-peer", "nonsense"): "HOST:PORT",
+        ("train", "--upload-rate", "20mbps"): "--upload-rate",
     }
 
     async def check(args: tuple[str, ...], expected: str) -> None:
@@ -199,3 +200,54 @@ def test_diloco_and_drop_compute_options() -> None:
     ]:
         with pytest.raises(ConfigError, match=expected):
             _collaborative_config(parse(*argv))
+
+
+def test_link_rates_in_bits_or_bytes_come_out_in_bytes_per_second() -> None:
+    from swarm._link_rate import parse_link_rate
+
+    for text, rate in [
+        ("20mbit", 2.5e6),
+        ("100Mbit", 12.5e6),
+        (" 1.5gbit/s ", 187.5e6),
+        ("800kbit", 1e5),
+        ("2.5MB/s", 2.5e6),
+        ("500KB/s", 5e5),
+        ("300 kB/s", 3e5),
+        ("1e3B/s", 1e3),
+    ]:
+        assert parse_link_rate(text) == pytest.approx(rate), text
+    # read both ways by people (a factor of 8 apart), or no rate at all: refused
+    for bad in ("", "20", "fast", "20mbps", "20Mb/s", "2MBps", "20 mb/s", "mbit", "-5mbit"):
+        with pytest.raises(ConfigError, match="such as 20mbit"):
+            parse_link_rate(bad)
+    for bad in ("0mbit", "0.0MB/s", "1e999mbit"):
+        with pytest.raises(ConfigError, match="positive and finite"):
+            parse_link_rate(bad)
+
+
+def test_upload_rate_declares_the_upload_and_paces_the_allreduce_under_it() -> None:
+    from averaging._averager import UPLOAD_PACING_SHARE
+    from swarm.cli import _check_train_args, _collaborative_config, _join_command, build_parser
+
+    def parse(*argv: str) -> argparse.Namespace:
+        args = build_parser().parse_args(["train", *argv])
+        _check_train_args(args)
+        return args
+
+    def config(*argv: str) -> Any:
+        return _collaborative_config(parse(*argv))
+
+    averaging = config("--upload-rate", "20mbit").averaging
+    assert averaging.upload_rate == 2.5e6
+    # the pacing counts IP packets, the link its frames too: a little under
+    assert averaging.allreduce.upload_pacing == UPLOAD_PACING_SHARE * 2.5e6 < 2.5e6
+    assert averaging.bandwidth is None
+    assert config("--upload-rate", "2.5MB/s").averaging == averaging  # the same, in bytes
+    # a local setting (peers' links differ), not a run setting the join command carries
+    join = _join_command(parse("--upload-rate", "20mbit"), "127.0.0.1:1", "run")
+    assert "--upload-rate" not in join
+    unset = config().averaging
+    assert unset.upload_rate is None and unset.allreduce.upload_pacing is None
+    for bad in ("20mbps", "0mbit", "lots"):
+        with pytest.raises(ConfigError, match="--upload-rate"):
+            config("--upload-rate", bad)

@@ -3,12 +3,15 @@ that carry the rates, and an averager that measures its own rounds."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import trio
 from peer_harness import averager_config, open_peers
 
 from averaging import (
+    AllReduceConfig,
     Averager,
     AveragerConfig,
     Group,
@@ -18,6 +21,7 @@ from averaging import (
     MoshpitGrid,
     StepResult,
 )
+from averaging._averager import UPLOAD_PACING_SHARE
 from averaging._link_meter import MIN_SAMPLE_BYTES
 from averaging._matchmaking import (
     Candidate,
@@ -202,6 +206,19 @@ def test_averager_bandwidth_is_a_positive_number_or_measured() -> None:
             AveragerConfig(bandwidth=bad)
 
 
+def test_a_declared_upload_rate_is_bytes_per_second_and_paces_the_allreduce() -> None:
+    declared = AveragerConfig().with_upload_rate(2.5e6)
+    assert declared.upload_rate == 2.5e6 and declared.bandwidth is None
+    assert declared.allreduce.upload_pacing == UPLOAD_PACING_SHARE * 2.5e6
+    assert declared.allreduce == replace(AllReduceConfig(), upload_pacing=0.97 * 2.5e6)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match="upload_rate"):
+            AveragerConfig().with_upload_rate(bad)
+    # a share relative to the others' and a rate in bytes per second do not mix
+    with pytest.raises(ConfigError, match="not both"):
+        AveragerConfig(bandwidth=2.0, upload_rate=2.5e6)
+
+
 CONFIG = averager_config(
     group_size=3,
     min_group_size=3,
@@ -251,3 +268,52 @@ async def test_averagers_publish_what_they_measured_and_cut_parts_by_it() -> Non
             groups.append(members)
         # every member saw the same rates for every member
         assert groups[0] == groups[1] == groups[2]
+
+
+#: what peer 0 of the next test declares: far under loopback's rate, so it
+#: gets the smallest part once the others have measured theirs
+DECLARED = 10e6
+
+
+async def test_a_declared_upload_stands_in_for_the_measured_one_among_measured_peers() -> None:
+    """Three peers on loopback, one declaring its upload (and pacing to it):
+    its member carries the declared rate from the first round on, the others
+    measure theirs, and once every member has a rate the parts follow them:
+    the declared rate mixes with the measured ones, in the same unit."""
+    configs = [CONFIG.with_upload_rate(DECLARED), CONFIG, CONFIG]
+    async with open_peers(3, seed=4) as peers:
+        gen = torch.Generator().manual_seed(4)
+        values = [torch.randn(MIB, generator=gen) for _ in range(3)]
+        mean = torch.stack(values).mean(dim=0)
+        averagers = [
+            Averager(p, [values[i]], prefix="declared", config=configs[i], grid=MoshpitGrid(1, 3))
+            for i, p in enumerate(peers.alive)
+        ]
+        results: list[dict[int, StepResult]] = [{}, {}]
+        for r in range(2):
+
+            async def one(i: int, r: int = r) -> None:
+                with trio.fail_after(CONFIG.step_bound + 5):
+                    results[r][i] = await averagers[i].step(round=r, expected_peers=3)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(one, i)
+        declarer = peers.alive[0].peer_id
+        first, second = results
+        group = first[0].group
+        assert group is not None
+        uploads = {m.peer_id: m.upload for m in group.members}
+        assert uploads.pop(declarer) == DECLARED and set(uploads.values()) == {0.0}
+        assert all(torch.allclose(v, mean, atol=1e-6) for v in values)
+        for i in range(3):
+            res = second[i]
+            assert res.group is not None and res.allreduce is not None
+            assert res.contributors == frozenset(res.members)
+            members = res.group.members
+            rates = {m.peer_id: m.upload for m in members}
+            assert rates[declarer] == DECLARED and all(rate > 0 for rate in rates.values())
+            sizes = part_sizes(MIB, part_weights(members), [m.mode for m in members])
+            assert [b - a for a, b in res.allreduce.part_bounds] == sizes
+            # measured on loopback, the others are far faster than the declared link
+            assert sizes[[m.peer_id for m in members].index(declarer)] == min(sizes)

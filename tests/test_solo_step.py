@@ -168,3 +168,20 @@ def test_a_peer_alone_records_whether_its_drop_compute_threshold_ended_the_step(
     assert step is not None and step.samples == steps_after * BATCH
     assert step.stopped_early is early
     assert step.compute_seconds == pytest.approx(steps_after * cost)
+
+
+def test_a_declared_upload_rate_reaches_the_optimizers_averager() -> None:
+    """``CollaborativeConfig(averaging=AveragerConfig().with_upload_rate(...))``
+    (what ``swarm train --upload-rate`` builds): the gradient averager paces
+    its all-reduce under the rate and announces the rate as its upload."""
+    averaging = STILL.averaging.with_upload_rate(2.5e6)
+    with training_peers(1) as (_, (peer,)):
+        opt = _alone(
+            peer, _model(), "declared", target=2 * BATCH, config=replace(STILL, averaging=averaging)
+        )
+        try:
+            config = opt._grad_averager.config
+            assert config.allreduce.upload_pacing == averaging.allreduce.upload_pacing
+            assert opt._grad_averager._member().upload == 2.5e6
+        finally:
+            opt.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from averaging import AveragerConfig
 from trainer import DenseGradients, DiLoCo, LocalSGD, Strategy, Trainee
 from trainer._amp import zero_unless
 from trainer._diloco import OuterLoop
@@ -150,3 +151,18 @@ def test_local_sgd_refuses_a_state_that_does_not_fit(bad: dict[str, object]) -> 
     strategy = LocalSGD(trainee, OuterLoop(trainee.params, DiLoCo(local_steps=3)))
     with pytest.raises(ProtocolError):
         strategy.load_mode_state(bad)
+
+
+def test_every_mode_keeps_the_declared_upload_rate_and_its_pacing() -> None:
+    """A mode changes what its averager averages (lossy, a codec), never the
+    link it runs on: ``swarm train --upload-rate`` reaches every mode."""
+    run = AveragerConfig().with_upload_rate(2.5e6)
+    trainee = _trainee()
+    for strategy in (
+        DenseGradients(trainee),
+        DenseGradients(trainee, lossy=True),
+        LocalSGD(trainee, OuterLoop(trainee.params, DiLoCo(local_steps=3))),
+    ):
+        config = strategy.averager_config(run)
+        assert config.upload_rate == 2.5e6
+        assert config.allreduce.upload_pacing == run.allreduce.upload_pacing
