@@ -393,7 +393,9 @@ async def all_reduce(
         and config.aggregation is None
         and ring_eligible(group, partition)
     ):
-        return await _ring_round(net, group, tensors, flat, partition, weight, codec, config)
+        return await _ring_round(
+            net, group, tensors, flat, partition, weight, codec, config, meter
+        )
     traffic = meter.round_traffic() if meter is not None else None
     rnd = _Round(net, group, partition, flat, weight, codec, config, fault, traffic)
     with (
@@ -426,19 +428,29 @@ async def _ring_round(
     weight: float,
     codec: Codec,
     config: AllReduceConfig,
+    meter: LinkMeter | None,
 ) -> AllReduceResult:
     """``all_reduce`` around the ring (``_ring``); if the ring breaks, the
     butterfly in the time left, under a group id of its own (so that its
-    streams never meet the ring's), with the same promises."""
+    streams never meet the ring's), with the same promises. ``meter`` gets
+    the rates of a ring that finished, or of a fallback that nothing failed in."""
     # The butterfly's handler too, from now on: a member whose ring broke
     # earlier than ours begins its fallback before we begin ours.
     serve_allreduce(net)
     started = trio.current_time()
     outcome = None
+    traffic = meter.round_traffic() if meter is not None else None
     with trio.move_on_after(config.round_timeout) as deadline:
         try:
             outcome = await ring_all_reduce(
-                net, group, partition, flat, weight, config.reducer_timeout, config.upload_pacing
+                net,
+                group,
+                partition,
+                flat,
+                weight,
+                config.reducer_timeout,
+                config.upload_pacing,
+                traffic,
             )
         except RingFailed as e:
             logger.info(
@@ -456,8 +468,11 @@ async def _ring_round(
             weight=weight,
             codec=codec,
             config=fallback,
+            meter=meter,
         )
         return dataclasses.replace(result, group_id=group.group_id)
+    if meter is not None and traffic is not None:
+        meter.record(traffic)
     result = AllReduceResult(
         group_id=group.group_id,
         local_index=group.local_index,

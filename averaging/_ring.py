@@ -52,7 +52,7 @@ import logging
 import math
 import struct
 from collections.abc import Iterator
-from contextlib import AsyncExitStack, contextmanager
+from contextlib import AbstractContextManager, AsyncExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -65,6 +65,7 @@ from swarm._wire import expect_bytes, expect_int, expect_list
 
 from ._codecs import all_finite
 from ._group import Group, MemberMode
+from ._link_meter import RoundTraffic
 from ._partition import Partition
 from ._rounds import RoundsByGroup
 
@@ -167,8 +168,11 @@ class _Ring:
         reducer_timeout: float,
         spares: _Spares,
         upload_pacing: float | None = None,
+        traffic: RoundTraffic | None = None,
     ) -> None:
         self.group = group
+        #: where the round's sends and receives are timed for the link meter
+        self.traffic = traffic
         #: our whole upload goes to our successor: its stream's pace
         self.upload_pacing = upload_pacing
         self.partition = partition
@@ -341,7 +345,9 @@ class _Ring:
             a, b = self.partition.chunk_bounds(part, chunk)
             buffer = self._take()
             view = memoryview(buffer)[: 4 * (b - a)]
-            if await stream.receive_into(view) != view.nbytes:
+            with self._receiving(view.nbytes):
+                received = await stream.receive_into(view)
+            if received != view.nbytes:
                 raise ProtocolError("ring item of the wrong size")
             values = self._values(buffer, b - a)
         item = _Item(kind, part, chunk, weight, members, values, buffer)
@@ -446,10 +452,26 @@ class _Ring:
                         break  # none ready, or none to come: ``async for`` ends
                     size += self._frames_size(batch[-1])
                 frames = [frame for item in batch for frame in self._frames(item)]
-                with trio.fail_after(self.reducer_timeout):
+                with trio.fail_after(self.reducer_timeout), self._sending(stream, frames):
                     await stream.send_bytes_batch(frames)
                 for item in batch:
                     self._give(item)
+
+    def _sending(
+        self, stream: Any, frames: list[bytes | memoryview]
+    ) -> AbstractContextManager[None]:
+        """Times a send to our successor for the link meter, as the butterfly
+        times its sends (``_link_meter``): the bytes its connection had
+        acknowledged while the send ran count."""
+        if self.traffic is None:
+            return nullcontext()
+        return self.traffic.sending(sum(memoryview(f).nbytes for f in frames), stream)
+
+    def _receiving(self, nbytes: int) -> AbstractContextManager[None]:
+        """Times the receipt of an item's values from our predecessor for the
+        link meter: from its header on, the receive waits only for the
+        values to cross the link."""
+        return nullcontext() if self.traffic is None else self.traffic.receiving(nbytes)
 
     def _frames(self, item: _Item) -> list[bytes | memoryview]:
         header = _ITEM.pack(item.kind, item.part, item.chunk, item.weight)
@@ -549,12 +571,14 @@ async def ring_all_reduce(
     weight: float,
     reducer_timeout: float,
     upload_pacing: float | None = None,
+    traffic: RoundTraffic | None = None,
 ) -> RingOutcome:
     """Average ``flat`` with ``group`` around the ring (module docstring), in
     place. Raises ``RingFailed``, with ``flat`` untouched, if the ring did not
-    finish here."""
+    finish here. ``traffic``, if given, times the round's sends and receives
+    for the link meter."""
     spares = _ring_registry(net).spares
-    rnd = _Ring(group, partition, flat, weight, reducer_timeout, spares, upload_pacing)
+    rnd = _Ring(group, partition, flat, weight, reducer_timeout, spares, upload_pacing, traffic)
     try:
         with _registered(net, rnd):
             return await rnd.run(net)

@@ -33,6 +33,7 @@ from test_connections import max_pacing_rates
 from averaging._allreduce import AllReduceResult, all_reduce, serve_allreduce
 from averaging._codecs import FLOAT16
 from averaging._faults import FaultPlan, MemberFault
+from averaging._link_meter import MIN_SAMPLE_BYTES, LinkMeter
 from averaging._partition import Partition
 from averaging._ring import _ITEM, RING_STREAM, RING_VERSION, SUM, _mask_bytes, ring_eligible
 from swarm import Identity, ManualClock, SwarmError
@@ -203,3 +204,33 @@ async def test_paced_rounds_average_exactly_and_leave_their_connections_unpaced(
             for net in nets:
                 assert net._connections
                 assert set(max_pacing_rates(net)) == {2**64 - 1}
+
+
+async def test_a_ring_round_gives_its_link_rates_to_the_meter() -> None:
+    """The ring's sends and receives are timed as the butterfly's are, so a
+    trainer running the ring measures its link (``_link_meter``) and parts
+    cut from those rates stay alike when the links are."""
+    total = MIN_SAMPLE_BYTES  # floats: each member sends and receives 6 x what counts
+    gen = torch.Generator().manual_seed(7)
+    inputs = [torch.randn(total, generator=gen) for _ in range(4)]
+    mean = torch.stack(inputs).mean(dim=0)
+    meters = [LinkMeter(trio.current_time) for _ in range(4)]
+    results: list[AllReduceResult] = []
+    async with open_peers(4) as nets:
+        groups = make_groups(nets)
+
+        async def member(i: int) -> None:
+            config = replace(RING, chunk_elements=1 << 15, min_chunks_per_part=1)
+            results.append(
+                await all_reduce(nets[i], groups[i], [inputs[i]], config=config, meter=meters[i])
+            )
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(member, i)
+        assert [net.dialed for net in nets] == [1, 1, 1, 1]  # it was the ring
+    assert all(chunk == ALL4 for r in results for part in r.contributors for chunk in part)
+    for x in inputs:
+        torch.testing.assert_close(x, mean)
+    for meter in meters:
+        assert meter.upload > 0 and meter.download > 0
