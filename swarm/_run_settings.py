@@ -80,6 +80,12 @@ class RunSettings:
     #: before the setting existed mean off. Peers that disagree would each
     #: refuse the other's streams: every all-reduce round would fail.
     lossy: bool = False
+    #: the pipelined ring all-reduce where a group allows it (``--ring``,
+    #: ``AllReduceConfig.ring``); records from before the setting existed mean
+    #: off. A ring member waits for its predecessor's ring stream, a butterfly
+    #: member sends to every reducer's butterfly round: peers that disagree
+    #: fail every round they share, and fall back late.
+    ring: bool = False
 
     #: command-line option of each setting a peer must share, by field name
     OPTIONS = {
@@ -91,6 +97,7 @@ class RunSettings:
         "max_epochs": "--max-epochs",
         "precision": "--precision",
         "lossy": "--lossy",
+        "ring": "--ring",
     }
 
     def to_value(self) -> dict[str, Any]:
@@ -126,9 +133,11 @@ class RunSettings:
 
         target, group = integer("target_batch_size"), integer("target_group_size")
         assert target is not None and group is not None
-        lossy = value.get("lossy", False)
+        lossy, ring = value.get("lossy", False), value.get("ring", False)
         if not isinstance(lossy, bool):
             raise ProtocolError("run setting lossy must be true or false")
+        if not isinstance(ring, bool):
+            raise ProtocolError("run setting ring must be true or false")
         matchmaking_time = number("matchmaking_time")
         if matchmaking_time <= 0:
             raise ProtocolError("run setting matchmaking_time must be positive")
@@ -143,6 +152,7 @@ class RunSettings:
             started=number("started"),
             precision=text("precision") if "precision" in value else "fp32",
             lossy=lossy,
+            ring=ring,
         )
 
 

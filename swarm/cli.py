@@ -205,6 +205,12 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         "datagrams that are never retransmitted, for lossy or long links; parameters are "
         "re-synchronised over TCP at a period set by the measured loss (default: off)",
     )
+    run.add_argument(
+        "--ring",
+        action="store_true",
+        help="average over a pipelined ring (one TCP flow per link) where a group's links "
+        "are alike, else the butterfly; for links of equal speed (default: off)",
+    )
     training = parser.add_argument_group("training (this peer)")
     training.add_argument(
         "--device",
@@ -556,7 +562,7 @@ async def _run_dht(args: argparse.Namespace) -> int:
 
 
 def _collaborative_config(args: argparse.Namespace) -> CollaborativeConfig:
-    from averaging import AveragerConfig, MatchmakingConfig
+    from averaging import AllReduceConfig, AveragerConfig, MatchmakingConfig
     from trainer import CollaborativeConfig, DiLoCo
 
     defaults = MatchmakingConfig()
@@ -578,7 +584,7 @@ def _collaborative_config(args: argparse.Namespace) -> CollaborativeConfig:
             f"--averaging-timeout {timeout:g} must exceed --matchmaking-time plus two "
             f"request timeouts ({matchmaking.bound:g}s), or no group can form"
         )
-    averaging = AveragerConfig(matchmaking=matchmaking)
+    averaging = AveragerConfig(matchmaking=matchmaking, allreduce=AllReduceConfig(ring=args.ring))
     if args.upload_rate is not None:
         averaging = averaging.with_upload_rate(_upload_rate(args.upload_rate))
     return CollaborativeConfig(
@@ -769,8 +775,7 @@ def _join_command(args: argparse.Namespace, address: str, run_id: str) -> str:
                 f"--{option.replace('_', '-')}",
                 f"{value:g}" if isinstance(value, float) else str(value),
             ]
-    if args.lossy:
-        parts.append("--lossy")
+    parts += [flag for flag in ("--lossy", "--ring") if getattr(args, flag[2:])]
     return f"{_swarm_command()} {shlex.join(parts)}"
 
 
@@ -929,6 +934,7 @@ def _agree_on_settings(
         started=dht.now(),
         precision=args.precision,
         lossy=args.lossy,
+        ring=args.ring,
     )
     settings = reconcile(run, mine, frozenset(given & RunSettings.OPTIONS.keys()))
     if settings.task_name != task.name:

@@ -51,7 +51,9 @@ def test_throughput_counts_only_epochs_it_saw_taken() -> None:
 
 
 def test_a_joiner_adopts_what_it_did_not_set_and_is_refused_otherwise() -> None:
-    mine = RunSettings("other.py:make", "digits", 512, 1.0, 4, 8, None, 2000.0, "bf16", True)
+    mine = RunSettings(
+        "other.py:make", "digits", 512, 1.0, 4, 8, None, 2000.0, "bf16", True, ring=True
+    )
     # nothing set: the run's settings, start time included
     assert reconcile(RUN, mine, frozenset()) == RUN
     # the same task under another path is the same task: its own path is kept
@@ -101,6 +103,13 @@ def test_settings_records_round_trip_and_every_peer_chooses_the_same() -> None:
     assert RunSettings.from_value(older).lossy is False
     with pytest.raises(ProtocolError):
         RunSettings.from_value(RUN.to_value() | {"lossy": 1})
+    # --ring likewise: peers that disagree would fail every round they share
+    ring = RunSettings(**(RUN.to_value() | {"ring": True}))
+    assert RunSettings.from_value(ring.to_value()) == ring
+    older = {k: v for k, v in RUN.to_value().items() if k != "ring"}
+    assert RunSettings.from_value(older).ring is False
+    with pytest.raises(ProtocolError, match="ring"):
+        RunSettings.from_value(RUN.to_value() | {"ring": "yes"})
 
     a, b = (Identity.generate().peer_id for _ in range(2))
     later = RunSettings(**(RUN.to_value() | {"started": 2000.0, "target_batch_size": 64}))

@@ -193,6 +193,12 @@ def test_diloco_and_drop_compute_options() -> None:
     assert _join_command(parse("--lossy"), "127.0.0.1:1", "run").endswith(" --lossy")
     with pytest.raises(ConfigError, match="lossy"):
         _collaborative_config(parse("--lossy", "--diloco", "4"))
+    # --ring: the pipelined ring where a group allows it, a run setting too
+    assert _collaborative_config(parse("--ring")).averaging.allreduce.ring
+    assert not _collaborative_config(parse()).averaging.allreduce.ring
+    assert _join_command(parse("--ring"), "127.0.0.1:1", "run").endswith(" --ring")
+    both = _join_command(parse("--lossy", "--ring"), "127.0.0.1:1", "run")
+    assert both.endswith(" --lossy --ring")
     for argv, expected in [
         (("--diloco", "0"), "--diloco"),
         (("--drop-compute", "soon"), "--drop-compute"),

@@ -249,3 +249,27 @@ def test_a_dropped_optimizer_frees_its_tensors_at_once() -> None:
             assert core() is None and accumulator() is None
     finally:
         gc.enable()
+
+
+async def test_three_peers_train_digits_around_the_ring(
+    clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``swarm train --ring``: the gradient rounds run the pipelined ring, and
+    every step still averages every peer's data into identical parameters
+    (each peer's contributors come from the ring's results)."""
+    import averaging._allreduce as allreduce
+
+    rings: list[bytes] = []
+    real_ring = allreduce.ring_all_reduce
+
+    async def counted(net: Any, group: Any, *args: Any) -> Any:
+        outcome = await real_ring(net, group, *args)
+        rings.append(group.group_id)  # finished: no fallback to the butterfly
+        return outcome
+
+    monkeypatch.setattr(allreduce, "ring_all_reduce", counted)
+    averaging = replace(FAST.averaging, allreduce=replace(FAST.averaging.allreduce, ring=True))
+    together = await train_together(replace(FAST, averaging=averaging), epochs=10)
+    together.assert_every_step_taken_together(10)
+    # three members per gradient round, each ran its ring to the end
+    assert len(set(rings)) >= 10 and len(rings) == 3 * len(set(rings))
