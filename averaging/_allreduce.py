@@ -1823,10 +1823,11 @@ class _Registry:
             await rnd.withdraw(stream.remote)
         await stream.send(["ok"])
 
-    def _note_weight(self, group_id: bytes, peer: PeerID, weight: Any) -> None:
-        """A group-mate began its all-reduce to us announcing ``weight``: keep
-        it (bounded, like withdrawal notices) and tell the listeners. A weight
-        that is no finite number >= 0 is left for ``check_header`` to refuse."""
+    def note_weight(self, group_id: bytes, peer: PeerID, weight: Any) -> None:
+        """A group-mate began its all-reduce to us announcing ``weight`` (in a
+        butterfly or a ring header): keep it (bounded, like withdrawal notices)
+        and tell the listeners. A weight that is no finite number >= 0 is left
+        for ``check_header`` to refuse."""
         if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
             return
         self._expire()
@@ -1900,7 +1901,7 @@ class _Registry:
             return
         fields = expect_list(header, 7, "all-reduce header")
         gid = expect_bytes(fields[1], "group id", max_size=64)
-        self._note_weight(gid, stream.remote, fields[4])
+        self.note_weight(gid, stream.remote, fields[4])
         rnd = await self._rounds.find(
             gid, wait=UNKNOWN_GROUP_WAIT, unless=lambda: gid in self._withdrawn
         )
@@ -1923,16 +1924,18 @@ def serve_allreduce(net: Network) -> None:
     otherwise find no handler here and count this peer as a failed reducer.
     The lossy round's control streams (``_lossy``) are served from then on too.
     """
-    _registry(net)
+    registry = _registry(net)
     serve_lossy_allreduce(net)
-    serve_ring(net)
+    serve_ring(net, registry.note_weight)
 
 
 def sender_weights(net: Network, group_id: bytes) -> dict[PeerID, float]:
     """The weights that members of group ``group_id`` announced when they began
     sending their all-reduce to this peer (kept for a while, also when this
     peer has not started that round yet): a member that began its round has
-    stopped adding to it, and its weight is final."""
+    stopped adding to it, and its weight is final. Around the ring
+    (``AllReduceConfig.ring``) a member sends only to its successor, so only
+    our predecessor's weight arrives here."""
     return _registry(net).sender_weights(group_id)
 
 

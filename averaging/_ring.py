@@ -25,7 +25,9 @@ so as long as chunks arrive as fast as they leave, no link ever waits
 Every member ends with the same bits: the reducer's.
 
 Wire protocol of the stream (name ``RING_STREAM``) from member i - 1 to i:
-a header ``[version, group_id, sender]``, then per item a raw frame ``u8
+a header ``[version, group_id, sender, weight]`` (the sender's weight: it
+adds no more, as a butterfly sender's header says; ``sender_weights``),
+then per item a raw frame ``u8
 kind | u32 part | u32 chunk | f64 weight sum | contributor mask`` (the mask
 as ``_allreduce``'s) and, unless the mask is empty, a raw frame with the
 float32 values. An empty mask: nobody with weight > 0 is in the sum yet, or
@@ -51,7 +53,7 @@ from __future__ import annotations
 import logging
 import math
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, AsyncExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +75,7 @@ logger = logging.getLogger(__name__)
 
 #: Name of the stream (connection handler) of the ring all-reduce.
 RING_STREAM = "allreduce-ring"
-RING_VERSION = 1
+RING_VERSION = 2
 #: How long a ring stream for a group this peer does not (yet) run waits for
 #: that round to start before it is refused (as ``UNKNOWN_GROUP_WAIT``).
 RING_GROUP_WAIT = 2.0
@@ -198,13 +200,18 @@ class _Ring:
     def check_header(self, remote: PeerID, message: Any) -> None:
         """Raises ``ProtocolError`` unless ``message`` opens this round's ring
         stream from our predecessor."""
-        fields = expect_list(message, 3, "ring header")
+        fields = expect_list(message, 4, "ring header")
         if expect_int(fields[0], "version") != RING_VERSION:
             raise ProtocolError(f"ring protocol version {fields[0]}, expected {RING_VERSION}")
         if expect_int(fields[2], "sender") != self.prev:
             raise ProtocolError(f"ring stream from member {fields[2]}, expected {self.prev}")
         if remote != self.group.members[self.prev].peer_id:
             raise ProtocolError(f"member {self.prev} of the group is another peer")
+        weight = fields[3]
+        if isinstance(weight, bool) or not isinstance(weight, int | float):
+            raise ProtocolError("ring header: the weight is not a number")
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ProtocolError(f"ring header: weight {weight} is not a finite number >= 0")
 
     async def accept(self, stream: Any) -> None:
         """Hand our predecessor's stream to the round; return when it is done."""
@@ -271,7 +278,7 @@ class _Ring:
                 stream = await stack.enter_async_context(
                     net.open_stream(member.peer_id, member.address, RING_STREAM)
                 )
-                await stream.send([RING_VERSION, self.group.group_id, self.me])
+                await stream.send([RING_VERSION, self.group.group_id, self.me, self.weight])
             if self.upload_pacing is not None:
                 stream.pace(self.upload_pacing)
                 stack.callback(stream.pace, None)  # the connection goes back to the pool
@@ -524,6 +531,9 @@ class _RingRegistry:
     def __init__(self) -> None:
         self.rounds: RoundsByGroup[_Ring] = RoundsByGroup()
         self.spares = _Spares()
+        #: hears ``(group_id, sender, weight)`` from each ring header, checked
+        #: or not (``serve_ring``)
+        self.on_weight: Callable[[bytes, PeerID, Any], None] | None = None
 
     async def handle(self, stream: Any) -> None:
         """The connection handler of ``RING_STREAM``: raises ``ProtocolError``
@@ -532,8 +542,10 @@ class _RingRegistry:
             header = await stream.receive()
         if wait.cancelled_caught:
             raise ProtocolError("no ring header in time")
-        fields = expect_list(header, 3, "ring header")
+        fields = expect_list(header, 4, "ring header")
         gid = expect_bytes(fields[1], "group id", max_size=64)
+        if self.on_weight is not None:  # also before our round starts, as the butterfly's
+            self.on_weight(gid, stream.remote, fields[3])
         rnd = await self.rounds.find(gid, wait=RING_GROUP_WAIT)
         if rnd is None:
             raise ProtocolError(f"no ring round for group {gid.hex()[:16]} here")
@@ -544,9 +556,12 @@ class _RingRegistry:
 _registries: WeakKeyDictionary[Any, _RingRegistry] = WeakKeyDictionary()
 
 
-def serve_ring(net: Any) -> None:
-    """Accept ring streams on ``net`` from now on."""
-    _ring_registry(net)
+def serve_ring(net: Any, on_weight: Callable[[bytes, PeerID, Any], None] | None = None) -> None:
+    """Accept ring streams on ``net`` from now on; ``on_weight(group_id,
+    sender, weight)`` hears the weight in each ring header (unchecked: the
+    listener checks it). Only a member's successor hears its weight: the
+    ring has no stream to the others."""
+    _ring_registry(net).on_weight = on_weight
 
 
 def _ring_registry(net: Any) -> _RingRegistry:

@@ -30,13 +30,29 @@ from test_allreduce import (
 )
 from test_connections import max_pacing_rates
 
-from averaging._allreduce import AllReduceResult, all_reduce, serve_allreduce
+from averaging._allreduce import (
+    AllReduceResult,
+    all_reduce,
+    listen_to_sender_weights,
+    sender_weights,
+    serve_allreduce,
+)
 from averaging._codecs import FLOAT16
 from averaging._faults import FaultPlan, MemberFault
+from averaging._group import Group, GroupMember
 from averaging._link_meter import MIN_SAMPLE_BYTES, LinkMeter
 from averaging._partition import Partition
-from averaging._ring import _ITEM, RING_STREAM, RING_VERSION, SUM, _mask_bytes, ring_eligible
-from swarm import Identity, ManualClock, SwarmError
+from averaging._ring import (
+    _ITEM,
+    RING_STREAM,
+    RING_VERSION,
+    SUM,
+    _mask_bytes,
+    _Ring,
+    _Spares,
+    ring_eligible,
+)
+from swarm import Identity, ManualClock, PeerID, ProtocolError, SwarmError
 from swarm._bans import BanList
 from swarm._connections import open_connections
 
@@ -170,7 +186,7 @@ async def test_a_predecessor_that_sends_nan_is_banned_and_the_others_fall_back()
             async with nets[3].open_stream(
                 nets[0].peer_id, ("127.0.0.1", nets[0].port), RING_STREAM
             ) as stream:
-                await stream.send([RING_VERSION, groups[3].group_id, 3])
+                await stream.send([RING_VERSION, groups[3].group_id, 3, 1.0])
                 part = Partition.for_group(groups[3], TOTAL, CHUNK)
                 a, b = part.chunk_bounds(2, 0)  # the first sum member 0 expects
                 header = _ITEM.pack(SUM, 2, 0, 1.0) + _mask_bytes(frozenset({3}), 4)
@@ -234,3 +250,45 @@ async def test_a_ring_round_gives_its_link_rates_to_the_meter() -> None:
         torch.testing.assert_close(x, mean)
     for meter in meters:
         assert meter.upload > 0 and meter.download > 0
+
+
+async def test_each_ring_member_hears_its_predecessors_weight_when_it_begins() -> None:
+    """The ring header carries the sender's weight, as the butterfly's does
+    (``sender_weights``, which the trainer's count of final samples reads):
+    around a ring only the successor hears it."""
+    heard: list[tuple[int, bytes, PeerID, float]] = []
+    async with open_peers(4) as nets, AsyncExitStack() as stack:
+        groups = make_groups(nets)
+        for i, net in enumerate(nets):
+            serve_allreduce(net)
+
+            def note(gid: bytes, peer: PeerID, weight: float, i: int = i) -> None:
+                heard.append((i, gid, peer, weight))
+
+            stack.enter_context(listen_to_sender_weights(net, note))
+        await run_round(nets, groups, WEIGHTS, config=RING)
+        for i, net in enumerate(nets):
+            before = (i - 1) % 4
+            assert sender_weights(net, groups[i].group_id) == {
+                nets[before].peer_id: WEIGHTS[before]
+            }
+    assert sorted((i, peer, w) for i, _, peer, w in heard) == [
+        (i, nets[(i - 1) % 4].peer_id, WEIGHTS[(i - 1) % 4]) for i in range(4)
+    ]
+
+
+def test_a_ring_header_without_a_finite_weight_is_refused() -> None:
+    members = tuple(
+        GroupMember(Identity.from_seed(bytes([i + 1]) * 32).peer_id, "127.0.0.1", 1 + i)
+        for i in range(3)
+    )
+    group = Group(b"g", members, 1)
+    partition = Partition.for_group(group, TOTAL, CHUNK)
+    rnd = _Ring(group, partition, torch.zeros(TOTAL), 1.0, 5.0, _Spares())
+    predecessor = members[0].peer_id
+    rnd.check_header(predecessor, [RING_VERSION, b"g", 0, 2])  # an int weight is a weight
+    for bad in ("1", True, None, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ProtocolError, match="weight"):
+            rnd.check_header(predecessor, [RING_VERSION, b"g", 0, bad])
+    with pytest.raises(ProtocolError, match="4 items"):
+        rnd.check_header(predecessor, [RING_VERSION, b"g", 0])  # version 1's header
