@@ -484,7 +484,7 @@ async def _ring_round(
         timed_out=False,
     )
     unflatten_into(flat, tensors)
-    _log_contributors(result, len(group.senders()))
+    _log_contributors(result, len(group.senders()), ring=True)
     return result
 
 
@@ -573,16 +573,17 @@ def _fault_free(result: AllReduceResult) -> bool:
     )
 
 
-def _log_contributors(result: AllReduceResult, senders: int) -> None:
+def _log_contributors(result: AllReduceResult, senders: int, *, ring: bool = False) -> None:
     """One line per round saying whose data is in *every* element of our
     result: what a caller may truthfully report as "averaged with k peers"."""
     parts = [result.part_contributors(j) for j, (a, b) in enumerate(result.part_bounds) if b > a]
     everywhere = frozenset.intersection(*parts) if parts else frozenset()
     logger.info(
-        "all-reduce %s: data of %d of %d senders in every part%s",
+        "all-reduce %s: data of %d of %d senders in every part%s%s",
         result.group_id.hex()[:8],
         len(everywhere),
         senders,
+        " (around the ring)" if ring else "",
         f" (self-dialed members {sorted(result.self_dialed)})" if result.self_dialed else "",
     )
 

@@ -101,12 +101,16 @@ async def test_no_address_but_loopback_is_a_usage_error(tmp_path: Path) -> None:
 
 EPOCHS = 20
 HOME = Link("20mbit", "20mbit")
-#: links, and the peer whose link loses 1% of packets each way once all have joined
-LINKS: dict[str, tuple[list[Link], int | None]] = {
-    "20mbit": ([HOME] * 4, None),
+#: links, the peer whose link loses 1% of packets each way once all have
+#: joined, and the run's options beyond the common ones (in the join command)
+#: and each peer's own (not in it)
+LINKS: dict[str, tuple[list[Link], int | None, list[str], list[str]]] = {
+    "20mbit": ([HOME] * 4, None, [], []),
     # peer 1's link is lossy, peer 2 uploads at a tenth of the others' rate (one
     # run for both keeps the suite short; each alone is an easier case)
-    "lossy-and-slow-upload": ([HOME, HOME, Link("2mbit", "20mbit"), HOME], 1),
+    "lossy-and-slow-upload": ([HOME, HOME, Link("2mbit", "20mbit"), HOME], 1, [], []),
+    # the pipelined ring with the declared, equal uploads that keep parts alike
+    "ring-paced": ([HOME] * 4, None, ["--ring"], ["--upload-rate", "20mbit"]),
 }
 #: --min-peers starts the run when all four are seen, but the last to start may
 #: still be loading the state when the first rounds run: those may average
@@ -115,9 +119,9 @@ JOINING_ROUNDS = 5
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("links", "lossy"), list(LINKS.values()), ids=list(LINKS))
+@pytest.mark.parametrize(("links", "lossy", "run", "own"), list(LINKS.values()), ids=list(LINKS))
 async def test_four_peers_find_each_other_and_train_with_everyone_in_every_average(
-    links: list[Link], lossy: int | None, tmp_path: Path
+    links: list[Link], lossy: int | None, run: list[str], own: list[str], tmp_path: Path
 ) -> None:
     train = [
         "train",
@@ -126,9 +130,10 @@ async def test_four_peers_find_each_other_and_train_with_everyone_in_every_avera
         "--target-batch-size", "256",
         "--threads", "1",
         "--matchmaking-time", "2",
+        *run,
     ]  # fmt: skip
     # not part of the run's settings, so not in the join command
-    local = ["--max-epochs", str(EPOCHS), "--min-peers", "4", "--eval-every", str(EPOCHS)]
+    local = ["--max-epochs", str(EPOCHS), "--min-peers", "4", "--eval-every", str(EPOCHS), *own]
     finals: dict[int, str] = {}
     with NetBed(links) as bed:
         async with AsyncExitStack() as stack:
@@ -165,16 +170,16 @@ async def test_four_peers_find_each_other_and_train_with_everyone_in_every_avera
     for i in range(4):
         assert finals[i].startswith(f"finished at epoch {EPOCHS}: accuracy "), finals[i]
         accuracies.append(float(finals[i].split("accuracy ")[1].split(",")[0]))
-        rounds = [
-            (int(m.group(1)), int(m.group(2)))
-            for m in map(_ROUND.search, (tmp_path / f"peer{i}.log").read_text().splitlines())
-            if m is not None
-        ]
+        lines = (tmp_path / f"peer{i}.log").read_text().splitlines()
+        rounds = [(int(m.group(1)), int(m.group(2))) for m in map(_ROUND.search, lines) if m]
         # nobody who formed a group with us was left out of any part
         assert all(k == m for k, m in rounds), (i, rounds)
         first = rounds.index((4, 4))
         assert first <= JOINING_ROUNDS and all(r == (4, 4) for r in rounds[first:]), (i, rounds)
         assert len(rounds) - first >= EPOCHS - JOINING_ROUNDS, (i, rounds)
+        if "--ring" in run:  # every round of the four went around the ring
+            rings = [line for line in lines if _ROUND.search(line) and "(around the ring)" in line]
+            assert len(rings) >= len(rounds) - first, (i, len(rings), len(rounds) - first)
     assert min(accuracies) >= 0.9, accuracies
     # one model: every average held every peer's data, so no peer drifted
     assert max(accuracies) - min(accuracies) <= 0.02, accuracies
