@@ -7,8 +7,8 @@ from averaging import GroupMember, MatchmakingConfig
 from averaging._matchmaking import Lobby
 from swarm import Identity, PeerID
 from trainer._optimizer import expected_peers
-from trainer._progress import PeerProgress
-from trainer._progress_tracker import awaited_peers
+from trainer._progress import PeerProgress, SwarmProgress
+from trainer._progress_tracker import Reading, awaited_peers
 
 
 def _id(seed: int) -> PeerID:
@@ -72,3 +72,20 @@ async def test_the_target_group_size_closes_a_lobby_still_awaiting_peers() -> No
     lobby.admit(_member(9))
     assert lobby.full
     assert lobby.admit(_member(3))[0] == ["refused", "group is full"]
+
+
+def test_a_step_after_the_reading_expects_the_peers_that_had_reached_its_eve() -> None:
+    """A peer whose reading is from before its last step ended takes the
+    step by the peers the reading names for it (``awaited_next``; no read in
+    the step's way); when the reading cannot name them, a fresh read must."""
+    swarm = SwarmProgress(5, 0, 256, 100.0, 3, 3, 1.0)
+    this, at_epoch, behind = {_id(1)}, {_id(1), _id(2)}, {_id(1), _id(2), _id(3)}
+
+    def reading(awaited_next: frozenset[PeerID] | None) -> Reading:
+        return Reading(swarm, 5, 32, 0.0, 3, frozenset(behind), awaited_next=awaited_next)
+
+    assert reading(frozenset(at_epoch)).round_of(5) == behind  # its own epoch: as before
+    assert reading(frozenset(at_epoch)).round_of(6) == at_epoch  # the step after it
+    assert reading(frozenset(at_epoch)).round_of(7) is None  # a download jumped epochs
+    assert reading(frozenset(this)).round_of(6) is None  # the others were all behind
+    assert reading(None).round_of(6) is None  # the tree's totals name nobody

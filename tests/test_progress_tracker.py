@@ -100,6 +100,32 @@ async def test_a_read_that_misses_a_live_peer_keeps_counting_it_until_its_record
             assert (await second.refresh()).swarm.num_peers == 1  # 31 s: stale (ttl 30 s)
 
 
+async def test_a_reading_names_the_peers_of_the_next_epochs_round() -> None:
+    """A step taken before the next reading goes by ``Reading.round_of``
+    (the peers at most one epoch behind this peer: their records lag them),
+    not by a read in its way; a reading whose other peers were all further
+    behind says nothing of that round."""
+    clock = ManualClock(NOW)
+    async with open_swarm(4, clock, seed=5) as swarm:
+        a, b, c, d = swarm.nodes
+        epochs = {a.peer_id: [4], b.peer_id: [4], c.peer_id: [3], d.peer_id: [2]}
+        trackers = [_tracker(node, clock, epochs[node.peer_id]) for node in swarm.nodes]
+        for tracker in trackers:
+            await tracker.refresh()
+        reading = await trackers[0].refresh()
+        # d, two behind, downloads the state first: in neither round
+        assert reading.awaited == {a.peer_id, b.peer_id, c.peer_id}
+        assert reading.round_of(5) == {a.peer_id, b.peer_id, c.peer_id}
+        for node in (b, c):  # later records: b and c two behind as well
+            epochs[node.peer_id][0] = 2
+        clock.advance(0.5)
+        for tracker in trackers[1:3]:
+            await tracker.refresh()
+        reading = await trackers[0].refresh()
+        assert reading.awaited_next == {a.peer_id}
+        assert reading.round_of(5) is None
+
+
 def test_a_tracker_config_that_would_make_live_peers_look_gone_is_refused() -> None:
     with pytest.raises(ConfigError, match="progress_ttl"):
         TrackerConfig(progress_interval=30.0, progress_ttl=30.0)

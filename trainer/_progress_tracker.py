@@ -100,12 +100,35 @@ class Reading:
     #: readings whether the swarm has its target batch (``_global_batch``)
     others: Others | None = None
     ahead: Others | None = None
+    #: the peers to expect in the round of the epoch after ``epoch``, where
+    #: the reading lists every live peer: those at ``epoch - 1`` or beyond. A
+    #: record lags its peer by up to a step (it is published after the step)
+    #: and this reading is a step older than that round, so a peer one epoch
+    #: behind in it may be at ``epoch`` already; a group that closed without
+    #: such a peer left it to wait out the matchmaking bound alone. A step
+    #: this peer takes before its next reading goes by them (``round_of``),
+    #: not by a read of its own in the step's way.
+    awaited_next: frozenset[PeerID] | None = None
 
     @property
     def waits_for(self) -> Expected:
         """What this epoch's round waits for: the awaited peers where they are
         known, else their count (``Averager.find_group``'s ``expected_peers``)."""
         return self.awaited if self.awaited else self.expected
+
+    def round_of(self, epoch: int) -> Expected | None:
+        """What the round of this peer's ``epoch`` waits for, if this reading
+        can say: ``waits_for`` for the reading's own epoch; for the next one
+        (a step taken before the next reading) ``awaited_next`` when it holds
+        another peer than this one; else None, for a fresh read to tell (the
+        totals of a tree name nobody, and other peers that were all behind
+        this one may have caught up since)."""
+        if epoch == self.epoch:
+            return self.waits_for
+        awaited = self.awaited_next
+        if epoch == self.epoch + 1 and awaited is not None and len(awaited) > 1:
+            return awaited
+        return None
 
 
 @dataclass(frozen=True)
@@ -250,6 +273,7 @@ class ProgressTracker:
         others: Others | None = None
         ahead: Others | None = None
         awaited: frozenset[PeerID] | None = None
+        awaited_next: frozenset[PeerID] | None = None
         if summary is not None:
             swarm = summary.progress(self.target_batch_size, now)
             # the directory holds a sample only: the optimizer then goes by the
@@ -267,6 +291,13 @@ class ProgressTracker:
                 fresh_within=config.fresh_within,
             )
             expected = max(1, len(awaited))
+            awaited_next = awaited_peers(
+                records,
+                now=now,
+                epoch=mine.epoch,
+                stale_after=ttl,
+                fresh_within=config.fresh_within,
+            )
             # a live peer publishes every interval, and is expected in rounds while
             # its record is younger than fresh_within: an older record is a peer
             # that stalled or died, whose rate would count samples nobody computed
@@ -283,7 +314,15 @@ class ProgressTracker:
             )
         self._count(swarm.num_peers, now)
         self.reading = Reading(
-            swarm, mine.epoch, mine.samples, self._clock(), expected, awaited, others, ahead
+            swarm,
+            mine.epoch,
+            mine.samples,
+            self._clock(),
+            expected,
+            awaited,
+            others,
+            ahead,
+            awaited_next,
         )
         return self.reading
 
