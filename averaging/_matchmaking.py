@@ -15,7 +15,12 @@ One round, for one peer and its group key (the Moshpit key of this round):
    the rates) are the shorter lists they always were, and still parse.
 2. As a *leader* it admits followers until the group is full or ``join_by``
    passes, then, with at least ``min_group_size`` members, tells every follower
-   the group on the stream the follower opened.
+   the group on the stream the follower opened. Just before, it reads the key
+   once more: where the peers under it outside the group are too few for a
+   group of their own (a key one peer over the target group size: a grid
+   line's overflow), it redirects the followers they lack to the most senior
+   of its juniors among them (``Matchmaker._spare``), so nobody is left alone.
+   That costs one DHT read per group formed.
 3. At the same time, as a *follower*, it asks the candidates more senior than
    itself to take it, most senior first. Seniority is ``(join_by, peer_id)``: a
    total order all peers see alike in the DHT, so nobody asks a junior and no
@@ -441,6 +446,13 @@ class Lobby:
         self.following = None
         self._touch()
 
+    def shed(self, count: int, to: Candidate) -> None:
+        """Before closing: send the ``count`` followers admitted last to ``to``
+        (``Matchmaker._spare``), who would otherwise be left without a group."""
+        for peer_id in list(self.slots)[len(self.slots) - count :]:
+            self.slots.pop(peer_id).settle(["redirect", to.to_wire()])
+        self._touch()
+
     def form(self) -> Group | None:
         """Close the lobby; with enough members, tell every follower the group."""
         self.closed = True
@@ -587,7 +599,7 @@ class Matchmaker:
                     if me.mode is not MemberMode.CLIENT:
                         # the lobby is open while the announcement spreads
                         nursery.start_soon(self._announce, key, me, join_by)
-                        nursery.start_soon(self._lead, lobby, finish)
+                        nursery.start_soon(self._lead, lobby, me_candidate, finish)
                     nursery.start_soon(self._seek, lobby, me_candidate, finish)
                     await done.wait()
                     nursery.cancel_scope.cancel()
@@ -621,7 +633,7 @@ class Matchmaker:
         except SwarmError as e:
             log.warning("could not announce under %s: %s", key, e)
 
-    async def _lead(self, lobby: Lobby, finish: Any) -> None:
+    async def _lead(self, lobby: Lobby, me: Candidate, finish: Any) -> None:
         """Close the lobby when it is full or at ``join_by``; form the group if
         it has enough members. While this peer's own join to a senior is
         accepted, its lobby is the senior's: wait for that to resolve."""
@@ -633,10 +645,50 @@ class Matchmaker:
             if lobby.following is not None:
                 await lobby.changed.wait()
                 continue
+            await self._spare(lobby, me)
+            if lobby.following is not None:
+                continue  # it joined a senior meanwhile: its followers went there
             group = lobby.form()
             if group is not None:
                 finish(group)
             return
+
+    async def _spare(self, lobby: Lobby, me: Candidate) -> None:
+        """Before closing the lobby, read the key once more: if the peers under
+        it outside this group are too few for a group of their own (one peer
+        beyond a full group: a grid line one over the target size), redirect
+        the followers they lack to the most senior of them that is junior to
+        this peer, as long as this group keeps enough members and that peer's
+        lobby is open long enough for them to join. Without this the one left
+        over averaged with nobody, round after round. Only a junior: a senior
+        that did not take this peer (which asked it) is dead, closed or full.
+        The read is bounded by half a request timeout: the followers wait
+        that long past ``join_by`` for their group."""
+        need = max(2, self.config.min_group_size)
+        if len(lobby.slots) < need:
+            return  # nothing to give without falling below a group
+        found: DHTValue | None = None
+        with trio.move_on_after(self.config.request_timeout / 2):
+            try:
+                found = await self.peer.dht.get(lobby.key)
+            except SwarmError as e:
+                log.debug("reading %s before closing failed: %s", lobby.key, e)
+        inside = {lobby.me.peer_id, *lobby.slots}
+        outside = [c for c in parse_candidates(found, self.peer.peer_id) if c.peer_id not in inside]
+        give = need - len(outside)
+        members = len(lobby.slots) + 1
+        if not outside or give <= 0 or members - give < need or lobby.closed:
+            return
+        open_until = self.peer.dht.now() + self.config.request_timeout / 2
+        leaders = [
+            c
+            for c in outside
+            if c.member.mode is not MemberMode.CLIENT
+            and c.join_by > open_until
+            and c.seniority() > me.seniority()
+        ]
+        if leaders:
+            lobby.shed(give, min(leaders, key=Candidate.seniority))
 
     async def _seek(self, lobby: Lobby, me: Candidate, finish: Any) -> None:
         """Ask seniors to lead this peer until one forms a group with it.

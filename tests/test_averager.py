@@ -227,3 +227,25 @@ async def test_alone_a_peer_finds_no_group_and_keeps_its_values(
         result = await averager.step()
         assert result.group is None and result.reason
         assert torch.equal(tensor, torch.arange(5.0))
+
+
+async def test_a_peer_beyond_a_full_group_is_not_left_alone(
+    idle_clock: trio.testing.MockClock,
+) -> None:
+    """One key holds a group's worth of peers plus one (the overflow of a grid
+    line, issue 19's scale run): the first leader fills its group at once, and
+    the peer left over had nobody to average with, round after round. The
+    leader now hands it a member before closing."""
+    grid = MoshpitGrid(1, 1)
+    size = CONFIG.matchmaking.target_group_size
+    async with open_peers(size + 1, seed=5, clock=trio_wall_clock) as peers:
+        averagers = [
+            Averager(p, [torch.full((8,), float(i))], prefix="spill", config=CONFIG, grid=grid)
+            for i, p in enumerate(peers.alive)
+        ]
+        for r in range(3):
+            results = await _step_all(averagers, r)
+            alone = [i for i, res in enumerate(results) if res is None or res.group is None]
+            assert alone == [], (r, alone)
+            sizes = sorted({res.group_id: len(res.members) for res in results if res}.values())
+            assert sum(sizes) == size + 1 and min(sizes) >= 2, sizes
