@@ -507,6 +507,8 @@ class Matchmaker:
         self.stream_name = f"mm.{prefix}"
         self._lobby: Lobby | None = None
         self._lobby_opened = trio.Event()
+        #: the leader this peer is asking to take it, until it answers
+        self._asking: PeerID | None = None
 
     # serving
 
@@ -532,6 +534,12 @@ class Matchmaker:
         if lobby is None or lobby.key != key:
             # it may simply not have begun this round yet: the follower retries
             await stream.send(["busy", "not looking for a group under this key"])
+            return
+        if self._asking == member.peer_id and bytes(self.peer.peer_id) > bytes(member.peer_id):
+            # two peers asking each other at once (one sent by a leader's
+            # ``_spare``, the other asking its senior): if both accepted, each
+            # would follow the other and both end alone; one side waits
+            await stream.send(["busy", "asking that peer to take this one"])
             return
         reply, slot = lobby.admit(member)
         await stream.send(reply)
@@ -747,6 +755,7 @@ class Matchmaker:
         """Ask ``leader`` to take us: the group it formed, a redirect, ``_RETRY``
         (busy or unreachable before it accepted us: ask again later) or None."""
         accepted = False
+        self._asking = leader.peer_id
         try:
             with trio.fail_after(self.config.bound):
                 address = (leader.member.host, leader.member.port)
@@ -764,6 +773,7 @@ class Matchmaker:
                         log.debug("%s refused: %s", leader.peer_id.short(), reply[1:])
                         return None
                     accepted = True
+                    self._asking = None
                     lobby.follow(leader)
                     wait = max(0.0, leader.join_by - self.peer.dht.now())
                     with trio.fail_after(wait + self.config.request_timeout):
@@ -793,5 +803,6 @@ class Matchmaker:
             log.debug("joining %s failed: %s", leader.peer_id.short(), e)
             return None if accepted else _RETRY
         finally:
+            self._asking = None
             if accepted and lobby.following is leader:
                 lobby.unfollow()
