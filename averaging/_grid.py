@@ -38,8 +38,21 @@ round begins: no round waits for the DHT. Where an epoch has no proposal, or
 its read had not finished when its round began, the grid is the previous
 epoch's (which every peer of that round shared); where a peer knows neither
 (a newcomer, a peer that caught up) it reads the epoch's proposals within a
-bound, and else takes the 1-D grid, the same for everyone. Epochs 0 and 1 of
-a new run use that 1-D grid.
+bound, and else takes the 1-D grid, the same for everyone.
+
+The cold start (``GridSchedule.cold_start``): epochs below ``ahead`` have
+nobody to propose for them ``ahead`` epochs early, and the 1-D grid would put
+every peer of a new run on one matchmaking key (256 peers: ~10k open
+connections and minutes per round). So a peer that starts a run (its epoch
+is 0) proposes for those epochs at once, as it joins, sized from what it
+knows without waiting (its DHT routing table's size estimate), unless the
+grid agreed there already fits its estimate (as ``proposal`` keeps a grid):
+a peer that joins late must not change a grid that others may have read,
+unless that grid was sized for a swarm less than half as large (by the run's
+first peer, alone: a 1-D grid). The peers of a new run start within a
+compute phase of each other, and the epoch's grid is read as its first round
+begins, so the proposals are in by then; the lowest rank wins as for every
+epoch, so peers whose estimates differ still agree.
 """
 
 from __future__ import annotations
@@ -263,6 +276,24 @@ class GridSchedule:
         grid = self._fallback(epoch)
         self._remember(epoch, grid, fallback=True)
         return grid
+
+    async def cold_start(self, dht: RecordDHT, epoch: int, estimate: int) -> int:
+        """As this peer joins at ``epoch`` (see the module docstring): if the run
+        is new (``epoch`` 0), propose for each epoch before ``ahead`` whose
+        agreed grid, if any, does not fit ``estimate``, if this peer is one of
+        its proposers. Returns the proposals stored; raises what the DHT raises
+        (``SwarmError``)."""
+        if epoch != 0:
+            return 0
+        stored = 0
+        for early in range(self.agreement.ahead):
+            if not self.agreement.should_propose(self.peer_id, early, estimate):
+                continue
+            agreed = choose(parse_proposals(await dht.get(self.agreement.key(early))), early)
+            if agreed is not None and self.agreement.proposal(estimate, agreed) == agreed:
+                continue  # decided for the peers that read it, and it fits
+            stored += await self.agreement.propose(dht, self.peer_id, early, estimate)
+        return stored
 
     async def prepare(self, dht: RecordDHT, epoch: int, estimate: int) -> None:
         """As ``epoch``'s matchmaking begins (in the background): propose for

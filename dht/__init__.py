@@ -18,7 +18,15 @@ Modules, from pure code up to the node:
   the part of it that code above the DHT depends on
 """
 
-from ._node import DHTConfig, DHTNode, DHTStats, DHTValue, RecordDHT, open_dht_node
+from ._node import (
+    DHTConfig,
+    DHTNode,
+    DHTStats,
+    DHTValue,
+    RecordDHT,
+    estimate_network_size,
+    open_dht_node,
+)
 from ._ratelimit import RequestRateLimit
 from ._records import Record, RecordLimits, make_record, owner_marker
 from ._storage import StorageQuota
@@ -33,6 +41,7 @@ __all__ = [
     "RecordLimits",
     "RequestRateLimit",
     "StorageQuota",
+    "estimate_network_size",
     "make_record",
     "open_dht_node",
     "owner_marker",

@@ -28,6 +28,7 @@ from averaging import (
     StepResult,
 )
 from averaging._grid import choose, parse_proposals, rank
+from dht import estimate_network_size
 from swarm import ConfigError, Identity, ManualClock, ProtocolError
 
 NOW = 1_700_000_000.0
@@ -206,3 +207,88 @@ async def test_averagers_whose_estimates_differ_2x_meet_on_the_agreed_grid(
         # the swarm outgrew the one-axis grid of the first epochs: peers of both
         # estimates met on a two-axis grid, where their own grids would differ
         assert grids[epochs - 1][0] in own
+
+
+def test_the_network_size_is_estimated_from_the_closest_contacts() -> None:
+    rng = random.Random(11)
+    for size in (300, 1_000, 5_000):
+        ids = [rng.randbytes(20) for _ in range(size)]
+        own, others = ids[0], ids[1:]
+        mine = int.from_bytes(own, "big")
+        by_distance = sorted(others, key=lambda c: mine ^ int.from_bytes(c, "big"))
+        # what a routing table holds: the closest nodes and a few far ones
+        contacts = by_distance[:20] + rng.sample(by_distance[20:], 60)
+        rng.shuffle(contacts)
+        assert size / 2 <= estimate_network_size(own, contacts) <= 2 * size
+    # a table of fewer contacts than the sample holds the whole small network
+    assert estimate_network_size(IDS[0], IDS[1:6]) == 6
+    assert estimate_network_size(IDS[0], []) == 1
+
+
+async def test_a_new_run_proposes_its_first_grids_as_its_peers_join() -> None:
+    # 16 peers in groups of 4, estimates 24 and 40: every joiner is a proposer
+    # of epochs 0 and 1 (proposers=64), yet only the first writes; the grid is
+    # then three-axis from epoch 0 on, the same for everyone
+    estimates = [40 if i % 2 else 24 for i in range(16)]
+    agreement = GridAgreement("cold", target_group_size=4, proposers=64)
+    grid = MoshpitGrid.for_swarm(24, 4)
+    assert grid == MoshpitGrid(3, 3)
+    async with open_swarm(16, ManualClock(NOW), seed=9) as swarm:
+        nodes = swarm.nodes
+        schedules = [GridSchedule(agreement, node.peer_id) for node in nodes]
+        stored = [
+            await schedule.cold_start(node, 0, estimate)
+            for schedule, node, estimate in zip(schedules, nodes, estimates, strict=True)
+        ]
+        # later joiners change nothing: the grid fits their estimates
+        assert stored == [agreement.ahead] + [0] * 15
+        assert await schedules[1].cold_start(nodes[1], 3, 16) == 0  # not a new run
+        assert parse_proposals(await nodes[5].get(agreement.key(3), latest=True)) == []
+        for schedule, node, estimate in zip(schedules, nodes, estimates, strict=True):
+            assert await schedule.grid(node, 0, timeout=5.0) == grid
+            await schedule.prepare(node, 0, estimate)  # reads epoch 1's
+            assert schedule.known(1) == grid
+            assert schedule.fallbacks == set()
+        # so the first round's keys spread the peers over the grid's lines
+        keys = {MoshpitState.join(grid, node.peer_id, round=0).key(grid, "cold") for node in nodes}
+        assert len(keys) > 1
+    # a grid sized for a swarm less than half as large is outgrown: the run's
+    # first peer, alone, proposed one axis; a peer that finds 32 proposes its
+    # own (and the rank decides)
+    async with open_swarm(2, ManualClock(NOW), seed=2) as small:
+        first, second = small.nodes
+        alone = GridSchedule(agreement, first.peer_id)
+        assert await alone.cold_start(first, 0, 1) == agreement.ahead
+        joiner = GridSchedule(agreement, second.peer_id)
+        assert await joiner.cold_start(second, 0, 32) == agreement.ahead
+        proposals = parse_proposals(await first.get(agreement.key(0), latest=True))
+        assert sorted(p.grid.dimensions for p in proposals) == [1, 3]
+
+
+async def test_cold_start_proposals_written_together_agree() -> None:
+    # peers of a new run join at once: proposers may write before any sees
+    # another's proposal; the lowest rank decides alike for every reader
+    estimates = [12 if i % 2 else 24 for i in range(12)]
+    agreement = GridAgreement("together", target_group_size=4, proposers=12)
+    async with open_swarm(12, ManualClock(NOW), seed=4) as swarm:
+        nodes = swarm.nodes
+        schedules = [GridSchedule(agreement, node.peer_id) for node in nodes]
+        stored = [0] * 12
+
+        async def join(i: int) -> None:
+            stored[i] = await schedules[i].cold_start(nodes[i], 0, estimates[i])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(12):
+                nursery.start_soon(join, i)
+        written = [
+            len(parse_proposals(await nodes[0].get(agreement.key(e), latest=True)))
+            for e in range(agreement.ahead)
+        ]
+        assert min(written) >= 1 and sum(written) == sum(stored)
+        grids = [
+            await schedule.grid(node, 0, timeout=5.0)
+            for schedule, node in zip(schedules, nodes, strict=True)
+        ]
+        assert all(g == grids[0] for g in grids)
+        assert grids[0] in {MoshpitGrid.for_swarm(n, 4) for n in estimates}

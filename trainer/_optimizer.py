@@ -33,7 +33,10 @@ what of its state checkpoints, donors and newcomers carry.
 Rounds: each gradient round's Moshpit grid is the one agreed for its epoch
 in the DHT and read an epoch ahead (``averaging.GridSchedule``), so peers
 whose estimates of the swarm differ still meet and no round waits for the
-DHT; a state round uses the gradient round's grid. A gradient round's
+DHT; a new run's first epochs, which nobody could propose for ahead, are
+proposed for as the peer joins (``GridSchedule.cold_start``), so the first
+rounds do not put every peer on one key. A state round uses the gradient
+round's grid. A gradient round's
 matchmaking window and all-reduce timeout follow measured rounds
 (``RoundTiming``, ``adaptive_timing``; the configured values are the upper
 bounds).
@@ -568,6 +571,7 @@ class AsyncCollaborativeOptimizer:
         if self._load_state and self._reading is not None and self._reading.swarm.num_peers > 1:
             await self._catch_up(initial=True)
         await self._progress.refresh()  # ready: in the run from now on
+        await self._propose_cold_grids()
         self._tracker = await self._start_tracker()
 
     # -- the user's API ---------------------------------------------------------
@@ -1367,6 +1371,22 @@ class AsyncCollaborativeOptimizer:
     async def _start_tracker(self) -> trio.CancelScope:
         return await self.peer.start_service(self._progress.serve)
 
+    def _grid_estimate(self) -> int:
+        """The swarm's size for a grid proposal: the progress reading's count,
+        or the DHT routing table's estimate where that is larger (a new run's
+        first readings count little more than this peer)."""
+        return max(self._swarm_size(), self.peer.dht.size_estimate())
+
+    async def _propose_cold_grids(self) -> None:
+        """As this peer joins: the grids of a new run's first epochs, which
+        nobody proposed ahead (``GridSchedule.cold_start``), within the
+        averaging timeout. Never raises ``SwarmError``."""
+        with trio.move_on_after(self.config.averaging_timeout):
+            try:
+                await self._grids.cold_start(self.peer.dht, self.epoch, self._grid_estimate())
+            except SwarmError as e:
+                log.debug("epoch %d: could not propose the first grids: %s", self.epoch, e)
+
     async def _agreed_grid(self, epoch: int) -> MoshpitGrid:
         """On the trio thread: ``epoch``'s Moshpit grid, the same for every peer
         of its round (``averaging.GridSchedule``), so peers whose estimates of
@@ -1381,7 +1401,7 @@ class AsyncCollaborativeOptimizer:
         grid = await self._grids.grid(dht, epoch, timeout=timeout)
         if not self._grids_busy:
             self._grids_busy = True
-            estimate = 1 if self._reading is None else max(1, self._reading.swarm.num_peers)
+            estimate = self._grid_estimate()
 
             async def ahead(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
                 task_status.started()
