@@ -18,8 +18,10 @@ from a ``RoundTiming`` per peer, the agreed grid, ``find_group`` with the
 peers the progress reading expects, ``average`` (a few floats per peer, each
 peer's values its index, so every average is checked against the mean of its
 contributors) and the round settled into the timing. ``--no-averaging``
-skips it; ``--average-from 3`` starts it after the 1-D grid of epochs 0 and 1
-(``GridAgreement``: nothing is agreed that early, so one key holds every peer).
+skips it; ``--average-from 3`` starts it with the third step. The grids of
+epochs 0 and 1 are proposed as the peers join (``GridSchedule.cold_start``,
+sized from each node's routing table), as the trainer's peers do; printed
+before the steps: the nodes' size estimates and the grids agreed.
 
 The clock is virtual by default (``--clock real``: the machine's): time moves
 only when every peer waits for a timer, so the CPU that the N peers share
@@ -80,6 +82,7 @@ from averaging import (
     MoshpitGrid,
     StepResult,
 )
+from averaging._grid import choose, parse_proposals
 from dht import DHTConfig, DHTNode
 from dht._aio import open_asyncio_loop
 from swarm import (
@@ -97,7 +100,6 @@ from trainer import (
     Reading,
     RoundTiming,
     TrackerConfig,
-    estimate,
     parse_progress,
     progress_key,
 )
@@ -346,13 +348,37 @@ async def _run(n: int, args: argparse.Namespace) -> list[Row]:
                 )
             )
         averaging = AveragerConfig()
-        # the peers compute a while before their first record: samples to count
-        # (with the virtual clock, no time passes otherwise)
-        await trio.sleep(config.progress_interval)
         agreement = GridAgreement(
             "scale", target_group_size=max(2, averaging.matchmaking.target_group_size)
         )
         schedules = [GridSchedule(agreement, node.peer_id) for node in nodes]
+        # as the trainer's peers join: the grids of epochs 0 and 1, proposed at once
+        estimates = sorted(node.size_estimate() for node in nodes)
+        cold = 0
+
+        async def cold_start(i: int) -> None:
+            nonlocal cold
+            async with limiter:
+                stored = await schedules[i].cold_start(nodes[i], 0, nodes[i].size_estimate())
+                cold += stored
+
+        limiter = trio.CapacityLimiter(args.concurrency)
+        async with trio.open_nursery() as inner:
+            for i in range(n):
+                inner.start_soon(cold_start, i)
+        first = [
+            choose(parse_proposals(await nodes[0].get(agreement.key(e))), e)
+            for e in range(agreement.ahead)
+        ]
+        print(
+            f"DHT size estimates min/median/max {estimates[0]}/{estimates[n // 2]}/"
+            f"{estimates[-1]}; {cold} cold-start grid proposals; grids of epochs 0-1 "
+            f"{', '.join('none' if g is None else f'{g.size}^{g.dimensions}' for g in first)}",
+            file=sys.stderr,
+        )
+        # the peers compute a while before their first record: samples to count
+        # (with the virtual clock, no time passes otherwise)
+        await trio.sleep(config.progress_interval)
         averagers = [_make_averager(peer, averaging, agreement.default) for peer in peers]
         # the trainer's defaults: averaging_timeout 60 s, matchmaking_lead 1 s
         timings = [
@@ -365,7 +391,6 @@ async def _run(n: int, args: argparse.Namespace) -> list[Row]:
             for _ in peers
         ]
         readings: list[Reading | None] = [None] * n
-        limiter = trio.CapacityLimiter(args.concurrency)
         protocols = ["tree"] + (["single key"] if args.baseline else [])
         for protocol in protocols:
             #: per peer: peers counted, and samples counted as a share of the true total
@@ -393,7 +418,9 @@ async def _run(n: int, args: argparse.Namespace) -> list[Row]:
                             views[i] = (reading.swarm.num_peers, counted / (sum(rates) * (at - t0)))
                             schedule = schedules[i]
                             agreed[i] = await schedule.grid(node, step, timeout=1.0)
-                            await schedule.prepare(node, step, reading.swarm.num_peers)
+                            # the trainer's estimate (``_grid_estimate``)
+                            estimate = max(reading.swarm.num_peers, node.size_estimate())
+                            await schedule.prepare(node, step, estimate)
                         else:
                             await node.store(
                                 progress_key("scale"),
@@ -486,8 +513,7 @@ def main() -> None:
         type=int,
         default=1,
         metavar="STEP",
-        help="the first step that averages (3: not the 1-D grid of epochs 0 and 1, whose "
-        "one key holds every peer)",
+        help="the first step that averages (1: from the cold start's grid on)",
     )
     parser.add_argument(
         "--no-averaging",
