@@ -9,13 +9,26 @@ authenticated UDP datagrams (``_datagrams``) and are never retransmitted.
 Per (sender i, reducer j) pair, over one reliable stream ``LOSSY_STREAM``
 opened by i to j (the control channel)::
 
-    i -> j  header [version, group id, part j, sender i, weight, total, udp port, got]
+    i -> j  header [version, group id, part j, sender i, weight, total, udp port, got, offer]
     j -> i  [udp port, round]                      (keys exported for ``round``)
     i => j  PART datagrams of part j, paced (``Pacer``)
     i -> j  ["sent", datagrams, seconds]            (end of sending)
     j -> i  ["report", received, seconds, contributor masks]
     j => i  RESULT datagrams of the averaged part j, paced
     j -> i  ["sent", datagrams, seconds]
+
+``offer`` is the round that i, as the reducer of part i, chose for j's
+datagrams of part i (-1 where i reduces nothing that j sends): the same
+number as i's reply on j's own stream, the port already in the header.
+Every member sends its headers as its round starts, and j starts sending
+part i at the first to arrive of i's header and i's reply: at best a one-way
+trip after i's round began, rather than a round trip after j's own header
+left, and at 10% loss the two rarely both lose a segment (a lost segment
+waits for TCP's retransmission timer). j's datagrams may then reach i
+before j's header does: i keeps them (``EARLY_PER_PIECE`` per piece at most)
+until the header brings the keys to open them. Keys are exported from j's
+stream either way, for the round i chose at random for this round:
+a key never repeats, even for a group id that does.
 
 ``got`` is ``[round, received, seconds]``, what i got of the results that j
 sent it in their last round together (j's pacer learns from it), or ``[]``.
@@ -109,7 +122,11 @@ logger = logging.getLogger(__name__)
 
 #: Name of the control stream of the lossy all-reduce.
 LOSSY_STREAM = "allreduce-lossy"
-LOSSY_VERSION = 2
+LOSSY_VERSION = 3
+#: Datagrams kept per piece of a sender's part that arrive before its
+#: header (``_LossyRound.keep_early``): all of them, and duplicates, but not
+#: a flood from a peer that is not sending the header.
+EARLY_PER_PIECE = 2
 #: Seconds a phase waits for late datagrams after the end-of-sending marker:
 #: the marker travels on TCP, the datagrams it follows on UDP, and the two
 #: may be reordered on the way by a few milliseconds. Only the path's
@@ -383,13 +400,22 @@ class _LossyRound:
         self._serving = 0  # senders being served (``serve_sender``)
         self._failed_senders: set[int] = set()
         self._changed = trio.Event()
+        #: The round of each sender's datagrams to us, chosen before its
+        #: header arrives: it travels in our header to that sender as well.
+        self._rounds: dict[int, int] = {}
+        #: Datagrams of a sender that came before its header, by route.
+        self._early: dict[tuple[int, int, int], list[tuple[bytes, float]]] = {}
         if partition.part_size(me) > 0:
             self.reducer = PieceReducer(
                 partition.part_size(me), dict.fromkeys(group.senders(), 0.0)
             )
+            self._rounds = {s: secrets.randbelow(2**32) for s in self._senders_left}
         # Sender role: results by part, written into ``flat`` only at the end.
         self._results: dict[int, tuple[np.ndarray, PieceMask, dict[int, PieceMask]]] = {}
         self._failed_reducers: set[int] = set()
+        #: (udp port, round) that each reducer offered in its own header to us.
+        self._offers: dict[int, tuple[int, int]] = {}
+        self._offered = [trio.Event() for _ in group.members]
 
     # ------------------------------------------------------------- datagrams
 
@@ -423,13 +449,31 @@ class _LossyRound:
             for datagram in faults(data) if faults is not None else (data,):
                 route = peek_route(datagram)
                 inbound = self.inbound.get(route) if route is not None else None
-                if inbound is None:
-                    self.stray += 1
-                else:
+                if inbound is not None:
                     inbound.deliver(datagram, when)
+                elif route is None or not self.keep_early(route, datagram, when):
+                    self.stray += 1
             batch += 1
             if batch % 64 == 0:  # let the senders and the control streams run
                 await trio.lowlevel.checkpoint()
+
+    def keep_early(self, route: tuple[int, int, int], datagram: bytes, when: float) -> bool:
+        """Keep ``datagram`` if it may be a piece of our part from a sender
+        whose header has not come yet (it had our round from our own header,
+        module docstring); ``serve_sender`` opens it once the header brings
+        the keys. At most ``EARLY_PER_PIECE`` datagrams per piece a sender:
+        nothing in a datagram is authenticated before then."""
+        kind, part, sender = route
+        me = self.group.local_index
+        if kind != Kind.PART or part != me or sender not in self._rounds:
+            return False
+        if sender not in self._senders_left or sender in self._accepted:
+            return False
+        kept = self._early.setdefault(route, [])
+        if len(kept) >= EARLY_PER_PIECE * -(-self.partition.part_size(me) // PIECE_ELEMENTS):
+            return False
+        kept.append((datagram, when))
+        return True
 
     async def settled(self) -> None:
         """Return once the reader has found the kernel's queue empty after
@@ -535,11 +579,12 @@ class _LossyRound:
         self, stream: _LossyStream, message: Any
     ) -> tuple[int, float, int, tuple[int, int, float] | None]:
         """A sender's header checked against this round: (sender, weight, udp
-        port, what it got of our last results or None).
+        port, what it got of our last results or None). The round it offers
+        for our datagrams of its part is kept for ``send_part``.
 
         Raises ``ProtocolError`` with the one-line reason for the refusal.
         """
-        fields = expect_list(message, 8, "lossy all-reduce header")
+        fields = expect_list(message, 9, "lossy all-reduce header")
         if expect_int(fields[0], "version") != LOSSY_VERSION:
             raise ProtocolError(f"lossy all-reduce version {fields[0]}, expected {LOSSY_VERSION}")
         me = self.group.local_index
@@ -553,6 +598,7 @@ class _LossyRound:
             raise ProtocolError(f"vector sizes differ: ours has {self.partition.total} elements")
         port = expect_int(fields[6], "udp port", lo=1, hi=65535)
         got = _parse_got(fields[7])
+        offer = expect_int(fields[8], "offered round", lo=-1, hi=2**32 - 1)
         member = self.group.members[sender]
         if stream.remote != member.peer_id:
             raise ProtocolError(f"member {sender} of the group is another peer")
@@ -561,6 +607,9 @@ class _LossyRound:
         if sender in self._accepted or sender not in self._senders_left:
             raise ProtocolError(f"member {sender} already has a stream, or is too late")
         self._accepted.add(sender)
+        if offer >= 0:
+            self._offers[sender] = (port, offer)
+            self._offered[sender].set()
         return sender, weight, port, got
 
     def _sender_done(self, sender: int, *, failed: bool = False) -> None:
@@ -610,7 +659,7 @@ class _LossyRound:
         self._serving += 1
         try:
             reducer.set_weight(sender, weight)
-            round_ = secrets.randbelow(2**32)
+            round_ = self._rounds[sender]
             gid = self.group.group_id
             part_size = self.partition.part_size(me)
             up = Pair(Kind.PART, self.tag, round_, me, sender, part_size)
@@ -621,6 +670,8 @@ class _LossyRound:
             route = (int(Kind.PART), me, sender)
             self.inbound[route] = inbound
             self._all_inbound.append(inbound)
+            for datagram, when in self._early.pop(route, ()):
+                inbound.deliver(datagram, when)
             await stream.send([self.sock.getsockname()[1], round_])
             inbound.expect_last(up.num_pieces - 1)  # every piece, in order
             await self._end_of_sending(stream, inbound, "end of sending")
@@ -685,11 +736,10 @@ class _LossyRound:
                         self.partition.total,
                         self.sock.getsockname()[1],
                         list(self.pacers.take_got(member.peer_id) or ()),
+                        self._rounds.get(part, -1),
                     ]
                 )
-                reply = expect_list(await stream.receive(), 2, "lossy all-reduce reply")
-                port = expect_int(reply[0], "udp port", lo=1, hi=65535)
-                round_ = expect_int(reply[1], "round", lo=0, hi=2**32 - 1)
+                port, round_, replied = await self._reducer_round(stream, part)
                 gid = self.group.group_id
                 buffer = np.zeros(part_size, dtype=np.float32)
                 got = PieceMask(-(-part_size // PIECE_ELEMENTS))
@@ -712,6 +762,8 @@ class _LossyRound:
                 address = (member.host, port)
                 sent = await self._send_datagrams(sealer, values, range(up.num_pieces), address)
                 await stream.send(["sent", sealer.seq, sent.span])
+                if not replied and _parse_reply(await stream.receive()) != (port, round_):
+                    raise ProtocolError("the reducer's reply differs from its offer")
                 report = expect_list(await stream.receive(), 4, "reducer report")
                 if expect_str(report[0], "marker") != "report":
                     raise ProtocolError("expected the reducer's report")
@@ -739,6 +791,25 @@ class _LossyRound:
             if part not in self._results:  # after them: only the stream's end was left
                 logger.info("lossy all-reduce: part %d from member %d failed: %r", part, part, e)
                 self._failed_reducers.add(part)
+
+    async def _reducer_round(self, stream: _LossyStream, part: int) -> tuple[int, int, bool]:
+        """``(udp port, round, replied)`` for our datagrams of ``part``: from
+        the reducer's reply on ``stream`` (``replied``) or from the offer in
+        its own header to us, whichever comes first (module docstring). The
+        reply not read yet is read later: a cancelled receive loses nothing."""
+        reply: tuple[int, int] | None = None
+        async with trio.open_nursery() as nursery:
+
+            async def by_offer() -> None:
+                await self._offered[part].wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(by_offer)
+            reply = _parse_reply(await stream.receive())
+            nursery.cancel_scope.cancel()
+        if reply is None:
+            return (*self._offers[part], False)
+        return (*reply, True)
 
     def _parse_masks(self, obj: Any, n: int) -> dict[int, PieceMask]:
         if not isinstance(obj, list) or len(obj) > self.group.size:
@@ -843,6 +914,15 @@ def _parse_got(obj: Any) -> tuple[int, int, float] | None:
     )
 
 
+def _parse_reply(message: Any) -> tuple[int, int]:
+    """A reducer's reply ``[udp port, round]``, else ``ProtocolError``."""
+    reply = expect_list(message, 2, "lossy all-reduce reply")
+    return (
+        expect_int(reply[0], "udp port", lo=1, hi=65535),
+        expect_int(reply[1], "round", lo=0, hi=2**32 - 1),
+    )
+
+
 def _check_marker(message: Any, what: str) -> None:
     """An end-of-sending marker ``["sent", datagrams, seconds]``, else ``ProtocolError``."""
     marker = expect_list(message, 3, what)
@@ -871,7 +951,7 @@ class _Registry:
             header = await stream.receive()
         if wait.cancelled_caught:
             raise ProtocolError("no lossy all-reduce header in time")
-        fields = expect_list(header, 8, "lossy all-reduce header")
+        fields = expect_list(header, 9, "lossy all-reduce header")
         gid = expect_bytes(fields[1], "group id", max_size=64)
         rnd = await self._rounds.find(gid, wait=UNKNOWN_GROUP_WAIT)
         if rnd is None:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import random
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -22,10 +23,18 @@ import trio
 
 from averaging import AllReduceConfig, AllReduceResult, all_reduce
 from averaging._codecs import FLOAT16
-from averaging._datagrams import FULL_DATAGRAM, PIECE_ELEMENTS
-from averaging._faults import DatagramFaults, FaultPlan
+from averaging._datagrams import FULL_DATAGRAM, PIECE_ELEMENTS, Kind, peek_route
+from averaging._faults import DatagramFaults, DatagramFilter, FaultPlan
 from averaging._group import Group, GroupMember, MemberMode
-from averaging._lossy import LOSSY_STREAM, LOSSY_VERSION, _pacers, _tune, send_burst
+from averaging._lossy import (
+    LOSSY_STREAM,
+    LOSSY_VERSION,
+    _pacers,
+    _tune,
+    lossy_all_reduce,
+    send_burst,
+)
+from averaging._partition import Partition
 from swarm import ConfigError, Identity, SwarmError
 from swarm._connections import ConnectionConfig, Connections, open_connections
 
@@ -186,6 +195,95 @@ async def test_what_a_member_got_reaches_its_reducer_with_the_next_header() -> N
             assert [_pacers(net).late_reports for net in nets] == [2 * (rounds - 1)] * 3
 
 
+class HeldHeaders:
+    """A member's network whose lossy control streams wait for ``release``
+    before its handler reads them: their headers arrive late."""
+
+    def __init__(self, net: Connections, release: trio.Event) -> None:
+        self._net = net
+        self._release = release
+
+    @property
+    def peer_id(self) -> Any:
+        return self._net.peer_id
+
+    def set_handler(self, name: str, handler: Callable[[Any], Awaitable[None]]) -> None:
+        async def held(stream: Any) -> None:
+            await self._release.wait()
+            await handler(stream)
+
+        self._net.set_handler(name, held)
+
+    def open_stream(self, peer_id: Any, address: tuple[str, int], name: str) -> Any:
+        return self._net.open_stream(peer_id, address, name)
+
+
+class CountPart(DatagramFilter):
+    """Lets every datagram through; sets ``done`` once ``n`` datagrams of
+    ``route`` went by."""
+
+    def __init__(self, route: tuple[int, int, int], n: int, done: trio.Event) -> None:
+        super().__init__(DatagramFaults(), random.Random(0))
+        self.route, self.left, self.done = route, n, done
+
+    def __call__(self, datagram: bytes) -> list[bytes]:
+        if peek_route(datagram) == self.route:
+            self.left -= 1
+            if self.left == 0:
+                self.done.set()
+        return [datagram]
+
+
+class CountAt(DatagramFaults):
+    def __init__(self, member: int, counter: CountPart) -> None:
+        super().__init__()
+        self.member, self.counter = member, counter
+
+    def filter(self, member: int) -> DatagramFilter:
+        return self.counter if member == self.member else super().filter(member)
+
+
+async def test_a_sender_starts_on_the_reducers_offer_before_its_header_is_read() -> None:
+    """Member 1's handler reads member 0's header only after every datagram
+    of member 0's part 1 reached member 1: member 0 learned member 1's port
+    and round from member 1's own header (the offer), sent its part without
+    a reply, and member 1 kept the datagrams until the header brought the
+    keys. Waiting for the reply, as before the offer, member 0 would send
+    nothing and member 1 would leave it out."""
+    async with open_peers(2) as nets:
+        groups = make_groups(nets)
+        part = Partition.for_group(groups[1], TOTAL, PIECE_ELEMENTS).part_bounds[1]
+        pieces = -(-(part[1] - part[0]) // PIECE_ELEMENTS)
+        release = trio.Event()
+        counter = CountPart((int(Kind.PART), 1, 0), pieces, release)
+        plan = FaultPlan(datagrams=CountAt(1, counter))
+        held = HeldHeaders(nets[1], release)
+        inputs = [member_data(0), member_data(1)]
+        flats = [x.clone() for x in inputs]
+        outcomes: list[Any] = [None, None]
+
+        async def member(i: int, net: Any) -> None:
+            outcomes[i] = await lossy_all_reduce(
+                net,
+                groups[i],
+                flats[i],
+                1.0,
+                sender_timeout=2.0,
+                round_timeout=15.0,
+                fault_plan=plan,
+            )
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(member, 0, nets[0])
+            nursery.start_soon(member, 1, held)
+    assert release.is_set()
+    mean = (inputs[0] + inputs[1]) / 2
+    for i in range(2):
+        assert not outcomes[i].failed_senders and not outcomes[i].failed_reducers
+        assert all(who == {0, 1} for parts in outcomes[i].contributors for who in parts)
+        assert torch.allclose(flats[i], mean, atol=1e-6, rtol=0)
+
+
 async def test_lossy_needs_raw_float32_and_the_mean() -> None:
     from averaging import CenteredClip
 
@@ -222,11 +320,14 @@ async def test_control_streams_that_break_the_rules_are_refused() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(member0)
             gid = groups[0].group_id
-            await refused([LOSSY_VERSION, gid, 0, 1, 1.0, TOTAL, 9, []], "another peer")
-            await refused([LOSSY_VERSION + 1, gid, 0, 1, 1.0, TOTAL, 9, []], "version")
-            await refused([LOSSY_VERSION, gid, 0, 1, 1.0, TOTAL, 9, [1, 2]], "results received")
-            await refused([LOSSY_VERSION, gid, 0, 1, 1.0, TOTAL, 9, [1, -2, 0.0]], "received")
-            await refused([LOSSY_VERSION, b"nope", 0, 1, 1.0, TOTAL, 9, []], "no lossy all-reduce")
+            await refused([LOSSY_VERSION, gid, 0, 1, 1.0, TOTAL, 9, [], -1], "another peer")
+            await refused([LOSSY_VERSION + 1, gid, 0, 1, 1.0, TOTAL, 9, [], -1], "version")
+            await refused([LOSSY_VERSION, gid, 0, 1, 1.0, TOTAL, 9, [1, 2], -1], "results received")
+            await refused([LOSSY_VERSION, gid, 0, 1, 1.0, TOTAL, 9, [1, -2, 0.0], -1], "received")
+            await refused([LOSSY_VERSION, gid, 0, 1, 1.0, TOTAL, 9, [], -2], "offered round")
+            await refused(
+                [LOSSY_VERSION, b"nope", 0, 1, 1.0, TOTAL, 9, [], -1], "no lossy all-reduce"
+            )
     assert results[0].failed_senders == {1} and results[0].failed_reducers == {1}
     assert torch.equal(x, member_data(0))
 
