@@ -114,7 +114,7 @@ from ._codecs import (
     payload_size,
 )
 from ._faults import FaultPlan, InjectedFault, MemberFault
-from ._group import Group, GroupMember, MemberMode
+from ._group import Group, GroupMember, MemberMode, contributor_mask, mask_members, mask_size
 from ._link_meter import LinkMeter, RoundTraffic
 from ._lossy import lossy_all_reduce, serve_lossy_allreduce
 from ._partition import Partition, flatten, unflatten_into
@@ -652,7 +652,6 @@ class _Round:
         self.config = config
         self.fault = fault
         me = group.local_index
-        self._mask_size = mask_size(group.size)
         self.received = ReceivedParts([partition.num_chunks(j) for j in range(group.size)], me)
         # Reducer role.
         self.reducer: PartReducer | None = None
@@ -1063,10 +1062,7 @@ class _Round:
         assert self.reducer is not None
         for chunk in chunks:
             contributors = self.reducer.contributors(chunk)
-            mask = bytearray(self._mask_size)
-            for i in contributors:
-                mask[i // 8] |= 1 << (i % 8)
-            prefix = _CHUNK_INDEX.pack(chunk) + bytes(mask)
+            prefix = _CHUNK_INDEX.pack(chunk) + contributor_mask(contributors, self.group.size)
             values = self.reducer.result(chunk)
             if values is None:
                 self._frames[chunk] = (prefix,)
@@ -1447,11 +1443,6 @@ def parse_chunk_header(
     return blob_header, payload_size(blob_header, expected_length=expected_length)
 
 
-def mask_size(group_size: int) -> int:
-    """Bytes of a result's contributor mask: one bit per member, in whole u32s."""
-    return -(-group_size // 32) * 4
-
-
 def parse_result_header(
     frame: Any,
     expected_chunk: int,
@@ -1474,7 +1465,7 @@ def parse_result_header(
     if index != expected_chunk:
         raise ProtocolError(f"result chunk {index} out of order, expected {expected_chunk}")
     mask = data[_CHUNK_INDEX.size : header]
-    contributors = frozenset(i for i in range(group_size) if mask[i // 8] >> (i % 8) & 1)
+    contributors = mask_members(mask, group_size)
     if not contributors <= senders:
         raise ProtocolError("result names contributors that are not senders")
     if not contributors:

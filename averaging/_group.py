@@ -147,3 +147,22 @@ class Group:
             struct.pack("<B", len(tag)) + tag + self.group_id, digest_size=32, person=b"swarm.sub"
         ).digest()
         return dataclasses.replace(self, group_id=digest)
+
+
+def mask_size(group_size: int) -> int:
+    """Bytes of a contributor mask: one bit per member, in whole u32s."""
+    return -(-group_size // 32) * 4
+
+
+def contributor_mask(members: frozenset[int], group_size: int) -> bytes:
+    """The contributor mask of ``members`` (member indices): bit i of byte
+    i // 8 set for member i, ``mask_size`` bytes."""
+    mask = bytearray(mask_size(group_size))
+    for i in members:
+        mask[i // 8] |= 1 << (i % 8)
+    return bytes(mask)
+
+
+def mask_members(mask: bytes | memoryview, group_size: int) -> frozenset[int]:
+    """The member indices whose bits ``mask`` (``contributor_mask``) sets."""
+    return frozenset(i for i in range(group_size) if mask[i // 8] >> (i % 8) & 1)

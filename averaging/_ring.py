@@ -66,7 +66,7 @@ from swarm import PeerID, ProtocolError, SwarmError
 from swarm._wire import expect_bytes, expect_int, expect_list
 
 from ._codecs import all_finite
-from ._group import Group, MemberMode
+from ._group import Group, MemberMode, contributor_mask, mask_members, mask_size
 from ._link_meter import RoundTraffic
 from ._partition import Partition
 from ._rounds import RoundsByGroup
@@ -119,18 +119,6 @@ class RingOutcome:
 
 class RingFailed(SwarmError):
     """The ring did not finish here; the local values are untouched."""
-
-
-def _mask_size(group_size: int) -> int:
-    """Bytes of a contributor mask: one bit per member, in whole u32s."""
-    return -(-group_size // 32) * 4
-
-
-def _mask_bytes(members: frozenset[int], size: int) -> bytes:
-    mask = bytearray(_mask_size(size))
-    for i in members:
-        mask[i // 8] |= 1 << (i % 8)
-    return bytes(mask)
 
 
 class _Item:
@@ -332,7 +320,7 @@ class _Ring:
         if not isinstance(frame, bytes | bytearray | memoryview):
             raise ProtocolError("ring item header: expected raw bytes")
         data = memoryview(frame).cast("B")
-        if len(data) != _ITEM.size + _mask_size(self.group.size):
+        if len(data) != _ITEM.size + mask_size(self.group.size):
             raise ProtocolError(f"ring item header of {len(data)} bytes")
         got_kind, got_part, got_chunk, weight = _ITEM.unpack_from(data)
         if kind == SUM and got_kind == OVERFLOW:
@@ -343,7 +331,7 @@ class _Ring:
                 f" expected {(kind, part, chunk)}"
             )
         mask = data[_ITEM.size :]
-        members = frozenset(i for i in range(self.group.size) if mask[i // 8] >> (i % 8) & 1)
+        members = mask_members(mask, self.group.size)
         valid = math.isfinite(weight) and weight >= 0 and (weight > 0) == bool(members)
         if not valid or (kind == OVERFLOW and members):
             raise ProtocolError(f"ring item with weight sum {weight} and members {sorted(members)}")
@@ -482,7 +470,7 @@ class _Ring:
 
     def _frames(self, item: _Item) -> list[bytes | memoryview]:
         header = _ITEM.pack(item.kind, item.part, item.chunk, item.weight)
-        header += _mask_bytes(item.members, self.group.size)
+        header += contributor_mask(item.members, self.group.size)
         if item.values is None:
             return [header]
         return [header, item.values.numpy().data.cast("B")]

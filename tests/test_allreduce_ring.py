@@ -39,7 +39,7 @@ from averaging._allreduce import (
 )
 from averaging._codecs import FLOAT16
 from averaging._faults import FaultPlan, MemberFault
-from averaging._group import Group, GroupMember
+from averaging._group import Group, GroupMember, contributor_mask
 from averaging._link_meter import MIN_SAMPLE_BYTES, LinkMeter
 from averaging._partition import Partition
 from averaging._ring import (
@@ -47,7 +47,6 @@ from averaging._ring import (
     RING_STREAM,
     RING_VERSION,
     SUM,
-    _mask_bytes,
     _Ring,
     _Spares,
     ring_eligible,
@@ -189,7 +188,7 @@ async def test_a_predecessor_that_sends_nan_is_banned_and_the_others_fall_back()
                 await stream.send([RING_VERSION, groups[3].group_id, 3, 1.0])
                 part = Partition.for_group(groups[3], TOTAL, CHUNK)
                 a, b = part.chunk_bounds(2, 0)  # the first sum member 0 expects
-                header = _ITEM.pack(SUM, 2, 0, 1.0) + _mask_bytes(frozenset({3}), 4)
+                header = _ITEM.pack(SUM, 2, 0, 1.0) + contributor_mask(frozenset({3}), 4)
                 await stream.send_bytes_batch(
                     [header, torch.full((b - a,), float("nan")).numpy().tobytes()]
                 )
