@@ -716,8 +716,8 @@ def main() -> None:
     parser.add_argument("--ring-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--upload-pacing",
-        help="with --link-rate: also run ours (plaintext; and the ring, with --ring) with"
-        " AllReduceConfig.upload_pacing at this rate, e.g. 97mbit",
+        help="with --link-rate: run ours once more (plaintext, encrypted, each codec; the ring,"
+        " with --ring) with AllReduceConfig.upload_pacing at this rate, e.g. 97mbit",
     )
     parser.add_argument(
         "--pacing-log",
@@ -891,14 +891,21 @@ def link_main(args: argparse.Namespace) -> None:
                 kind = "encrypted" if encrypt else "plaintext"
                 rows.append((f"ours, ring, {kind}, none", result, bound))
         if args.upload_pacing:
-            # the same launch, each uplink's streams paced at their shares of the rate
-            for ring in (False, True) if args.ring else (False,):
+            # the runs above once more, each uplink's streams paced at their
+            # shares of the rate: plaintext and encrypted, each codec, the ring
+            encryptions = (False,) if args.plain_only else (False, True)
+            paced = [(False, codec, False) for codec in codecs]
+            if "none" in codecs and not args.plain_only:
+                paced.insert(1, (True, "none", False))
+            if args.ring:
+                paced += [(encrypt, "none", True) for encrypt in encryptions]
+            for encrypt, codec, ring in paced:
                 result = launch(
-                    args, "ours", False, "none", bed, ring=ring, pacing=args.upload_pacing
+                    args, "ours", encrypt, codec, bed, ring=ring, pacing=args.upload_pacing
                 )
-                bound = link_bound(wire_bytes(args.size, "none"), up, down)
-                name = "ring" if ring else "plaintext"
-                rows.append((f"ours, {name}, paced {args.upload_pacing}", result, bound))
+                bound = link_bound(wire_bytes(args.size, codec), up, down)
+                name = ("ring, " if ring else "") + ("encrypted" if encrypt else "plaintext")
+                rows.append((f"ours, {name}, {codec}, paced", result, bound))
         if args.lossy:
             result = launch(args, "ours", True, "none", bed, None, lossy=True)
             rows.append(("ours, lossy datagrams", result, link_bound(4 * args.size, up, down)))
@@ -912,7 +919,8 @@ def link_main(args: argparse.Namespace) -> None:
         + (f", pacing capped at {args.pacing_rate}" if args.pacing_rate else "")
         + f"; median of {args.rounds} rounds"
     )
-    print(f"  {'':28} {'time':>8} {'bound':>8} {'share':>6} {'CPU/peer':>9}")
+    width = max(len(name) for name, _, _ in rows)
+    print(f"  {'':{width}} {'time':>8} {'bound':>8} {'share':>6} {'CPU/peer':>9}")
     for name, result, bound in rows:
         held = result.get("held") or []
         per_round = ", ".join(
@@ -920,7 +928,7 @@ def link_main(args: argparse.Namespace) -> None:
             for t, h in zip(result["rounds_s"], held or result["rounds_s"], strict=True)
         )
         print(
-            f"  {name:28} {result['median_s']:7.2f}s {bound:7.2f}s"
+            f"  {name:{width}} {result['median_s']:7.2f}s {bound:7.2f}s"
             f" {bound / result['median_s']:6.1%} {result['cpu_s']:8.2f}s"
             + (f"   held {statistics.median(held):.1%} (rounds: {per_round})" if held else "")
         )
