@@ -1,7 +1,7 @@
 """Benchmark: our butterfly all-reduce against torch.distributed (gloo) on loopback.
 
     python benchmarks/allreduce.py --peers 4 --size 25000000 [--rounds 5] [--json]
-                                   [--split N]
+                                   [--split N] [--ring]
 
 Each implementation runs in its own set of peer processes (this script,
 started again with ``--worker``), so peak RSS per peer is measured cleanly.
@@ -16,7 +16,8 @@ against it chunk by chunk (no extra full copy).
 
 Reported: the median over rounds of the slowest peer's round time, for ours
 with encryption (the default), ours in plaintext mode and gloo; the ratios to
-gloo; the median CPU time per peer and round (``process_time``, all threads:
+gloo (``--ring``: also ours around the pipelined ring, ``AllReduceConfig.ring``,
+plaintext and encrypted); the median CPU time per peer and round (``process_time``, all threads:
 steadier than wall time on a shared machine), and below it the same split
 by thread, user and system time (``RUSAGE_THREAD``): the thread that runs the
 round (trio's; gloo's caller) and the others (our bulk transfers; gloo's
@@ -711,7 +712,7 @@ def main() -> None:
     parser.add_argument(
         "--ring",
         action="store_true",
-        help="with --link-rate: also run ours around the ring (AllReduceConfig.ring)",
+        help="also run ours around the ring (AllReduceConfig.ring)",
     )
     parser.add_argument("--ring-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
@@ -762,6 +763,10 @@ def main() -> None:
     gloo = launch(args, "gloo", False)
     plain = launch(args, "ours", False)
     encrypted = plain if args.plain_only else launch(args, "ours", True)
+    ring_plain = launch(args, "ours", False, ring=True) if args.ring else None
+    ring_encrypted = (
+        launch(args, "ours", True, ring=True) if args.ring and not args.plain_only else None
+    )
     vector_mb = args.size * 4 / 2**20
     report = {
         "ours_s": encrypted["median_s"],
@@ -784,6 +789,12 @@ def main() -> None:
         "rounds": args.rounds,
         "split": args.split,
     }
+    for name, run in (("ring_plain", ring_plain), ("ring", ring_encrypted)):
+        if run is not None:
+            report[f"{name}_s"] = run["median_s"]
+            report[f"ratio_{name}"] = run["median_s"] / gloo["median_s"]
+            report[f"{name}_cpu_s"] = run["cpu_s"]
+            report[f"{name}_cpu_split_s"] = run["cpu_split_s"]
     if args.json:
         print(json.dumps(report))
         return
@@ -809,6 +820,17 @@ def main() -> None:
             f"   ratio {report['ratio']:.2f} (target <= 1.6)"
         )
         print(split_line(encrypted["cpu_split_s"], "trio's", "bulk I/O"))
+    for label, run, target in (
+        ("ring, plaintext", ring_plain, 1.2),
+        ("ring, encrypted", ring_encrypted, 1.6),
+    ):
+        if run is not None:
+            print(
+                f"  ours, {label:15}{run['median_s']:6.3f} s   peak RSS {run['rss_mb']:7.1f} MiB"
+                f"   CPU/peer {run['cpu_s']:.3f} s"
+                f"   ratio {run['median_s'] / gloo['median_s']:.2f} (target <= {target})"
+            )
+            print(split_line(run["cpu_split_s"], "trio's", "bulk I/O"))
     budget = gloo["rss_mb"] + vector_mb
     print(
         f"  RSS budget (gloo + one vector) {budget:.1f} MiB:"
