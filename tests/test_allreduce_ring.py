@@ -6,8 +6,9 @@ butterfly with the butterfly's promises."""
 
 from __future__ import annotations
 
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, suppress
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -44,6 +45,7 @@ from averaging._link_meter import MIN_SAMPLE_BYTES, LinkMeter
 from averaging._partition import Partition
 from averaging._ring import (
     _ITEM,
+    RESULT,
     RING_STREAM,
     RING_VERSION,
     SUM,
@@ -205,6 +207,68 @@ async def test_a_predecessor_that_sends_nan_is_banned_and_the_others_fall_back()
             want = inputs[i][start:end] if j == 3 else sum(x[start:end] for x in inputs[:3]) / 3
             assert torch.allclose(outputs[i][start:end], want, atol=1e-5, rtol=0), (i, j)
             assert result.part_contributors(j) == (frozenset({i}) if j == 3 else three)
+
+
+async def test_a_result_with_nan_is_refused_and_the_next_round_is_exact() -> None:
+    """Results arrive straight into the round's result vector, which the
+    peer's next round reuses. Member 1 of a ring of two, played here by
+    hand, sends member 0 its sums and then a result with NaN: member 0 bans
+    it and keeps its local values, and its next ring round (with member 2)
+    holds the exact mean, nothing of the refused result."""
+    bans = BanList(clock=ManualClock(0.0))
+    async with AsyncExitStack() as stack:
+        nets = [
+            await stack.enter_async_context(
+                open_connections(Identity.from_seed(bytes([i + 1]) * 32), bans=bans)
+            )
+            for i in range(3)
+        ]
+
+        async def drain(stream: Any) -> None:  # member 1 takes what member 0 sends it
+            with suppress(SwarmError):
+                while True:
+                    await stream.receive()
+
+        nets[1].set_handler(RING_STREAM, drain)
+        groups = make_groups(nets[:2])
+        part = Partition.for_group(groups[1], TOTAL, CHUNK)
+        inputs = [member_data(i) for i in range(3)]
+        output = inputs[0].clone()
+        results: list[AllReduceResult] = []
+
+        async def member_0() -> None:
+            results.append(await all_reduce(nets[0], groups[0], [output], config=RING))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(member_0)
+            async with nets[1].open_stream(
+                nets[0].peer_id, ("127.0.0.1", nets[0].port), RING_STREAM
+            ) as stream:
+                await stream.send([RING_VERSION, groups[1].group_id, 1, 1.0])
+                for chunk in range(part.num_chunks(0)):  # the sums member 0 reduces
+                    a, b = part.chunk_bounds(0, chunk)
+                    header = _ITEM.pack(SUM, 0, chunk, 1.0) + contributor_mask(frozenset({1}), 2)
+                    await stream.send_bytes_batch([header, inputs[1][a:b].numpy().tobytes()])
+                a, b = part.chunk_bounds(1, 0)
+                header = _ITEM.pack(RESULT, 1, 0, 2.0) + contributor_mask(frozenset({0, 1}), 2)
+                await stream.send_bytes_batch(
+                    [header, torch.full((b - a,), float("nan")).numpy().tobytes()]
+                )
+                with pytest.raises(SwarmError):
+                    await stream.receive()  # member 0 resets the stream
+        assert "NaN" in (bans.reason(nets[1].peer_id) or "")
+        assert results[0].failed_reducers == {1}
+        assert torch.equal(output, inputs[0])  # only its own values, in the fallback
+        pair = [nets[0], nets[2]]
+        outcome = await run_round(
+            pair,
+            make_groups(pair, group_id=b"group-2"),
+            [1.0, 1.0],
+            inputs=inputs[::2],
+            config=RING,
+        )
+        for out in outcome.outputs:
+            assert torch.allclose(out, (inputs[0] + inputs[2]) / 2, atol=1e-6, rtol=0)
 
 
 async def test_paced_rounds_average_exactly_and_leave_their_connections_unpaced() -> None:
