@@ -383,19 +383,15 @@ async def all_reduce(
     if config.lossy:  # the seam of the lossy data plane (issue 18): averaging/_lossy.py
         return await _lossy_round(net, group, tensors, weight, codec, config, plan)
     flat = flatten(tensors)
-    partition = Partition.for_group(group, flat.numel(), config.chunk_elements)
+    # the ring serves raw float32 and the weighted mean; where it may run,
+    # uploads alike within a few percent cut equal parts, so that it does
+    ring = config.ring and codec == NONE and config.aggregation is None
+    partition = Partition.for_group(group, flat.numel(), config.chunk_elements, ring=ring)
     chunk = pipelined_chunk_elements(partition, config)
     if chunk != partition.chunk_elements:
         partition = Partition(partition.total, partition.part_bounds, chunk)
-    if (
-        config.ring
-        and codec == NONE
-        and config.aggregation is None
-        and ring_eligible(group, partition)
-    ):
-        return await _ring_round(
-            net, group, tensors, flat, partition, weight, codec, config, meter
-        )
+    if ring and ring_eligible(group, partition):
+        return await _ring_round(net, group, tensors, flat, partition, weight, codec, config, meter)
     traffic = meter.round_traffic() if meter is not None else None
     rnd = _Round(net, group, partition, flat, weight, codec, config, fault, traffic)
     with (

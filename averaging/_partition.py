@@ -10,6 +10,11 @@ become exact fractions (``fractions.Fraction`` of a float is exact) and the
 remainder of the integer division goes to the largest fractional remainders,
 ties to the lower index.
 
+Around the ring (``AllReduceConfig.ring``) parts are cut equal where the
+members' weights are alike within ``RING_UPLOAD_SPREAD`` (``part_weights``):
+the ring runs only on parts alike within 1% (``_ring.ring_eligible``), and
+measured uploads of equal links are never that close.
+
 A part is streamed in chunks of ``chunk_elements`` elements (the last chunk of
 a part may be shorter), so that sending, reducing and receiving overlap.
 """
@@ -25,8 +30,22 @@ import torch
 from ._group import Group, GroupMember, MemberMode
 from ._staging import require_host
 
+#: Around the ring, a group whose smallest weight is at least this share of
+#: its largest cuts equal parts. Every link of a ring carries 2(n-1)/n of
+#: the vector whatever the parts, so equal parts run at the slowest uplink's
+#: pace; the butterfly with proportional parts runs near the links' mean
+#: rate. At 4 peers, one at 95% of the others' upload, the ring's link limit
+#: is 1.039x the butterfly's (``benchmarks/allreduce.py``'s ``link_bound``),
+#: less than the ring's lead on 100 Mbit/s links unpaced (85-90% of the
+#: link against 79-82%: 1.087x mid to mid, 1.037x worst to best); at 90% it
+#: is 1.083x, which eats that lead. Measured uploads are unpaced (pacing
+#: needs a declared rate), which is where that lead holds; paced, the two
+#: are alike (93% against 92-94%), and a group of equal declared rates cuts
+#: equal parts anyway.
+RING_UPLOAD_SPREAD = 0.95
 
-def part_weights(members: Sequence[GroupMember]) -> list[float]:
+
+def part_weights(members: Sequence[GroupMember], *, ring: bool = False) -> list[float]:
     """The weights parts are cut in proportion to: one rule every member applies
     to the same ``Group``.
 
@@ -39,11 +58,35 @@ def part_weights(members: Sequence[GroupMember]) -> list[float]:
     that declares its bandwidth publishes no measurement, so a declaration
     anywhere in the group makes the whole group use declared shares (the
     units of the two do not mix).
+
+    With ``ring`` (the round would run around the ring), a group of two or
+    more nodes whose weights are alike within ``RING_UPLOAD_SPREAD`` weighs
+    every member 1: on such links the ring with equal parts beats the
+    butterfly with proportional ones, and equal parts are what lets the ring
+    run (``_ring.ring_eligible``).
     """
+    weights = _proportional_weights(members)
+    if ring and _alike_for_ring(members, weights):
+        return [1.0] * len(members)
+    return weights
+
+
+def _proportional_weights(members: Sequence[GroupMember]) -> list[float]:
     reducing = [m.mode is not MemberMode.CLIENT and m.bandwidth > 0 for m in members]
     if any(reducing) and all(m.upload > 0 for m, r in zip(members, reducing, strict=True) if r):
         return [m.upload if r else 0.0 for m, r in zip(members, reducing, strict=True)]
     return [m.bandwidth for m in members]
+
+
+def _alike_for_ring(members: Sequence[GroupMember], weights: Sequence[float]) -> bool:
+    """Whether a ring could serve ``members`` (two or more, all nodes) and
+    their ``weights`` are all positive and within ``RING_UPLOAD_SPREAD``."""
+    return (
+        len(members) >= 2
+        and all(m.mode is MemberMode.NODE for m in members)
+        and min(weights) > 0
+        and min(weights) >= RING_UPLOAD_SPREAD * max(weights)
+    )
 
 
 def part_sizes(total: int, bandwidths: Sequence[float], modes: Sequence[MemberMode]) -> list[int]:
@@ -85,10 +128,15 @@ class Partition:
     chunk_elements: int
 
     @classmethod
-    def for_group(cls, group: Group, total: int, chunk_elements: int) -> Partition:
+    def for_group(
+        cls, group: Group, total: int, chunk_elements: int, *, ring: bool = False
+    ) -> Partition:
+        """The parts of ``group`` (``part_weights``; ``ring``: the round
+        would run around the ring, if the parts allow)."""
         if chunk_elements < 1:
             raise ValueError("chunk_elements must be >= 1")
-        sizes = part_sizes(total, part_weights(group.members), [m.mode for m in group.members])
+        weights = part_weights(group.members, ring=ring)
+        sizes = part_sizes(total, weights, [m.mode for m in group.members])
         bounds: list[tuple[int, int]] = []
         start = 0
         for size in sizes:

@@ -155,6 +155,39 @@ async def test_groups_the_ring_cannot_serve_use_the_butterfly() -> None:
         assert [net.dialed for net in nets] == [2, 2, 2]
 
 
+def _with_uploads(groups: list[Group], uploads: list[float]) -> list[Group]:
+    """``groups`` with each member publishing its measured upload (bytes/s)."""
+    members = tuple(replace(m, upload=u) for m, u in zip(groups[0].members, uploads, strict=True))
+    return [Group(g.group_id, members, g.local_index) for g in groups]
+
+
+async def test_measured_uploads_a_few_percent_apart_run_around_the_ring() -> None:
+    """Equal links measure uploads that differ by noise: the ring cuts equal
+    parts and runs (each member dials its successor only); uploads 30% apart
+    keep proportional parts and the butterfly."""
+    async with open_peers(4) as nets:
+        groups = _with_uploads(make_groups(nets), [12.5e6, 12.2e6, 12.4e6, 12.575e6])
+        outcome = await run_round(nets, groups, WEIGHTS, config=RING)
+        assert [net.dialed for net in nets] == [1, 1, 1, 1]
+        equal = Partition.for_group(groups[0], TOTAL, CHUNK, ring=True)
+        assert {equal.part_size(j) for j in range(4)} == {TOTAL // 4}
+        expected = {(j, c): ALL4 for j in range(4) for c in range(equal.num_chunks(j))}
+        for result in _results(outcome.results):
+            assert result.part_bounds == equal.part_bounds
+        check(outcome, WEIGHTS, range(4), expected)
+    async with open_peers(4) as nets:
+        uploads = [12.5e6, 8.75e6, 12.4e6, 12.575e6]
+        groups = _with_uploads(make_groups(nets), uploads)
+        outcome = await run_round(nets, groups, WEIGHTS, config=RING)
+        assert [net.dialed for net in nets] == [3, 3, 3, 3]
+        proportional = Partition.for_group(groups[0], TOTAL, CHUNK)
+        assert proportional.part_size(1) < proportional.part_size(0)
+        for result in _results(outcome.results):
+            assert result.part_bounds == proportional.part_bounds
+        expected = {(j, c): ALL4 for j in range(4) for c in range(proportional.num_chunks(j))}
+        check(outcome, WEIGHTS, range(4), expected)
+
+
 async def test_a_predecessor_that_sends_nan_is_banned_and_the_others_fall_back() -> None:
     """Member 3, played here by hand, opens its ring stream to member 0 and
     sends a running sum with NaN in it: member 0 bans it and breaks the ring,

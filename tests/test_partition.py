@@ -7,7 +7,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from averaging._group import Group, GroupMember, MemberMode
-from averaging._partition import Partition, flat_zeros_like, flatten, part_sizes, unflatten_into
+from averaging._partition import (
+    RING_UPLOAD_SPREAD,
+    Partition,
+    flat_zeros_like,
+    flatten,
+    part_sizes,
+    part_weights,
+    unflatten_into,
+)
+from averaging._ring import ring_eligible
 from swarm import ConfigError, PeerID
 
 N, C, A = MemberMode.NODE, MemberMode.CLIENT, MemberMode.AUX
@@ -70,6 +79,58 @@ def test_sizes_sum_and_are_near_proportional(total: int, members: list) -> None:
             assert size == 0
     # Deterministic: the same answer every time, and the order of evaluation does not matter.
     assert part_sizes(total, bws, modes) == sizes
+
+
+def measured_group(uploads: list[float], modes: list[MemberMode] | None = None) -> Group:
+    """A group whose members published these measured uploads (bytes/s)."""
+    modes = modes or [N] * len(uploads)
+    members = tuple(
+        GroupMember(PeerID(bytes([i]) * 20), "127.0.0.1", 1000 + i, 1.0, mode, upload=up)
+        for i, (mode, up) in enumerate(zip(modes, uploads, strict=True))
+    )
+    return Group(b"g", members, 0)
+
+
+#: measured uploads of four equal 100 Mbit/s links, 3% apart (noise)
+ALIKE = [12.5e6, 12.2e6, 12.4e6, 12.575e6]
+#: the same with one link 30% slower
+APART = [12.5e6, 8.75e6, 12.4e6, 12.575e6]
+
+
+def test_ring_cuts_equal_parts_for_uploads_alike_within_the_spread() -> None:
+    group = measured_group(ALIKE)
+    ring = Partition.for_group(group, 1001, 16, ring=True)
+    assert [ring.part_size(j) for j in range(4)] == [251, 250, 250, 250]
+    assert ring_eligible(group, ring)
+    # without the ring: in proportion to the uploads, as before, and no ring
+    butterfly = Partition.for_group(group, 1001, 16)
+    assert butterfly.part_bounds == Partition.for_group(group, 1001, 16, ring=False).part_bounds
+    sizes = part_sizes(1001, ALIKE, [N] * 4)
+    assert [butterfly.part_size(j) for j in range(4)] == sizes == [252, 246, 250, 253]
+    assert not ring_eligible(group, butterfly)
+
+
+def test_ring_keeps_proportional_parts_for_uploads_far_apart() -> None:
+    group = measured_group(APART)
+    partition = Partition.for_group(group, 1001, 16, ring=True)
+    sizes = [partition.part_size(j) for j in range(4)]
+    assert sizes == part_sizes(1001, APART, [N] * 4) == [271, 189, 269, 272]
+    assert not ring_eligible(group, partition)  # the butterfly, which gives the slow one less
+
+
+def test_ring_spread_boundary_and_members_the_ring_cannot_serve() -> None:
+    at = [10.0, 10.0 * RING_UPLOAD_SPREAD]
+    below = [10.0, 10.0 * RING_UPLOAD_SPREAD * 0.999]
+    assert part_weights(measured_group(at).members, ring=True) == [1.0, 1.0]
+    assert part_weights(measured_group(below).members, ring=True) == below
+    # a client or auxiliary member keeps every group off the ring: proportional
+    for mode in (C, A):
+        group = measured_group(ALIKE, [N, N, N, mode])
+        weights = part_weights(group.members, ring=True)
+        assert weights == part_weights(group.members)
+        assert weights != [1.0] * 4
+    # one member alone has no ring to run
+    assert part_weights(measured_group([5.0]).members, ring=True) == [5.0]
 
 
 def test_partition_chunks() -> None:
