@@ -212,12 +212,12 @@ class AllReduceConfig:
     #: must use the same setting.
     lossy: bool = False
     #: Run the pipelined ring (``_ring``) where the group allows it (every
-    #: member a node, parts alike, so links alike; codec ``NONE``, weighted
-    #: mean): one TCP flow per link instead of n - 1, which keeps links of
-    #: equal speed full. If the ring breaks, the round falls back to the
-    #: butterfly in the time left (a failed member is left out there). Fault
-    #: plans (``_faults``) act on the butterfly only. Every member must use
-    #: the same setting.
+    #: member a node, uploads alike within ``_partition.RING_UPLOAD_SPREAD``,
+    #: which then cut equal parts; codec ``NONE``, weighted mean): one TCP
+    #: flow per link instead of n - 1, which keeps links of equal speed full.
+    #: If the ring breaks, the round falls back to the butterfly in the time
+    #: left (a failed member is left out there). Fault plans (``_faults``)
+    #: act on the butterfly only. Every member must use the same setting.
     ring: bool = False
     #: This peer's upload rate in bytes per second, if known: each of its
     #: streams to a reducer (or, around the ring, to its successor) is then
