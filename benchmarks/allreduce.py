@@ -38,6 +38,10 @@ heterogeneous group, ``link_bound`` (below); with a slow peer, ours also
 runs with parts by the links' rates and with parts by the upload rates the
 peers measured (``averaging.LinkMeter``) in an untimed first round and every
 round since, exchanged through files as matchmaking would publish them.
+``--ring`` adds the ring's rows, the last with parts by the measured uploads
+(equal where they are alike, ``_partition.RING_UPLOAD_SPREAD``), printed with
+each round's slowest over fastest measured upload and whether its parts came
+out equal (the ring ran).
 ``tcp_congestion_control`` is printed with the figures.
 
     sudo python benchmarks/allreduce.py --link-rate 100mbit --size 5000000 --rounds 3
@@ -403,6 +407,10 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     timeline: Timeline | None = None
     contributors_ok = True
     held: list[float] = []  # lossy: the share of the senders' data in our result
+    # --measured: per timed round, the smallest published upload over the
+    # largest, and whether the parts came out equal (around the ring: it ran)
+    spreads: list[float] = []
+    equal_parts: list[bool] = []
 
     codec = codec_by_name(args.codec)
     hosts = args.hosts.split(",") if args.hosts else ["127.0.0.1"] * args.peers
@@ -459,6 +467,10 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
                     (directory / f"upload.{round_ + 1}.{args.rank}").write_text(str(meter.upload))
                 if round_ < 0:
                     continue
+                if meter is not None:
+                    sizes = {b - a for a, b in result.part_bounds}
+                    spreads.append(min(uploads) / max(uploads))
+                    equal_parts.append(max(sizes) - min(sizes) <= 1)
                 times.append(time.perf_counter() - start)
                 cpu_times.append(time.process_time() - cpu)
                 splits.append(cpu_split(split))
@@ -488,6 +500,8 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         "rss_mb": peak_rss_mb(),
         "contributors_ok": contributors_ok,
         "held": held,
+        "spreads": spreads,
+        "equal_parts": equal_parts,
     }
 
 
@@ -658,6 +672,9 @@ def launch(
         "rss_mb": max(o["rss_mb"] for o in outputs),
         "error": error,
         "held": held,
+        # --measured (the same in every worker: every member cuts the same parts)
+        "spreads": outputs[0].get("spreads") or [],
+        "equal_parts": outputs[0].get("equal_parts") or [],
     }
 
 
@@ -912,6 +929,11 @@ def link_main(args: argparse.Namespace) -> None:
                 bound = link_bound(wire_bytes(args.size, "none"), up, down)
                 kind = "encrypted" if encrypt else "plaintext"
                 rows.append((f"ours, ring, {kind}, none", result, bound))
+            # the ring with parts by the uploads the peers measured (after one
+            # round to measure): equal parts, and the ring, where they are alike
+            result = launch(args, "ours", False, "none", bed, measured=True, ring=True)
+            bound = link_bound(wire_bytes(args.size, "none"), up, down)
+            rows.append(("ours, ring, parts by measured rate", result, bound))
         if args.upload_pacing:
             # the runs above once more, each uplink's streams paced at their
             # shares of the rate: plaintext and encrypted, each codec, the ring
@@ -954,6 +976,13 @@ def link_main(args: argparse.Namespace) -> None:
             f" {bound / result['median_s']:6.1%} {result['cpu_s']:8.2f}s"
             + (f"   held {statistics.median(held):.1%} (rounds: {per_round})" if held else "")
         )
+        if result.get("spreads"):
+            spreads = ", ".join(f"{x:.3f}" for x in result["spreads"])
+            equal = sum(result["equal_parts"])
+            print(
+                f"  {'':{width}} slowest/fastest measured upload per round: {spreads};"
+                f" equal parts in {equal} of {len(result['equal_parts'])} rounds"
+            )
         for line in result.get("timeline") or []:
             print(line)
     if args.json:
