@@ -384,7 +384,7 @@ async def all_reduce(
         return await _lossy_round(net, group, tensors, weight, codec, config, plan)
     flat = flatten(tensors)
     # the ring serves raw float32 and the weighted mean; where it may run,
-    # uploads alike within a few percent cut equal parts, so that it does
+    # uploads alike within 10% cut equal parts, so that it does
     ring = config.ring and codec == NONE and config.aggregation is None
     partition = Partition.for_group(group, flat.numel(), config.chunk_elements, ring=ring)
     chunk = pipelined_chunk_elements(partition, config)

@@ -102,7 +102,7 @@ def ring_eligible(group: Group, partition: Partition) -> bool:
     1%). Parts cut in proportion to unequal links are not: every link of a
     ring carries nearly two vectors' worth whatever the parts, so the
     slowest uplink would set the pace, where the butterfly gives it less to
-    send. Members whose uploads are alike within a few percent get equal
+    send. Members whose uploads are alike within 10% get equal
     parts when the ring may run (``_partition.RING_UPLOAD_SPREAD``), so
     measurement noise does not keep them off it. Every member computes the
     same from the group."""
