@@ -104,7 +104,7 @@ def run(args: argparse.Namespace, loss: float, lossy: bool) -> dict[str, Any]:
     local += ["--eval-every", str(args.epochs)]
     with (
         tempfile.TemporaryDirectory(prefix="loss-bench-") as tmp,
-        NetBed([Link(args.link_rate, args.link_rate)] * 4) as bed,
+        NetBed([Link(args.link_rate, args.link_rate)] * 4, label=args.label) as bed,
     ):
         directory = Path(tmp)
         outs = [directory / f"peer{i}.out" for i in range(4)]
@@ -150,6 +150,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="per run, seconds")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--keep-logs", help="copy each run's peer logs into this directory")
+    parser.add_argument(
+        "--label", default="", help="ends the test bed's namespace names: whose bed it is"
+    )
     parser.add_argument(
         "--planes", default="tcp,lossy", help="data planes to run (comma-separated: tcp,lossy)"
     )
