@@ -20,7 +20,11 @@ One round, for one peer and its group key (the Moshpit key of this round):
    group of their own (a key one peer over the target group size: a grid
    line's overflow), it redirects the followers they lack to the most senior
    of its juniors among them (``Matchmaker._spare``), so nobody is left alone.
-   That costs one DHT read per group formed.
+   That costs one DHT read per group formed. A group that filled before
+   ``join_by`` without being told it holds every peer expected then waits up
+   to ``poll_interval`` for a peer beyond it: one that asks in that time is
+   turned away as before, but the leader reads the key again and hands it a
+   member (``Matchmaker._hand_over``).
 3. At the same time, as a *follower*, it asks the candidates more senior than
    itself to take it, most senior first. Seniority is ``(join_by, peer_id)``: a
    total order all peers see alike in the DHT, so nobody asks a junior and no
@@ -388,11 +392,15 @@ class Lobby:
         #: target group size
         self.awaited = expected if isinstance(expected, frozenset) else None
         count = len(expected) if isinstance(expected, frozenset) else expected
+        self.expected_count = count or None
         self.capacity = min(config.target_group_size, count or config.target_group_size)
         self.slots: dict[PeerID, _Slot] = {}
         self.following: Candidate | None = None
         self.closed = False
         self.changed = trio.Event()
+        #: set when a peer asked to join while the group was full: one beyond
+        #: it, who may need a member handed over (``Matchmaker._hand_over``)
+        self.turned_away = trio.Event()
         #: when the lobby opened, and when it admitted its latest member
         #: (trio time): ``form`` reports the span as ``Group.gathered``
         self.opened = trio.current_time()
@@ -411,6 +419,13 @@ class Lobby:
             return members >= self.capacity
         return all(p == self.me.peer_id or p in self.slots for p in self.awaited)
 
+    @property
+    def may_overflow(self) -> bool:
+        """Whether peers beyond a full group may still come: the caller did
+        not say how many look under this key, or said more than a group holds.
+        A group of every peer expected waits for nobody."""
+        return self.expected_count is None or self.expected_count > self.config.target_group_size
+
     def admit(self, member: GroupMember) -> tuple[list[Any], _Slot | None]:
         """Decide on a join request: the reply and, if admitted, its slot."""
         if self.closed:
@@ -422,6 +437,7 @@ class Lobby:
         if member.peer_id in self.slots:
             return ["refused", "already admitted"], None
         if len(self.slots) + 1 >= self.config.target_group_size:
+            self.turned_away.set()
             return ["refused", "group is full"], None
         slot = self.slots[member.peer_id] = _Slot(member)
         self.last_admitted = trio.current_time()
@@ -653,7 +669,7 @@ class Matchmaker:
             if lobby.following is not None:
                 await lobby.changed.wait()
                 continue
-            await self._spare(lobby, me)
+            await self._hand_over(lobby, me, deadline)
             if lobby.following is not None:
                 continue  # it joined a senior meanwhile: its followers went there
             group = lobby.form()
@@ -661,20 +677,60 @@ class Matchmaker:
                 finish(group)
             return
 
-    async def _spare(self, lobby: Lobby, me: Candidate) -> None:
+    async def _hand_over(self, lobby: Lobby, me: Candidate, deadline: float) -> None:
+        """Before closing the lobby, hand a member to a peer that would be left
+        alone (``_spare``), and if the group filled before ``deadline`` while
+        more peers than a group holds may look under the key, wait up to
+        ``poll_interval`` (never past ``deadline``) for one beyond it.
+
+        A full group closes early; a peer of its key that begins the round a
+        moment later, or whose first read of the key came before this peer's
+        announcement and so sleeps a poll, found the group formed and averaged
+        with nobody (a grid line of 17, issue 19's scale run at 1,024 peers).
+        Its announcement may not be readable yet either, so the read before
+        closing misses it. Its join request is the sign that it exists: the
+        full lobby turns it away (``Lobby.turned_away``) and reads the key again,
+        where the asker's announcement now is, then hands it a member. A poll
+        is the longest a seeking peer sleeps between reads, so any peer that
+        is already looking asks within it; a later one is not waited for.
+        Meanwhile this peer's own search for seniors goes on: a late peer
+        that is senior to it (a shorter window) asks nobody, but this peer
+        finds it and takes its group there. The cost: at most one read per
+        peer turned away, and a group of exactly the target size forms up to
+        a poll later (never past ``deadline``, which the smaller groups of a
+        grid wait out anyway). Only a group that filled early and was not
+        told it holds every expected peer waits: a lobby that reached
+        ``deadline`` closes as before, and a caller's count that fits in one
+        group (``Lobby.may_overflow``) still closes it at once.
+        """
+        if await self._spare(lobby, me) or not (lobby.full and lobby.may_overflow):
+            return
+        grace_end = min(deadline, trio.current_time() + self.config.poll_interval)
+        while lobby.following is None:
+            with trio.move_on_at(grace_end):
+                await lobby.turned_away.wait()
+            if not lobby.turned_away.is_set():
+                return
+            lobby.turned_away = trio.Event()
+            if await self._spare(lobby, me):
+                return
+
+    async def _spare(self, lobby: Lobby, me: Candidate) -> bool:
         """Before closing the lobby, read the key once more: if the peers under
         it outside this group are too few for a group of their own (one peer
         beyond a full group: a grid line one over the target size), redirect
         the followers they lack to the most senior of them that is junior to
         this peer, as long as this group keeps enough members and that peer's
-        lobby is open long enough for them to join. Without this the one left
-        over averaged with nobody, round after round. Only a junior: a senior
-        that did not take this peer (which asked it) is dead, closed or full.
-        The read is bounded by half a request timeout: the followers wait
-        that long past ``join_by`` for their group."""
+        lobby is open long enough for them to join and closes while they still
+        wait: they are junior to this peer, so they wait at least two request
+        timeouts past its ``join_by``. Without this the one left over averaged
+        with nobody, round after round. Only a junior: a senior that did not
+        take this peer (which asked it) is dead, closed or full. The read is
+        bounded by half a request timeout: the followers wait that long past
+        ``join_by`` for their group. Returns whether it handed members over."""
         need = max(2, self.config.min_group_size)
         if len(lobby.slots) < need:
-            return  # nothing to give without falling below a group
+            return False  # nothing to give without falling below a group
         found: DHTValue | None = None
         with trio.move_on_after(self.config.request_timeout / 2):
             try:
@@ -686,17 +742,19 @@ class Matchmaker:
         give = need - len(outside)
         members = len(lobby.slots) + 1
         if not outside or give <= 0 or members - give < need or lobby.closed:
-            return
+            return False
         open_until = self.peer.dht.now() + self.config.request_timeout / 2
         leaders = [
             c
             for c in outside
             if c.member.mode is not MemberMode.CLIENT
-            and c.join_by > open_until
+            and open_until < c.join_by <= me.join_by + self.config.request_timeout
             and c.seniority() > me.seniority()
         ]
-        if leaders:
-            lobby.shed(give, min(leaders, key=Candidate.seniority))
+        if not leaders or lobby.following is not None:
+            return False
+        lobby.shed(give, min(leaders, key=Candidate.seniority))
+        return True
 
     async def _seek(self, lobby: Lobby, me: Candidate, finish: Any) -> None:
         """Ask seniors to lead this peer until one forms a group with it.

@@ -249,3 +249,28 @@ async def test_a_peer_beyond_a_full_group_is_not_left_alone(
             assert alone == [], (r, alone)
             sizes = sorted({res.group_id: len(res.members) for res in results if res}.values())
             assert sum(sizes) == size + 1 and min(sizes) >= 2, sizes
+
+
+async def test_a_peer_late_for_a_full_group_is_not_left_alone(
+    idle_clock: trio.testing.MockClock,
+) -> None:
+    """The peer beyond a full group begins its round half a poll after the
+    others (at 1,024 peers a peer's first read can miss its leader, and it
+    sleeps a poll): the group filled and closed before its announcement was
+    readable, and it averaged with nobody. The full leader now waits a poll
+    for a peer beyond it, and the late peer's join request makes the leader
+    read the key again and hand it a member."""
+    grid = MoshpitGrid(1, 1)
+    size = CONFIG.matchmaking.target_group_size
+    late = CONFIG.matchmaking.poll_interval / 2
+    async with open_peers(size + 1, seed=5, clock=trio_wall_clock) as peers:
+        averagers = [
+            Averager(p, [torch.full((8,), float(i))], prefix="late", config=CONFIG, grid=grid)
+            for i, p in enumerate(peers.alive)
+        ]
+        for r in range(2):
+            results = await _step_all(averagers, r, offsets=[0.0] * size + [late])
+            alone = [i for i, res in enumerate(results) if res is None or res.group is None]
+            assert alone == [], (r, alone)
+            sizes = sorted({res.group_id: len(res.members) for res in results if res}.values())
+            assert sum(sizes) == size + 1 and min(sizes) >= 2, sizes
