@@ -274,3 +274,30 @@ async def test_a_peer_late_for_a_full_group_is_not_left_alone(
             assert alone == [], (r, alone)
             sizes = sorted({res.group_id: len(res.members) for res in results if res}.values())
             assert sum(sizes) == size + 1 and min(sizes) >= 2, sizes
+
+
+async def test_a_late_senior_beyond_a_full_group_is_not_left_alone(
+    idle_clock: trio.testing.MockClock,
+) -> None:
+    """The peer beyond a full group begins late but with a shorter window
+    (each peer adapts its own), so it is the most senior: it asks nobody, and
+    the others, who read the key before it announced, filled the next one's
+    group, which closed at once. Now the full leader waits a poll, in which
+    its own search for seniors finds the late one and takes its group there;
+    the one that group cannot hold is turned away and handed a member."""
+    grid = MoshpitGrid(1, 1)
+    size = CONFIG.matchmaking.target_group_size
+    window = CONFIG.matchmaking.matchmaking_time
+    late = CONFIG.matchmaking.poll_interval / 2
+    async with open_peers(size + 1, seed=5, clock=trio_wall_clock) as peers:
+        averagers = [
+            Averager(p, [torch.full((8,), float(i))], prefix="senior", config=CONFIG, grid=grid)
+            for i, p in enumerate(peers.alive)
+        ]
+        averagers[-1].set_matchmaking_time(window - 2 * late)
+        for r in range(2):
+            results = await _step_all(averagers, r, offsets=[0.0] * size + [late])
+            alone = [i for i, res in enumerate(results) if res is None or res.group is None]
+            assert alone == [], (r, alone)
+            sizes = sorted({res.group_id: len(res.members) for res in results if res}.values())
+            assert sum(sizes) == size + 1 and min(sizes) >= 2, sizes
