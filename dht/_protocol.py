@@ -72,6 +72,7 @@ from swarm._wire import expect_bytes, expect_int, expect_list, expect_str, pack
 from . import _messages as messages
 from ._ratelimit import MonotonicClock, RateLimiter, RequestRateLimit
 from ._records import Record, RecordLimits
+from ._routing import SwarmRoutingTable
 from ._rtt import RoundTrips
 from ._sessions import SessionKeys
 from ._storage import RecordStorage, Source
@@ -319,6 +320,8 @@ class SwarmProtocol(KademliaProtocol):
         client_mode: bool = False,
     ) -> None:
         super().__init__(source_node, storage, ksize)
+        # kademlia's table may leave contacts out of a neighbour list (``_routing``)
+        self.router = SwarmRoutingTable(self, ksize, source_node)
         self.client_mode = client_mode
         #: a client that still answers pings: while peers check whether they
         #: can reach it (``swarm._reachability``)

@@ -3,6 +3,7 @@
 import random
 
 from kademlia.node import Node, NodeHeap
+from kademlia.routing import RoutingTable
 
 from dht import RecordLimits, RequestRateLimit
 from dht._protocol import SwarmProtocol
@@ -90,6 +91,44 @@ def test_closest_known_agrees_with_a_scan_of_the_whole_routing_table() -> None:
             answers.add(scan)
     assert answers == {True, False}
     assert len(proto.router.buckets) > 5  # the table did split
+
+
+def test_neighbors_are_the_k_closest_contacts_of_the_whole_table() -> None:
+    # kademlia's walk out from the target's bucket stopped at an empty bucket
+    # on the left once none was left on the right: a node of 25 contacts once
+    # answered a newcomer's find_node with none, and the newcomer's bootstrap
+    # ended with one contact (``dht._routing``)
+    rng = random.Random(19)
+    short = 0
+    for _ in range(40):
+        proto = _protocol(Identity.from_seed(rng.randbytes(32)))
+        own = proto.source_node
+        for n in range(rng.randrange(20, 120)):
+            contact = Node(_near(own.id, rng), "127.0.0.1", 1000 + n)
+            bucket = proto.router.buckets[proto.router.get_bucket_for(contact)]
+            room = len(bucket) < bucket.ksize or bucket.has_in_range(own) or bucket.depth() % 5 != 0
+            if room and contact.id != own.id:
+                proto.router.add_contact(contact)
+        contacts = [c for b in proto.router.buckets for c in b.get_nodes()]
+        for _ in range(20):
+            target = Node(
+                rng.choice([_near(own.id, rng), rng.randbytes(20), rng.choice(contacts).id])
+            )
+            sender = rng.choice(contacts)
+            for exclude in (None, sender):
+                scan = sorted(
+                    (
+                        c
+                        for c in contacts
+                        if c.id != target.id and (exclude is None or c.port != exclude.port)
+                    ),
+                    key=target.distance_to,
+                )[:20]
+                assert proto.router.find_neighbors(target, exclude=exclude) == scan
+                assert proto.router.find_neighbors(target, 3, exclude) == scan[:3]
+                stock = RoutingTable.find_neighbors(proto.router, target, exclude=exclude)
+                short += len(stock) < len(scan)
+    assert short > 0  # the layouts include those that kademlia's walk cut short
 
 
 def _near(node_id: bytes, rng: random.Random) -> bytes:
