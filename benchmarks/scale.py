@@ -27,6 +27,10 @@ The clock is virtual by default (``--clock real``: the machine's): time moves
 only when every peer waits for a timer, so the CPU that the N peers share
 here costs none of their deadlines, as if each peer had a CPU of its own.
 Between steps the peers compute ``--compute`` seconds (virtual: free).
+A peer refreshes its progress once per step by default; the trainer's
+tracker refreshes every ``progress_interval`` while its peer computes, and
+``--refreshes K`` does that: K refreshes per peer and step, an interval
+apart, the step's view (and its traffic) counting all K.
 
 Printed per swarm size and step (the targets are judged on the last step,
 after the tree has converged): the share of live peers and of samples that
@@ -307,6 +311,27 @@ async def _average_step(
     )
 
 
+async def _refresh_between(
+    trackers: list[ProgressTracker],
+    limiter: trio.CapacityLimiter,
+    rounds: int,
+    config: TrackerConfig,
+) -> None:
+    """``rounds`` progress refreshes of every peer, ``progress_interval`` apart,
+    before the step's own (``--refreshes``): the trainer's tracker refreshes
+    every interval while its peer computes, not once per step."""
+
+    async def one(tracker: ProgressTracker) -> None:
+        async with limiter:
+            await tracker.refresh()
+
+    for _ in range(rounds):
+        async with trio.open_nursery() as nursery:
+            for tracker in trackers:
+                nursery.start_soon(one, tracker)
+        await trio.sleep(config.progress_interval)
+
+
 def _trio_wall_clock() -> float:
     """A wall clock that follows trio's (``--clock virtual``): DHT expirations
     and matchmaking deadlines move with the virtual time."""
@@ -417,7 +442,9 @@ async def _run(n: int, args: argparse.Namespace) -> list[Row]:
                             counted = reading.swarm.samples
                             views[i] = (reading.swarm.num_peers, counted / (sum(rates) * (at - t0)))
                             schedule = schedules[i]
-                            agreed[i] = await schedule.grid(node, step, timeout=1.0)
+                            # within the trainer's bound (``_agreed_grid``)
+                            timeout = averaging.matchmaking.request_timeout
+                            agreed[i] = await schedule.grid(node, step, timeout=timeout)
                             # the trainer's estimate (``_grid_estimate``)
                             estimate = max(reading.swarm.num_peers, node.size_estimate())
                             await schedule.prepare(node, step, estimate)
@@ -436,6 +463,8 @@ async def _run(n: int, args: argparse.Namespace) -> list[Row]:
                 # the peers compute between global steps
                 await trio.sleep(args.compute)
                 before = _traffic(nodes)
+                if protocol == "tree":
+                    await _refresh_between(trackers, limiter, args.refreshes - 1, config)
                 started = time.perf_counter()
                 cpu_started = time.process_time()
                 async with trio.open_nursery() as inner:
@@ -521,6 +550,13 @@ def main() -> None:
         action="store_false",
         help="skip each step's averaging round (matchmaking and all-reduce)",
     )
+    parser.add_argument(
+        "--refreshes",
+        type=int,
+        default=1,
+        help="progress refreshes per peer and step, a progress interval apart, the step's "
+        "view from the last (the trainer's tracker refreshes every interval)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
@@ -530,6 +566,8 @@ def main() -> None:
         help="verified record signatures remembered (1: about none, the control)",
     )
     args = parser.parse_args()
+    if args.refreshes < 1:
+        parser.error("--refreshes must be at least 1")
     logging.basicConfig(level=logging.CRITICAL)
     dht._records.SIGNATURES = dht._records.SignatureCache(args.signature_cache)
     _raise_open_files(max(args.peers))
