@@ -126,6 +126,9 @@ def test_neighbors_are_the_k_closest_contacts_of_the_whole_table() -> None:
                 )[:20]
                 assert proto.router.find_neighbors(target, exclude=exclude) == scan
                 assert proto.router.find_neighbors(target, 3, exclude) == scan[:3]
+                if exclude is not None:  # what a find_node from ``sender`` is answered
+                    answer = proto._rpc_find_node(sender, [target.id])
+                    assert [contact[0] for contact in answer] == [c.id for c in scan]
                 stock = RoutingTable.find_neighbors(proto.router, target, exclude=exclude)
                 short += len(stock) < len(scan)
     assert short > 0  # the layouts include those that kademlia's walk cut short
