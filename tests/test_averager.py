@@ -229,6 +229,30 @@ async def test_alone_a_peer_finds_no_group_and_keeps_its_values(
         assert torch.equal(tensor, torch.arange(5.0))
 
 
+async def _overflow_rounds(
+    prefix: str, rounds: int, late: float = 0.0, window: float | None = None
+) -> None:
+    """A group's worth of peers plus one on one key, the last beginning each
+    round ``late`` after the others (with its own matchmaking ``window``, if
+    given), for ``rounds`` rounds: every peer in a group of at least two."""
+    grid = MoshpitGrid(1, 1)
+    size = CONFIG.matchmaking.target_group_size
+    async with open_peers(size + 1, seed=5, clock=trio_wall_clock) as peers:
+        averagers = [
+            Averager(p, [torch.full((8,), float(i))], prefix=prefix, config=CONFIG, grid=grid)
+            for i, p in enumerate(peers.alive)
+        ]
+        if window is not None:
+            averagers[-1].set_matchmaking_time(window)
+        for r in range(rounds):
+            offsets = [0.0] * size + [late] if late else None
+            results = await _step_all(averagers, r, offsets=offsets)
+            alone = [i for i, res in enumerate(results) if res is None or res.group is None]
+            assert alone == [], (r, alone)
+            sizes = sorted({res.group_id: len(res.members) for res in results if res}.values())
+            assert sum(sizes) == size + 1 and min(sizes) >= 2, sizes
+
+
 async def test_a_peer_beyond_a_full_group_is_not_left_alone(
     idle_clock: trio.testing.MockClock,
 ) -> None:
@@ -236,19 +260,7 @@ async def test_a_peer_beyond_a_full_group_is_not_left_alone(
     line, issue 19's scale run): the first leader fills its group at once, and
     the peer left over had nobody to average with, round after round. The
     leader now hands it a member before closing."""
-    grid = MoshpitGrid(1, 1)
-    size = CONFIG.matchmaking.target_group_size
-    async with open_peers(size + 1, seed=5, clock=trio_wall_clock) as peers:
-        averagers = [
-            Averager(p, [torch.full((8,), float(i))], prefix="spill", config=CONFIG, grid=grid)
-            for i, p in enumerate(peers.alive)
-        ]
-        for r in range(3):
-            results = await _step_all(averagers, r)
-            alone = [i for i, res in enumerate(results) if res is None or res.group is None]
-            assert alone == [], (r, alone)
-            sizes = sorted({res.group_id: len(res.members) for res in results if res}.values())
-            assert sum(sizes) == size + 1 and min(sizes) >= 2, sizes
+    await _overflow_rounds("spill", rounds=3)
 
 
 async def test_a_peer_late_for_a_full_group_is_not_left_alone(
@@ -260,20 +272,7 @@ async def test_a_peer_late_for_a_full_group_is_not_left_alone(
     readable, and it averaged with nobody. The full leader now waits a poll
     for a peer beyond it, and the late peer's join request makes the leader
     read the key again and hand it a member."""
-    grid = MoshpitGrid(1, 1)
-    size = CONFIG.matchmaking.target_group_size
-    late = CONFIG.matchmaking.poll_interval / 2
-    async with open_peers(size + 1, seed=5, clock=trio_wall_clock) as peers:
-        averagers = [
-            Averager(p, [torch.full((8,), float(i))], prefix="late", config=CONFIG, grid=grid)
-            for i, p in enumerate(peers.alive)
-        ]
-        for r in range(2):
-            results = await _step_all(averagers, r, offsets=[0.0] * size + [late])
-            alone = [i for i, res in enumerate(results) if res is None or res.group is None]
-            assert alone == [], (r, alone)
-            sizes = sorted({res.group_id: len(res.members) for res in results if res}.values())
-            assert sum(sizes) == size + 1 and min(sizes) >= 2, sizes
+    await _overflow_rounds("late", rounds=2, late=CONFIG.matchmaking.poll_interval / 2)
 
 
 async def test_a_late_senior_beyond_a_full_group_is_not_left_alone(
@@ -285,19 +284,6 @@ async def test_a_late_senior_beyond_a_full_group_is_not_left_alone(
     group, which closed at once. Now the full leader waits a poll, in which
     its own search for seniors finds the late one and takes its group there;
     the one that group cannot hold is turned away and handed a member."""
-    grid = MoshpitGrid(1, 1)
-    size = CONFIG.matchmaking.target_group_size
-    window = CONFIG.matchmaking.matchmaking_time
     late = CONFIG.matchmaking.poll_interval / 2
-    async with open_peers(size + 1, seed=5, clock=trio_wall_clock) as peers:
-        averagers = [
-            Averager(p, [torch.full((8,), float(i))], prefix="senior", config=CONFIG, grid=grid)
-            for i, p in enumerate(peers.alive)
-        ]
-        averagers[-1].set_matchmaking_time(window - 2 * late)
-        for r in range(2):
-            results = await _step_all(averagers, r, offsets=[0.0] * size + [late])
-            alone = [i for i, res in enumerate(results) if res is None or res.group is None]
-            assert alone == [], (r, alone)
-            sizes = sorted({res.group_id: len(res.members) for res in results if res}.values())
-            assert sum(sizes) == size + 1 and min(sizes) >= 2, sizes
+    window = CONFIG.matchmaking.matchmaking_time - 2 * late
+    await _overflow_rounds("senior", rounds=2, late=late, window=window)
