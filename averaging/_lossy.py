@@ -115,7 +115,7 @@ from ._faults import DatagramFilter, FaultPlan
 from ._group import Group, MemberMode
 from ._pacing import PacerRegistry, Sending
 from ._partition import Partition
-from ._pieces import PieceMask, PieceReducer, contributor_codes
+from ._pieces import PieceMask, PieceReducer, contributor_codes, num_pieces
 from ._rounds import RoundsByGroup
 
 logger = logging.getLogger(__name__)
@@ -470,7 +470,7 @@ class _LossyRound:
         if sender not in self._senders_left or sender in self._accepted:
             return False
         kept = self._early.setdefault(route, [])
-        if len(kept) >= EARLY_PER_PIECE * -(-self.partition.part_size(me) // PIECE_ELEMENTS):
+        if len(kept) >= EARLY_PER_PIECE * num_pieces(self.partition.part_size(me)):
             return False
         kept.append((datagram, when))
         return True
@@ -742,7 +742,7 @@ class _LossyRound:
                 port, round_, replied = await self._reducer_round(stream, part)
                 gid = self.group.group_id
                 buffer = np.zeros(part_size, dtype=np.float32)
-                got = PieceMask(-(-part_size // PIECE_ELEMENTS))
+                got = PieceMask(num_pieces(part_size))
 
                 def on_result(piece: int, values: np.ndarray) -> None:
                     a, b = down.piece_bounds(piece)
@@ -845,7 +845,7 @@ class _LossyRound:
             return found
 
         for part, (lo, hi) in enumerate(self.partition.part_bounds):
-            n = -(-(hi - lo) // PIECE_ELEMENTS)
+            n = num_pieces(hi - lo)
             codes: np.ndarray | None = None
             values: np.ndarray | None = None
             if part == me and self.reducer is not None and self.reduced.is_set():

@@ -79,12 +79,17 @@ def _proportional_weights(members: Sequence[GroupMember]) -> list[float]:
     return [m.bandwidth for m in members]
 
 
+def ring_members(members: Sequence[GroupMember]) -> bool:
+    """Whether a ring could go round ``members``: two or more, each a node
+    (one that accepts connections and has data)."""
+    return len(members) >= 2 and all(m.mode is MemberMode.NODE for m in members)
+
+
 def _alike_for_ring(members: Sequence[GroupMember], weights: Sequence[float]) -> bool:
-    """Whether a ring could serve ``members`` (two or more, all nodes) and
-    their ``weights`` are all positive and within ``RING_UPLOAD_SPREAD``."""
+    """Whether a ring could serve ``members`` (``ring_members``) and their
+    ``weights`` are all positive and within ``RING_UPLOAD_SPREAD``."""
     return (
-        len(members) >= 2
-        and all(m.mode is MemberMode.NODE for m in members)
+        ring_members(members)
         and min(weights) > 0
         and min(weights) >= RING_UPLOAD_SPREAD * max(weights)
     )

@@ -69,9 +69,9 @@ from swarm import PeerID, ProtocolError, SwarmError
 from swarm._wire import expect_bytes, expect_int, expect_list
 
 from ._codecs import all_finite
-from ._group import Group, MemberMode, contributor_mask, mask_members, mask_size
+from ._group import Group, contributor_mask, mask_members, mask_size
 from ._link_meter import RoundTraffic
-from ._partition import Partition
+from ._partition import Partition, ring_members
 from ._rounds import RoundsByGroup
 
 logger = logging.getLogger(__name__)
@@ -108,8 +108,7 @@ def ring_eligible(group: Group, partition: Partition) -> bool:
     same from the group."""
     sizes = [partition.part_size(j) for j in range(group.size)]
     return (
-        group.size >= 2
-        and all(m.mode is MemberMode.NODE for m in group.members)
+        ring_members(group.members)
         and min(sizes) > 0
         and max(sizes) - min(sizes) <= max(sizes) // 100
     )
