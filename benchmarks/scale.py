@@ -37,14 +37,14 @@ once, so a peer's first view holds what was published before its read: the
 first ``--concurrency`` refreshes in flight (32) count each other alone. The
 tree then carries each record up a level per refresh (a summary is written
 from what its writer read), so every peer counts every peer after ``depth +
-1`` = 3 refreshes. The least informed peer's count at refreshes 1, 2, 3:
-256 peers 12.5%, 80.5%, 99.6% (the mean peer: 41%, 92%, 99.8%); 1,024 peers
-(measured before the routing fix of ``dht._routing``) 3.1%, 43.8%, 99.8%,
-then 100%. That is the tree's convergence, not lost records: the trainer's
-tracker refreshes every ``progress_interval`` (1 s) while its peer computes,
-so it is a run's first ~3 s, not its first steps; with ``--refreshes 3`` at
-256 peers the least informed peer counts 99.6% at step 1 (380 kB per peer
-for the three refreshes). A run's first step, which ends on the samples
+1`` = 3 refreshes. The least informed peer's count at refreshes 1, 2, 3: 256
+peers 12.5%, 80.5%, 99.6% (the mean peer: 41%, 92%, 99.8%); 1,024 peers 3.1%,
+44.7%, 99.8%, then 100% (the same before the routing fix of ``dht._routing``:
+3.1%, 43.8%, 99.8%). That is the tree's convergence, not lost records: the
+trainer's tracker refreshes every ``progress_interval`` (1 s) while its peer
+computes, so it is a run's first ~3 s, not its first steps; with ``--refreshes
+3`` at 256 peers the least informed peer counts 99.6% at step 1 (380 kB per
+peer for the three refreshes). A run's first step, which ends on the samples
 counted, may overshoot its target by those seconds' samples.
 
 Printed per swarm size and step (the targets are judged on the last step,
