@@ -151,6 +151,8 @@ class AsyncPeer:
         self.dht = dht
         self.connections = connections
         self._services = services
+        #: set as the peer begins to stop: no service starts after it
+        self._stopping = False
         #: the host others dial when none is announced (``_announce``)
         self._dial_host = config.host
         if config.announce is None and is_wildcard(config.host):
@@ -340,8 +342,13 @@ class AsyncPeer:
 
         Starts it with ``nursery.start`` (so it is ready when this returns) in a
         nursery the peer owns: it stops when the peer stops, or earlier when the
-        returned cancel scope is cancelled.
+        returned cancel scope is cancelled. ``ClosedError`` once the peer has
+        begun to stop (a task that outlived it, such as an optimizer's step
+        racing the peer's end, learns that the peer stopped, as its next call
+        on the peer's connections would say).
         """
+        if self._stopping:
+            raise ClosedError("the peer stopped")
         scope = trio.CancelScope()
 
         async def run(task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
@@ -488,7 +495,11 @@ async def open_peer(
                         if config.reachability.recheck_interval > 0:
                             await peer.start_service(peer.recheck_reachability)
                         await peer.start_service(peer.keep_relay)
-                    yield peer
+                    try:
+                        yield peer
+                    finally:
+                        # also when cancelled: the services nursery closes next
+                        peer._stopping = True
                     stopping = True
                     services.cancel_scope.cancel()
             except* SwarmError as failed:

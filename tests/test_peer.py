@@ -101,6 +101,23 @@ async def test_a_service_that_fails_as_the_peer_stops_does_not_crash_it() -> Non
             await trio.sleep_forever()
 
 
+async def test_a_service_started_after_the_peer_stopped_is_refused_as_closed() -> None:
+    """A task that outlives its peer (an optimizer's step racing the peer's
+    end) is told the peer stopped, not trio's "Nursery is closed"."""
+    started: list[str] = []
+
+    async def service(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        started.append("started")
+        task_status.started()
+        await trio.sleep_forever()
+
+    async with open_peer() as peer:
+        await peer.start_service(service)
+    with pytest.raises(ClosedError, match="stopped"):
+        await peer.start_service(service)
+    assert started == ["started"]
+
+
 def test_sync_peer_surfaces_a_crash_of_its_thread_with_its_traceback() -> None:
     async def crash(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
