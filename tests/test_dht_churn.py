@@ -142,7 +142,11 @@ async def test_operations_never_wait_for_dead_nodes() -> None:
 
 async def test_a_missed_request_keeps_a_live_contact_and_a_dead_one_is_evicted() -> None:
     clock = ManualClock(NOW)
-    async with open_swarm(3, clock, seed=7) as swarm:
+    # Every wait 2 s, not the harness's 0.25 s floor: the live node must answer
+    # the confirming ping in time, and on a loaded machine (a full test run on
+    # 2 busy cores) a pause of the process longer than 0.25 s evicted it.
+    config = replace(TEST_CONFIG, rpc_timeout=2.0, rpc_timeout_floor=2.0, bootstrap_timeout=5.0)
+    async with open_swarm(3, clock, seed=7, config=config) as swarm:
         writer, live, dead = swarm.nodes
         # ``live`` loses its replies to ``writer`` (as a lossy link would)
         # until one of the writer's requests has missed, every copy of it
@@ -180,7 +184,7 @@ async def test_a_missed_request_keeps_a_live_contact_and_a_dead_one_is_evicted()
         table.handle_call_response = observed  # type: ignore[method-assign]
         await swarm.stop(dead)
         await writer.store("lossy", 1, NOW + 60)
-        with trio.fail_after(10):
+        with trio.fail_after(30):
             await confirmed.wait()
             await evicted.wait()
         assert lost, "the store reached the live node and its replies were lost"
