@@ -747,6 +747,7 @@ class Stream:
         self._reset: str | None = None
         self._closed = False
         self._done = False  # dialer: the listener's handler has returned
+        self._unread = 0  # dialer: messages left for the pool to discard (``leave_unread``)
 
     def export_key(self, label: bytes) -> bytes:
         """A 32-byte key bound to this stream's session and ``label``; the
@@ -823,6 +824,23 @@ class Stream:
         handed over minus the growth of this is what crossed the link meanwhile
         (``averaging._link_meter``)."""
         return self._connection.unacknowledged_bytes()
+
+    def leave_unread(self, messages: int) -> None:
+        """Dialer: the remote still sends ``messages`` messages (not raw
+        frames) before its EOF that this stream leaves without reading. Once the stream ends, its
+        pooled connection discards them (those and no more) rather than
+        being closed for them, and is reused when the remote's EOF and DONE
+        arrive as usual.
+
+        Why: a last message that only confirms what the caller knows already
+        (the lossy round's end-of-results marker, when the last result
+        datagram came first) would otherwise be waited for before leaving: on
+        a link that lost it, a retransmission timeout or more on the caller's
+        critical path, or, waited for less, a connection closed and dialled
+        again later. ``ValueError`` for a negative count."""
+        if messages < 0:
+            raise ValueError(f"messages={messages} must be at least 0")
+        self._unread = messages
 
     async def send_eof(self) -> None:
         """Tell the remote we will send nothing more; idempotent."""
@@ -980,6 +998,7 @@ class _Pooled:
     scope: trio.CancelScope  # the idle watcher's, cancelled to take the connection
     done: trio.Event  # the idle watcher has exited
     settled: trio.Event = field(default_factory=trio.Event)  # ready, or the watcher exited
+    unread: int = 0  # messages of the last stream still to discard before the EOF
 
 
 class Connections:
@@ -1095,8 +1114,10 @@ class Connections:
         On leaving the block normally, EOF is sent if it was not, and the
         connection goes back to the pool. It is reused once the remote's EOF
         (if not received yet) and the end of its handler arrive; any other
-        frame closes it. On an exception or cancellation the connection is
-        closed, which the remote handler sees as a lost connection.
+        frame closes it, except the messages that the stream left unread
+        (``Stream.leave_unread``). On an exception or cancellation the
+        connection is closed, which the remote handler sees as a lost
+        connection.
         """
         return self._open_stream(peer_id, address, name, defer_open=False)
 
@@ -1135,7 +1156,10 @@ class Connections:
                     raise
                 if stream.ended_cleanly and not self._closed and not connection.worn_out:
                     self._pool_connection(
-                        connection, eof=stream._received_eof, ready=stream._done
+                        connection,
+                        eof=stream._received_eof,
+                        ready=stream._done,
+                        unread=0 if stream._received_eof else stream._unread,
                     )
                 else:
                     self._drop(connection)
@@ -1450,8 +1474,10 @@ class Connections:
         through NATs (``_punch``), in either direction."""
         return frozenset(c.remote for c in self._connections if c.punched and not c.closed)
 
-    def _pool_connection(self, connection: _Connection, *, eof: bool, ready: bool) -> None:
-        entry = _Pooled(connection, eof, ready, trio.CancelScope(), trio.Event())
+    def _pool_connection(
+        self, connection: _Connection, *, eof: bool, ready: bool, unread: int = 0
+    ) -> None:
+        entry = _Pooled(connection, eof, ready, trio.CancelScope(), trio.Event(), unread=unread)
         if ready:
             entry.settled.set()
         assert self._nursery is not None
@@ -1468,7 +1494,8 @@ class Connections:
     async def _watch_idle(self, entry: _Pooled) -> None:
         """Watch a pooled connection until it is taken (``entry.scope`` is
         cancelled) or must be dropped: idle for ``idle_timeout``, closed by the
-        remote, or anything but the one DONE frame arrives."""
+        remote, or anything but the one DONE frame (and the messages its last
+        stream left unread, ``Stream.leave_unread``) arrives."""
         try:
             with entry.scope:
                 with (
@@ -1491,6 +1518,8 @@ class Connections:
             elif entry.eof and frame.kind is FrameKind.DONE:
                 entry.ready = True
                 entry.settled.set()
+            elif not entry.eof and entry.unread and frame.kind is FrameKind.MESSAGE:
+                entry.unread -= 1
             else:  # the stream was not over, or the handler failed (RESET)
                 return
         if not entry.connection.closed:  # a closed socket has no file descriptor to wait on

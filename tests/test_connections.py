@@ -534,6 +534,45 @@ async def test_a_dialer_leaving_before_the_remote_ends_still_pools_the_connectio
         assert a.dialed == 2
 
 
+async def test_messages_a_dialer_left_unread_are_discarded_by_the_pool() -> None:
+    """A dialer that knows what the remote's last message will say leaves
+    without it (``leave_unread``): the pooled connection discards that many
+    messages when they come and is reused; one message more still closes it."""
+    async with two_peers(PLAIN, PLAIN) as (a, b):
+        gates = [trio.Event(), trio.Event()]
+
+        async def reply_then_markers(stream: Stream) -> None:
+            which, markers = await stream.receive()
+            await stream.send("reply")
+            await gates[which].wait()
+            for _ in range(markers):
+                await stream.send("marker")
+
+        async def leave_before_the_markers(which: int, markers: int, unread: int) -> None:
+            async with a.open_stream(B.peer_id, address(b), "reply") as stream:
+                await stream.send([which, markers])
+                assert await stream.receive() == "reply"
+                stream.leave_unread(unread)
+            gates[which].set()
+            await trio.testing.wait_all_tasks_blocked()
+
+        b.set_handler("reply", reply_then_markers)
+        b.set_handler("echo", echo)
+        await leave_before_the_markers(0, markers=2, unread=2)
+        [entry] = a._pool[B.peer_id]
+        assert entry.eof and entry.ready and not entry.unread
+        assert await a.call(B.peer_id, address(b), "echo", 1, timeout=5) == 1
+        assert a.dialed == 1
+
+        await leave_before_the_markers(1, markers=2, unread=1)
+        assert not a._pool and not a._connections
+        assert await a.call(B.peer_id, address(b), "echo", 2, timeout=5) == 2
+        assert a.dialed == 2
+        async with a.open_stream(B.peer_id, address(b), "echo") as stream:
+            with pytest.raises(ValueError, match="at least 0"):
+                stream.leave_unread(-1)
+
+
 # A man in the middle (mitm_harness) flips one bit at an offset.
 
 
