@@ -52,10 +52,12 @@ deadline, half the round's timeout after the start, whichever comes first. A
 sender that has not opened its stream within ``sender_timeout`` is left out, as
 is one whose stream breaks (what it delivered still counts). A member stops
 waiting for a part's results the same way: all pieces, or the reducer's
-end-of-sending plus ``DRAIN``, or the round's deadline. The estimator and what
-is lost: ``_pieces``. Pieces of a part whose report never came keep the local
-values (we could not say whose data is in them), and that reducer is in
-``failed_reducers``; senders left out entirely are in ``failed_senders``.
+end-of-sending plus ``DRAIN``, or the round's deadline; a marker not read by
+then is not waited for, but left for the pooled connection to discard
+(``Stream.leave_unread``). The estimator and what is lost: ``_pieces``.
+Pieces of a part whose report never came keep the local values (we could
+not say whose data is in them), and that reducer is in ``failed_reducers``;
+senders left out entirely are in ``failed_senders``.
 Losing a piece is not a failure.
 
 Pacing. Nothing else protects a link from a sender flooding it: each peer
@@ -136,10 +138,6 @@ EARLY_PER_PIECE = 2
 #: datagrams loses one more often than not), so it is kept short: 50 ms cost
 #: a round of the digits task 0.1 s, where the round takes 0.04 s.
 DRAIN = 0.01
-#: How long a member waits for a reducer's end-of-results marker once the
-#: last result datagram came first: the stream must be read to its end to
-#: return to the pool, and a lost marker takes one retransmission.
-MARKER_WAIT = 0.05
 #: How long a control stream for a group this peer does not run (yet) waits.
 UNKNOWN_GROUP_WAIT = 2.0
 HEADER_TIMEOUT = 5.0
@@ -180,6 +178,7 @@ class _LossyStream(Protocol):
     async def receive(self) -> Any: ...
     async def aclose(self) -> None: ...
     def export_key(self, label: bytes) -> bytes: ...
+    def leave_unread(self, messages: int) -> None: ...
 
 
 class LossyNetwork(Protocol):
@@ -783,10 +782,9 @@ class _LossyRound:
                     member.peer_id, round_, inbound.opener.received, inbound.span
                 )
                 if not marker_read:
-                    # Read before leaving: a connection returns to the pool
-                    # only once nothing but the remote's EOF is left on it.
-                    with trio.move_on_after(MARKER_WAIT):
-                        _check_marker(await stream.receive(), "end of results")
+                    # Its last datagram said the same: the pooled connection
+                    # discards the marker when it comes, without us waiting.
+                    stream.leave_unread(1)
         except Exception as e:  # per-peer boundary: this reducer only
             if part not in self._results:  # after them: only the stream's end was left
                 logger.info("lossy all-reduce: part %d from member %d failed: %r", part, part, e)

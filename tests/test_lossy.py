@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 import trio
+import trio.testing
 
 from averaging import AllReduceConfig, AllReduceResult, all_reduce
 from averaging._codecs import FLOAT16
@@ -282,6 +283,70 @@ async def test_a_sender_starts_on_the_reducers_offer_before_its_header_is_read()
         assert not outcomes[i].failed_senders and not outcomes[i].failed_reducers
         assert all(who == {0, 1} for parts in outcomes[i].contributors for who in parts)
         assert torch.allclose(flats[i], mean, atol=1e-6, rtol=0)
+
+
+class HeldMarker:
+    """A stream whose end-of-results marker (the ``sent`` after the
+    ``report``) leaves only once ``release`` is set."""
+
+    def __init__(self, stream: Any, release: trio.Event) -> None:
+        self._stream = stream
+        self._release = release
+        self._reported = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    async def send(self, message: Any) -> None:
+        if self._reported and message[0] == "sent":
+            await self._release.wait()
+        self._reported = self._reported or message[0] == "report"
+        await self._stream.send(message)
+
+
+class HeldMarkers(HeldHeaders):
+    """A member's network whose reducer holds back every end-of-results marker
+    until ``release``."""
+
+    def set_handler(self, name: str, handler: Callable[[Any], Awaitable[None]]) -> None:
+        async def held(stream: Any) -> None:
+            await handler(HeldMarker(stream, self._release))
+
+        self._net.set_handler(name, held)
+
+
+async def test_a_member_leaves_without_the_markers_its_results_made_moot() -> None:
+    """Member 1 holds back its end-of-results marker to member 0, whose
+    results all arrived by datagram: member 0's round ends without it, and
+    the connection it leaves discards the marker when it comes and is reused
+    by the next round. Waiting for the marker a while instead (as before),
+    member 0 left the connection to be closed by the marker, and the next
+    round dialled."""
+    async with open_peers(2) as nets:
+        groups = make_groups(nets)
+        release = trio.Event()
+        held = HeldMarkers(nets[1], release)
+        inputs = [member_data(0), member_data(1)]
+        outcomes: list[Any] = [None, None]
+
+        async def member(i: int, net: Any, flat: torch.Tensor) -> None:
+            outcomes[i] = await lossy_all_reduce(
+                net, groups[i], flat, 1.0, sender_timeout=2.0, round_timeout=15.0
+            )
+
+        for _ in range(2):
+            flats = [x.clone() for x in inputs]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(member, 1, held, flats[1])
+                await member(0, nets[0], flats[0])
+                release.set()  # the first time: member 0 left without the marker
+            for i in range(2):
+                assert not outcomes[i].failed_senders and not outcomes[i].failed_reducers
+                assert torch.allclose(flats[i], (inputs[0] + inputs[1]) / 2, atol=1e-6, rtol=0)
+            await trio.testing.wait_all_tasks_blocked()
+            [entry] = nets[0]._pool[nets[1].peer_id]
+            assert entry.ready  # the marker discarded, the remote's EOF and DONE in
+            assert nets[0].dialed == 1
 
 
 async def test_lossy_needs_raw_float32_and_the_mean() -> None:
