@@ -1403,11 +1403,22 @@ class Connections:
         leaves the ending connection as the one chance: its error is raised
         only once that one is dropped too (bounded like any wait of
         ``open_stream``, by the caller's deadline).
+
+        When the ending connection wins, a spare is dialled meanwhile
+        (``_dial_spare``): a stream that had to wait here is one of a pair
+        that will come again (each averaging round's), and the next time
+        the pool has a ready connection for it at once. The wait was a round
+        trip on the round's critical path in about half the rounds of a group
+        of 4 (7-13 ms at the median on the test bed at 10% loss, 6-7 without,
+        more for a lost segment). The pool keeps the spare like any
+        connection: taken in turn with the other, closed after
+        ``idle_timeout`` unused.
         """
         ending = [e for e in self._pool.get(peer_id, []) if not e.ready]
         if not ending:
             return await self._dial(peer_id, address)
         won: list[_Connection] = []
+        dialed: list[_Connection] = []
         failed: list[SwarmError] = []
 
         def take(connection: _Connection, nursery: trio.Nursery) -> None:
@@ -1437,6 +1448,7 @@ class Connections:
             except SwarmError as e:
                 failed.append(e)
                 return
+            dialed.append(connection)
             take(connection, nursery)
 
         # Each task ends by taking a connection (which cancels the other) or
@@ -1445,8 +1457,23 @@ class Connections:
             nursery.start_soon(reuse, nursery)
             nursery.start_soon(dial, nursery)
         if won:
+            if won[0] not in dialed and self._nursery is not None:
+                self._nursery.start_soon(self._dial_spare, peer_id, address)
             return won[0]
         raise failed[0]
+
+    async def _dial_spare(self, peer_id: PeerID, address: Address) -> None:
+        """Pool one more connection to ``peer_id`` (``_ending_or_dial``); a
+        dial that fails leaves things as they were."""
+        try:
+            connection = await self._dial(peer_id, address)
+        except SwarmError as e:
+            logger.debug("no spare connection to %s: %s", peer_id.short(), e)
+            return
+        if self._closed:
+            self._drop(connection)
+        else:
+            self._pool_connection(connection, eof=True, ready=True)
 
     async def _punched_settled(self, peer_id: PeerID) -> bool:
         """Wait (at most ``connect_timeout``) until a punched connection to

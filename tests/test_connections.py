@@ -733,6 +733,51 @@ async def test_a_stream_takes_a_connection_whose_last_stream_is_ending_rather_th
         assert replies == [7] and a.dialed == 1 and len(a._connections) == 1
 
 
+async def test_a_stream_that_waited_for_an_ending_connection_finds_a_spare_next_time() -> None:
+    """A stream that had to wait for a connection whose last stream was
+    ending (as a member's all-reduce stream waits for its matchmaking stream
+    to the leader, every round) leaves a spare dialled behind it: when the
+    pair of streams comes again, the second takes the spare at once, while
+    the first one's handler is still running, and nothing more is dialled."""
+    async with two_peers() as (a, b):
+        releases = [trio.Event(), trio.Event()]
+
+        async def lingering(stream: Stream) -> None:
+            which = await stream.receive()
+            await stream.send_eof()
+            async for _ in receive_all(stream):
+                pass
+            await releases[which].wait()
+
+        async def end_lingering(which: int) -> None:
+            async with a.open_stream(B.peer_id, address(b), "lingering") as stream:
+                await stream.send(which)
+                with pytest.raises(EndOfStreamError):
+                    await stream.receive()
+
+        b.set_handler("lingering", lingering)
+        b.set_handler("echo", echo)
+        await end_lingering(0)
+        replies: list[Any] = []
+
+        async def call(request: int) -> None:
+            replies.append(await a.call(B.peer_id, address(b), "echo", request, timeout=5))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call, 1)
+            await trio.testing.wait_all_tasks_blocked()
+            assert a.dialed == 1  # the call waits for the ending connection
+            releases[0].set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert replies == [1] and a.dialed == 2 and len(a._pool[B.peer_id]) == 2
+        assert all(entry.ready for entry in a._pool[B.peer_id])
+
+        await end_lingering(1)
+        assert await a.call(B.peer_id, address(b), "echo", 2, timeout=5) == 2
+        assert not releases[1].is_set() and a.dialed == 2
+        releases[1].set()
+
+
 async def test_silent_listener_is_a_handshake_deadline() -> None:
     """A TCP listener that never answers the handshake: DeadlineError."""
     listeners = await trio.open_tcp_listeners(0, host=HOST)
