@@ -30,6 +30,7 @@ from swarm import (
     ProtocolError,
 )
 from swarm._connections import (
+    MIN_REDIAL_AFTER,
     REDIAL_AFTER,
     ConnectionConfig,
     Connections,
@@ -150,10 +151,11 @@ async def test_both_ends_resend_a_lost_segment_after_milliseconds() -> None:
             assert sock.getsockopt(socket.IPPROTO_TCP, tcp_delack_max_us) == rto_min
 
 
+@pytest.mark.parametrize("redial_after", [REDIAL_AFTER, MIN_REDIAL_AFTER])
 async def test_a_dial_whose_syn_is_lost_is_raced_by_another(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, redial_after: float
 ) -> None:
-    """A dial that has not connected after ``REDIAL_AFTER`` (its SYN lost: TCP
+    """A dial that has not connected after ``redial_after`` (its SYN lost: TCP
     resends it after 1 s) is raced by a second one, which wins; the first is
     cancelled and no third begins."""
     listeners = await trio.open_tcp_listeners(0, host=HOST)
@@ -173,13 +175,29 @@ async def test_a_dial_whose_syn_is_lost_is_raced_by_another(
         finally:
             cancelled.append(True)
 
-    stream = await open_tcp_racing(HOST, port, connect=connect)
-    assert stream is ready and trio.current_time() == REDIAL_AFTER
-    assert dials == [0.0, REDIAL_AFTER] and cancelled == [True]
+    stream = await open_tcp_racing(HOST, port, connect=connect, redial_after=redial_after)
+    assert stream is ready and trio.current_time() == redial_after
+    assert dials == [0.0, redial_after] and cancelled == [True]
     await stream.send_all(b"x")
     assert await accepted.receive_some(1) == b"x"
     for resource in (stream, accepted, *listeners):
         await resource.aclose()
+
+
+async def test_a_dial_to_a_connected_host_is_raced_after_a_few_of_its_round_trips() -> None:
+    """Until a connection reaches a host, a dial to it is raced after
+    ``REDIAL_AFTER``; while one does (either direction), after a few of its
+    round trips as the kernel measured them (on loopback: the least wait)."""
+    async with two_peers() as (a, b):
+        b.set_handler("echo", echo)
+        assert a._redial_after(HOST) == b._redial_after(HOST) == REDIAL_AFTER
+        assert await a.call(B.peer_id, address(b), "echo", 1, timeout=5) == 1
+        for net in (a, b):
+            assert MIN_REDIAL_AFTER <= net._redial_after(HOST) < REDIAL_AFTER
+            assert net._redial_after("192.0.2.1") == REDIAL_AFTER  # no connection there
+        for connection in list(a._connections):
+            a._drop(connection)
+        assert a._redial_after(HOST) == REDIAL_AFTER
 
 
 async def test_a_refused_dial_fails_without_racing(autojump_clock: trio.testing.MockClock) -> None:
