@@ -520,7 +520,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.profile:
         import cProfile
 
-        profiler = cProfile.Profile(time.process_time)
+        profiler = cProfile.Profile(time.thread_time)  # its own thread, not the bulk threads
         profiler.enable()
     result = run_gloo(args, directory) if args.impl == "gloo" else run_ours(args, directory)
     if args.profile:
@@ -973,9 +973,11 @@ def link_main(args: argparse.Namespace) -> None:
         )
         print(
             f"  {name:{width}} {result['median_s']:7.2f}s {bound:7.2f}s"
-            f" {bound / result['median_s']:6.1%} {result['cpu_s']:8.2f}s"
+            f" {bound / result['median_s']:6.1%} {result['cpu_s']:8.3f}s"
             + (f"   held {statistics.median(held):.1%} (rounds: {per_round})" if held else "")
         )
+        threads = ("its caller", "gloo's") if name.startswith("gloo") else ("trio's", "bulk I/O")
+        print(split_line(result["cpu_split_s"], *threads))
         if result.get("spreads"):
             spreads = ", ".join(f"{x:.3f}" for x in result["spreads"])
             equal = sum(result["equal_parts"])
