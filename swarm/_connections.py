@@ -149,6 +149,16 @@ _RECEIVE_SLICE = 512 * 1024
 #: the receive buffer to twice the mark, and wakes the receiver early anyway
 #: when its window closes.
 _RECEIVE_LOW_WATER = 256 * 1024
+#: Unsent bytes a connection lets its kernel hold (TCP_NOTSENT_LOWAT): a
+#: sender sleeps until fewer than half of them are left, then hands over up
+#: to this many more. Without it, on a home link a bulk sender woke for
+#: every 64 KB the link drained (one 45-segment write per wake-up): on 4 x
+#: 100 Mbit/s links (5M floats) one peer's bulk threads made 1,007 writes
+#: and 949 polls in 3 s of a round, 48 and 52 with this (strace), and the
+#: CPU per peer and round fell from 0.18 to 0.16 s unpaced, 0.19 to 0.15 s
+#: paced. 1 MiB is 80 ms of a 100 Mbit/s uplink: still queued far ahead of
+#: the link.
+_SEND_LOW_WATER = 2**20
 #: Most buffers one gathering send passes to the kernel (IOV_MAX is 1024).
 _MAX_GATHER = 512
 #: Sends of at least this many payload bytes, and the rest of a frame whose
@@ -347,6 +357,8 @@ class _Connection:
         self._receiving = False
         self._workers: set[Stopper] = set()  # bulk transfers in worker threads now
         self._low_water = 1  # the socket's SO_RCVLOWAT (the kernel's default)
+        with suppress(OSError):  # without it, a sender only wakes more often
+            self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, _SEND_LOW_WATER)
         if config.socket_buffer is not None:  # disables autotuning: see ConnectionConfig
             for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 with suppress(OSError):

@@ -30,6 +30,7 @@ from swarm import (
     ProtocolError,
 )
 from swarm._connections import (
+    _SEND_LOW_WATER,
     MIN_REDIAL_AFTER,
     REDIAL_AFTER,
     ConnectionConfig,
@@ -1042,6 +1043,23 @@ async def test_closing_a_connection_stops_a_bulk_send() -> None:
         assert [type(e) for e in raised] == [ClosedError]
         with trio.fail_after(30):
             await lost.wait()
+
+
+async def test_a_connection_holds_at_most_a_mebibyte_unsent() -> None:
+    """Both ends of a connection tell their kernel to hold at most
+    ``_SEND_LOW_WATER`` unsent bytes (TCP_NOTSENT_LOWAT), so that a bulk
+    sender on a slow link sleeps until half of that has left, instead of
+    waking for every 64 KB the link drained."""
+    async with two_peers() as (a, b):
+        b.set_handler("echo", echo)
+        async with a.open_stream(B.peer_id, address(b), "echo") as stream:
+            await stream.send(1)
+            assert await stream.receive() == 1
+        for net in (a, b):
+            assert [
+                c.socket.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
+                for c in net._connections
+            ] == [_SEND_LOW_WATER]
 
 
 def max_pacing_rates(net: Connections) -> list[int]:
