@@ -382,6 +382,7 @@ async def all_reduce(
         raise ConfigError("the group's local member is not this peer")
     if config.lossy:  # the seam of the lossy data plane (issue 18): averaging/_lossy.py
         return await _lossy_round(net, group, tensors, weight, codec, config, plan)
+    started = trio.current_time()
     flat = flatten(tensors)
     # the ring serves raw float32 and the weighted mean; where it may run,
     # uploads alike within 10% cut equal parts, so that it does
@@ -411,7 +412,7 @@ async def all_reduce(
         meter.record(traffic)
     if group.local.mode is not MemberMode.AUX:
         unflatten_into(flat, tensors)
-        _log_contributors(result, len(group.senders()))
+        _log_contributors(result, len(group.senders()), started)
     return result
 
 
@@ -480,7 +481,7 @@ async def _ring_round(
         timed_out=False,
     )
     unflatten_into(flat, tensors)
-    _log_contributors(result, len(group.senders()), ring=True)
+    _log_contributors(result, len(group.senders()), started, ring=True)
     return result
 
 
@@ -534,6 +535,7 @@ async def _lossy_round(
         raise ConfigError(
             f"the lossy all-reduce sends raw float32: codec must be NONE, not {codec}"
         )
+    started = trio.current_time()
     flat = flatten(tensors)
     outcome = await lossy_all_reduce(
         net,
@@ -557,7 +559,7 @@ async def _lossy_round(
     )
     if group.local.mode is not MemberMode.AUX:
         unflatten_into(flat, tensors)
-        _log_contributors(result, len(group.senders()))
+        _log_contributors(result, len(group.senders()), started)
     return result
 
 
@@ -569,16 +571,21 @@ def _fault_free(result: AllReduceResult) -> bool:
     )
 
 
-def _log_contributors(result: AllReduceResult, senders: int, *, ring: bool = False) -> None:
+def _log_contributors(
+    result: AllReduceResult, senders: int, started: float, *, ring: bool = False
+) -> None:
     """One line per round saying whose data is in *every* element of our
-    result: what a caller may truthfully report as "averaged with k peers"."""
+    result: what a caller may truthfully report as "averaged with k peers";
+    and how long the round took since ``started`` (trio's clock), which the
+    logs of a training run need to tell the data plane's share of a step."""
     parts = [result.part_contributors(j) for j, (a, b) in enumerate(result.part_bounds) if b > a]
     everywhere = frozenset.intersection(*parts) if parts else frozenset()
     logger.info(
-        "all-reduce %s: data of %d of %d senders in every part%s%s",
+        "all-reduce %s: data of %d of %d senders in every part in %.3f s%s%s",
         result.group_id.hex()[:8],
         len(everywhere),
         senders,
+        trio.current_time() - started,
         " (around the ring)" if ring else "",
         f" (self-dialed members {sorted(result.self_dialed)})" if result.self_dialed else "",
     )
@@ -1830,9 +1837,7 @@ class _Registry:
         return {peer: w for (gid, peer), (w, _) in self._weights.items() if gid == group_id}
 
     @contextmanager
-    def listen_to_weights(
-        self, listener: Callable[[bytes, PeerID, float], None]
-    ) -> Iterator[None]:
+    def listen_to_weights(self, listener: Callable[[bytes, PeerID, float], None]) -> Iterator[None]:
         self._weight_listeners.append(listener)
         try:
             yield
