@@ -20,6 +20,9 @@ trains the same transformer on tokens generated from a seeded Markov chain
 parameters::
 
     swarm train --task examples/tiny_lm.py:make_25m_task
+
+``make_small_generated_task`` (0.3 million parameters) is the one whose steps
+a slow link dominates (``benchmarks/loss.py``).
 """
 
 from __future__ import annotations
@@ -212,17 +215,21 @@ def make_generated_task(
     context: int = 256,
     vocab: int = 8192,
     batch_size: int = 8,
+    lr: float = 3e-4,
 ) -> Task[LMBatch]:
     """The transformer LM at a chosen shape, on generated tokens (no download).
 
     The chain is fixed by a seed every peer shares; each peer's ``batches``
     seed draws its own windows of it. A model that learns the chain reaches a
     loss near 0.9 * 0 + the noise's entropy share (about 1.2 nats for 8,192
-    tokens) instead of ln(vocab). Raises ``ConfigError`` for a shape that does
-    not fit (heads must divide embed; every size positive).
+    tokens) instead of ln(vocab). ``lr`` is AdamW's learning rate. Raises
+    ``ConfigError`` for a shape that does not fit (heads must divide embed;
+    every size positive) or a learning rate that is not positive.
     """
     if min(embed, heads, layers, context, vocab, batch_size) < 1 or embed % heads:
         raise ConfigError("every size must be positive, and heads must divide embed")
+    if not lr > 0:
+        raise ConfigError(f"the learning rate must be positive, got {lr}")
     table = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))
     held_out = _markov_windows(table, 16, context, torch.Generator().manual_seed(1))
 
@@ -237,8 +244,21 @@ def make_generated_task(
         batches=batches,
         loss=_loss,
         evaluate=lambda model: _evaluate(model, held_out),
-        make_optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4, weight_decay=0.01),
+        make_optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.01),
         batch_size=batch_size,
+    )
+
+
+def make_small_generated_task() -> Task[LMBatch]:
+    """About 0.32 million parameters (a 1.3 MB float32 gradient): 2 layers of
+    width 96, 1,024 tokens, context 64. Small enough to compute on a CPU, large
+    enough that averaging it takes most of a step on a slow link (4 peers on
+    20 Mbit/s: each peer sends and receives 1.5 times its gradient, 0.8 s),
+    as in the packet-loss paper's runs, where steps are data-dominated
+    (``benchmarks/loss.py``). Its learning rate is ten times the larger
+    presets', so that a few dozen global steps already move the perplexity."""
+    return make_generated_task(
+        embed=96, heads=4, layers=2, context=64, vocab=1024, batch_size=8, lr=3e-3
     )
 
 
