@@ -1,0 +1,94 @@
+"""benchmarks/loss.py reads what ``swarm train`` prints: each run's final
+metric comes from the line the CLI writes when it finishes, so these tests
+build that line with the CLI's own reporter rather than typing it out."""
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from swarm.cli import _EpochReporter
+from trainer._loop import TrainingReport
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_benchmark() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("loss_benchmark", ROOT / "benchmarks" / "loss.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_benchmark()
+
+
+def _final_line(metrics: dict[str, float], *, train_loss: float | None = 2.0) -> str:
+    """The line ``swarm train`` prints at the end of a run of 20 global steps,
+    with a throughput part after the ``;`` (observed at 0.5 s per epoch)."""
+    reporter = _EpochReporter(256)
+    reporter.train_loss = train_loss
+    for epoch in range(1, 21):
+        reporter.meter.observe(epoch, 0.5 * epoch)
+    report = TrainingReport(epochs=20, metrics=metrics)
+    return "some prefix: " + reporter.final_line("finished", report)
+
+
+def test_a_language_model_is_judged_by_its_highest_perplexity() -> None:
+    line = _final_line({"loss": 1.875, "perplexity": 6.5208})
+    figures = bench.final_figures(line)
+    assert figures == {"eval loss": 1.875, "perplexity": 6.5208, "train loss": 2.0}
+    metric = bench.metric_of(figures)
+    assert metric.name == "perplexity"
+    assert metric.worst([6.5, 6.7, 6.6]) == 6.7
+    # within 1% of the baseline's perplexity, relative
+    assert metric.within(6.56, 6.5)
+    assert not metric.within(6.57, 6.5)
+    assert metric.within(6.0, 6.5)
+    assert metric.target() == "perplexity at most 1% above the baseline"
+
+
+def test_a_classifier_is_judged_by_its_lowest_accuracy() -> None:
+    figures = bench.final_figures(_final_line({"accuracy": 0.931, "loss": 0.25}))
+    assert figures == {"accuracy": 0.931, "eval loss": 0.25, "train loss": 2.0}
+    metric = bench.metric_of(figures)
+    assert metric.name == "accuracy"
+    assert metric.worst([0.93, 0.91, 0.92]) == 0.91
+    # within 1 accuracy point, absolute
+    assert metric.within(0.921, 0.93)
+    assert not metric.within(0.919, 0.93)
+    assert metric.within(0.95, 0.93)
+
+
+def test_only_an_eval_loss_is_judged_by_it_and_unmeasured_figures_are_left_out() -> None:
+    figures = bench.final_figures(_final_line({"loss": 0.5}, train_loss=None))
+    assert figures == {"eval loss": 0.5}
+    metric = bench.metric_of(figures)
+    assert metric.name == "eval loss"
+    assert metric.within(0.51, 0.5) and not metric.within(0.52, 0.5)
+
+
+def test_lines_without_a_metric_are_refused() -> None:
+    with pytest.raises(ValueError, match="not the final line"):
+        bench.final_figures("epoch 20: train loss 2.0000, accuracy 0.931")
+    with pytest.raises(ValueError, match="reports none of accuracy, perplexity, eval loss"):
+        bench.metric_of(bench.final_figures(_final_line({"top5": 0.99})))
+
+
+def test_a_task_file_is_found_from_any_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    absolute = f"{ROOT / 'examples' / 'tiny_lm.py'}:make_task"
+    assert bench.task_argument("examples/tiny_lm.py:make_task") == absolute
+    assert bench.task_argument("digits") == "digits"
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "tiny_lm.py").write_text("")
+    here = f"{tmp_path / 'examples' / 'tiny_lm.py'}:make_task"
+    assert bench.task_argument("examples/tiny_lm.py:make_task") == here
+    with pytest.raises(FileNotFoundError, match=r"no examples/none\.py here or in"):
+        bench.task_argument("examples/none.py:make_task")
