@@ -18,19 +18,21 @@ to the repository's root).
 Reported per run: the final metric of the task's evaluation, the worst over
 the four peers: accuracy where the task reports one (the lowest), else
 perplexity (the highest) or, failing that, the evaluation's loss (the
-highest); and global steps per second, measured from the first global step to
-the last (startup and joining excluded) on the log of the peer that logged the
-most global steps, the slowest such peer if several did. Not peer 0's log as
+highest); global steps per second, measured from the first global step to the
+last (startup and joining excluded) on the log of the peer that logged the
+most global steps, the slowest such peer if several did (not peer 0's log as
 such: a peer that fell behind and downloaded the swarm's state jumps several
-epochs at once, which would count as steps it never took. The baseline is the
-lossless TCP run of the same invocation. The issue's targets, checked and
-printed: at 10% loss the lossy run ends within 1 accuracy point of the
-lossless run (for a language model: a perplexity at most 1% above it, since
-the paper reports at most 0.8% at 10% loss; or an evaluation loss at most 0.01
-nats above it), with at least 80% of its steps per second; the TCP plane's
-figures at the same loss rates stand beside it. The congestion control of the
-kernel's TCP is printed with them (BBR tolerates random loss far better than
-CUBIC).
+epochs at once, which would count as steps it never took); and the share of
+that time the same peer spent in all-reduce rounds (each round's log line
+says how long it took), which tells whether a step is the data plane's or
+the control's. The baseline is the lossless TCP run of the same invocation.
+The issue's targets, checked and printed: at 10% loss the lossy run ends
+within 1 accuracy point of the lossless run (for a language model: a
+perplexity at most 1% above it, since the paper reports at most 0.8% at 10%
+loss; or an evaluation loss at most 0.01 nats above it), with at least 80% of
+its steps per second; the TCP plane's figures at the same loss rates stand
+beside it. The congestion control of the kernel's TCP is printed with them
+(BBR tolerates random loss far better than CUBIC).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ _JOIN = re.compile(r"join with: \S*swarm (.*)$")
 _FINISHED = re.compile(r"finished at epoch (\d+): ([^;]*)")
 _FIGURE = re.compile(r"^([a-z][a-z ]*) (-?[0-9.]+(?:e[-+]?[0-9]+)?|nan|inf)$")
 _STEP = re.compile(r"^(\S+ \S+) INFO swarm\.metrics: global step epoch (\d+):")
+_ROUND = re.compile(r"^(\S+ \S+) INFO averaging\._allreduce: all-reduce .* in ([0-9.]+) s")
+_LOG_TIME = "%Y-%m-%d %H:%M:%S,%f"
 
 
 def wait_for(path: Path, pattern: re.Pattern[str], timeout: float) -> re.Match[str]:
@@ -154,7 +158,7 @@ def task_argument(task: str, root: Path = _HERE.parent) -> str:
 def global_steps(log: Path) -> list[tuple[datetime, int]]:
     """When a peer's log says it completed each global step, and the epoch."""
     return [
-        (datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f"), int(m.group(2)))
+        (datetime.strptime(m.group(1), _LOG_TIME), int(m.group(2)))
         for m in map(_STEP.search, log.read_text(errors="replace").splitlines())
         if m is not None
     ]
@@ -168,12 +172,27 @@ def rate(steps: list[tuple[datetime, int]]) -> float:
     return (e1 - e0) / max((t1 - t0).total_seconds(), 1e-9)
 
 
-def steps_per_second(logs: list[Path]) -> float:
-    """The swarm's global steps per second: the rate of the peer that logged the
-    most global steps (the slowest of those), which took each step it counts."""
-    steps = [global_steps(log) for log in logs]
-    most = max(len(s) for s in steps)
-    return min(rate(s) for s in steps if len(s) == most)
+def measured_peer(logs: list[Path]) -> tuple[Path, list[tuple[datetime, int]]]:
+    """The log the swarm's speed is read from, and its global steps: the peer
+    that logged the most global steps (the slowest of those), which took each
+    step it counts."""
+    steps = {log: global_steps(log) for log in logs}
+    most = max(len(s) for s in steps.values())
+    return min(((log, s) for log, s in steps.items() if len(s) == most), key=lambda x: rate(x[1]))
+
+
+def allreduce_share(log: Path, steps: list[tuple[datetime, int]]) -> float:
+    """The share of the time from the first global step to the last that the
+    peer spent in all-reduce rounds (gradients and parameters alike), by the
+    duration each round's log line gives."""
+    if len(steps) < 2:
+        return 0.0
+    first, last = steps[0][0], steps[-1][0]
+    seconds = 0.0
+    for match in map(_ROUND.search, log.read_text(errors="replace").splitlines()):
+        if match is not None and first < datetime.strptime(match.group(1), _LOG_TIME) <= last:
+            seconds += float(match.group(2))
+    return seconds / max((last - first).total_seconds(), 1e-9)
 
 
 def run(args: argparse.Namespace, loss: float, lossy: bool) -> dict[str, Any]:
@@ -216,6 +235,7 @@ def run(args: argparse.Namespace, loss: float, lossy: bool) -> dict[str, Any]:
             final_figures(wait_for(outs[i], _FINISHED, args.timeout).group(0)) for i in range(4)
         ]
         metric = metric_of(finals[0])
+        measured, steps = measured_peer(logs)
         values = [figures[metric.name] for figures in finals]
         if args.keep_logs:  # where the time of a run went: each peer's log
             keep = Path(args.keep_logs) / f"loss{loss:g}-{'lossy' if lossy else 'tcp'}"
@@ -228,7 +248,8 @@ def run(args: argparse.Namespace, loss: float, lossy: bool) -> dict[str, Any]:
             "metric": metric.name,
             "value": metric.worst(values),
             "values": values,
-            "steps_per_s": steps_per_second(logs),
+            "steps_per_s": rate(steps),
+            "allreduce_share": allreduce_share(measured, steps),
         }
 
 
@@ -271,12 +292,14 @@ def main() -> None:
     )
     print(
         f"  {'loss':>5} {'plane':>6} {metric.name:>10} {'vs base':>8} {'steps/s':>8} {'vs base':>8}"
+        f" {'all-reduce':>10}"
     )
     for r in rows:
         print(
             f"  {r['loss']:5.0%} {r['plane']:>6} {r['value']:10.4g}"
             f" {r['value'] - base['value']:+8.4f} {r['steps_per_s']:8.3f}"
             f" {r['steps_per_s'] / max(base['steps_per_s'], 1e-9):8.0%}"
+            f" {r['allreduce_share']:10.0%}"
         )
     worst = max(losses)
     lossy = next((r for r in rows if r["loss"] == worst and r["plane"] == "lossy"), None)

@@ -92,3 +92,27 @@ def test_a_task_file_is_found_from_any_working_directory(
     assert bench.task_argument("examples/tiny_lm.py:make_task") == here
     with pytest.raises(FileNotFoundError, match=r"no examples/none\.py here or in"):
         bench.task_argument("examples/none.py:make_task")
+
+
+def test_the_allreduce_share_counts_the_rounds_between_the_first_and_last_step(
+    tmp_path: Path,
+) -> None:
+    """Lines as the peers' text log writes them (``swarm._log_file.TEXT_FORMAT``)."""
+    log = tmp_path / "peer0.log"
+    log.write_text(
+        "2026-11-27 09:32:25,000 INFO averaging._allreduce: all-reduce 0a: data of 4 of 4"
+        " senders in every part in 0.900 s\n"
+        "2026-11-27 09:32:26,000 INFO swarm.metrics: global step epoch 1: train loss 2.9\n"
+        "2026-11-27 09:32:26,500 INFO averaging._allreduce: all-reduce 1b: data of 3 of 4"
+        " senders in every part in 0.250 s\n"
+        "2026-11-27 09:32:27,900 INFO averaging._allreduce: all-reduce 2c: data of 4 of 4"
+        " senders in every part in 0.750 s (around the ring)\n"
+        "2026-11-27 09:32:28,000 INFO swarm.metrics: global step epoch 3: train loss 2.8\n"
+    )
+    other = tmp_path / "peer1.log"
+    other.write_text("2026-11-27 09:32:26,000 INFO swarm.metrics: global step epoch 1: x\n")
+    measured, steps = bench.measured_peer([other, log])
+    assert measured == log
+    assert bench.rate(steps) == 1.0  # 2 epochs in 2 s
+    # the round that ended before the first step is not counted
+    assert bench.allreduce_share(log, steps) == 0.5
