@@ -395,6 +395,12 @@ class _LossyRound:
         self.reducer: PieceReducer | None = None
         self.reduced = trio.Event()
         self._senders_left = {s for s in group.senders() if s != me}
+        #: The flows of each phase (``Sending.flows``): our results go to
+        #: every other sender, our values to every other part's reducer.
+        self._result_flows = max(1, len(self._senders_left))
+        self._part_flows = max(
+            1, sum(1 for j in range(group.size) if j != me and partition.part_size(j) > 0)
+        )
         self._accepted: set[int] = set()
         self._serving = 0  # senders being served (``serve_sender``)
         self._failed_senders: set[int] = set()
@@ -522,11 +528,13 @@ class _LossyRound:
         values: np.ndarray,
         pieces: Iterable[int],
         address: tuple[str, int],
+        flows: int,
     ) -> Sending:
         """Seal and send ``pieces`` of ``values`` (the whole part) in bursts
         of ``BURST`` seconds at the pacer's rate, each at its turn in the
-        peer's one schedule (``_pacing.Schedule``); return what the pacer is
-        told of it. On cancellation, what was sent is sent."""
+        peer's one schedule (``_pacing.Schedule``), one of the ``flows`` that
+        its phase sends; return what the pacer is told of it. On
+        cancellation, what was sent is sent."""
         data = memoryview(np.ascontiguousarray(values, dtype="<f4").data).cast("B")
         pacer, schedule = self.pacers.pacer, self.pacers.schedule
         seq0 = sealer.seq
@@ -570,7 +578,7 @@ class _LossyRound:
         share = min(1.0, sent_bytes / span / rate) if span > 0 else 1.0
         # The rate of its last burst is the one the report speaks for: the
         # schedule follows the pacer from burst to burst.
-        return Sending(sealer.seq - seq0, span, rate, share, late)
+        return Sending(sealer.seq - seq0, span, rate, share, late, flows)
 
     # ----------------------------------------------------------------- reducer
 
@@ -690,7 +698,9 @@ class _LossyRound:
             result = reducer.result()
             address = (self.group.members[sender].host, port)
             pieces = (p for p in range(down.num_pieces) if reducer.has_result(p))
-            sent = await self._send_datagrams(sealer, result.numpy(), pieces, address)
+            sent = await self._send_datagrams(
+                sealer, result.numpy(), pieces, address, self._result_flows
+            )
             await stream.send(["sent", sealer.seq, sent.span])
             # What the sender got comes with its next header. An end of
             # sending still unread (its last datagram came first) is left
@@ -759,7 +769,9 @@ class _LossyRound:
                 sealer = DatagramSealer(stream.export_key(key_label(Kind.PART, gid, round_)), up)
                 values = self.flat[lo:hi].numpy()
                 address = (member.host, port)
-                sent = await self._send_datagrams(sealer, values, range(up.num_pieces), address)
+                sent = await self._send_datagrams(
+                    sealer, values, range(up.num_pieces), address, self._part_flows
+                )
                 await stream.send(["sent", sealer.seq, sent.span])
                 if not replied and _parse_reply(await stream.receive()) != (port, round_):
                     raise ProtocolError("the reducer's reply differs from its offer")

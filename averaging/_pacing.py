@@ -26,6 +26,19 @@ its share (a receiver's slow downlink) brings the whole rate down to what
 keeps it at its path's speed: the phase cannot end before that flow does,
 so the others lose nothing, and they load the other peers' downlinks less.
 
+A flow's share is counted as an equal share of its phase's flows at most
+(``flows``: the peers it sent to together). One that had more (its phase's
+other flows had ended or not begun) and met a queue met it, as a rule, at
+its receiver's downlink, which the phase's other senders fill too: divided
+by the share it happened to have, its arrivals said that our whole rate was
+what one sender of three gets of that downlink. On a 20 Mbit/s bed such
+reports (83-100% of the rate) cut the rate to 7-10 Mbit/s 16 times in the 4
+peers' 264 rounds of the tiny LM, each costing about four rounds of probing
+back (issue 18's tenth pass). What keeps that flow at its path's speed when
+the phase's flows run together is its arrivals times their number. A queue
+on our own uplink is still seen: the phase's flow that ran longest had no
+more than its equal share, and its report says so.
+
 Two signs in a flow's report that the rate is above what its path delivers
 (*congestion*):
 
@@ -51,8 +64,9 @@ The rule, one update per report of at least ``MIN_SAMPLE`` datagrams:
 - Congestion: the rate that came through the flow's bottleneck is
   ``received bytes / arrival span``, divided by ``1 - base_loss`` (random
   loss after the bottleneck thins the arrivals without slowing them) and by
-  the flow's share; set the rate to ``BACKOFF`` of it, which drains the
-  queue the phase built, and leave the fast start.
+  the flow's share, but no more than an equal share of its phase's flows
+  (below); set the rate to ``BACKOFF`` of it, which drains the queue the
+  phase built, and leave the fast start.
 - Otherwise: in the fast start multiply the rate by ``FAST_START`` (from
   ``INITIAL_RATE``, a few reports reach any home link), after it probe up:
   by ``PROBE`` for the first three reports after a congestion, then by
@@ -165,13 +179,15 @@ class Pacer:
         paced_at: float,
         share: float = 1.0,
         late: float = 0.0,
+        flows: int = 1,
     ) -> bool:
         """Update from one flow's report: ``sent`` datagrams over ``send_span``
         seconds, which were ``share`` of what the schedule sent at ``paced_at``
         bytes per second (``rate`` when the flow began), its bursts ``late``
-        seconds behind their turns in all, ``received`` of them arriving over
-        ``arrival_span`` seconds, on ``path``. Nonsense (negative, more
-        received than sent, not finite, a share outside (0, 1]) and samples
+        seconds behind their turns in all, one of ``flows`` that its phase
+        sent together, ``received`` of them arriving over ``arrival_span``
+        seconds, on ``path``. Nonsense (negative, more received than sent, not
+        finite, a share outside (0, 1], fewer than one flow) and samples
         under ``MIN_SAMPLE`` are ignored, and so is a flow of which nothing
         arrived: that path is blocked (a firewall that admits no datagram) or
         gone, not slow, and says nothing about the rate. Returns whether it
@@ -185,6 +201,7 @@ class Pacer:
             or paced_at <= 0
             or not 0 < share <= 1
             or late < 0
+            or flows < 1
         ):
             return False
         # Exact: ``paced_at`` is a value this pacer handed out, unchanged
@@ -210,6 +227,9 @@ class Pacer:
                 path.loss_variance += BASE_SMOOTHING * (deviation - path.loss_variance)
         if queue or lossy:
             kept = 1 - (base or 0.0)
+            # More than an equal share: the queue was on this flow's own
+            # path (module docstring).
+            share = min(share, 1 / flows)
             delivered = received * DATAGRAM_BYTES / max(arrival_span, 1e-6) / kept / share
             self._lower(min(MAX_RATE, max(MIN_RATE, BACKOFF * delivered)), stale)
             return True
@@ -251,6 +271,8 @@ class Sending:
     share: float
     #: Seconds its bursts left behind their turns in all (the sender was busy).
     late: float
+    #: The flows its phase sent together, this one included (one per peer).
+    flows: int = 1
 
 
 @dataclass
@@ -327,10 +349,12 @@ class PacerRegistry:
             sending.paced_at,
             sending.share,
             sending.late,
+            sending.flows,
         )
         # The timeline of the rate (benchmarks/allreduce.py --pacing-log).
         logger.debug(
-            "pacing to %s: sent %d in %.3f s (%.1f Mbit/s, %.0f%% of %.1f, %.3f s late),"
+            "pacing to %s: sent %d in %.3f s (%.1f Mbit/s, %.0f%% of %.1f, 1 of %d flows,"
+            " %.3f s late),"
             " %d arrived in %.3f s (%.1f Mbit/s)%s: rate %.1f -> %.1f Mbit/s",
             peer.hex()[:8],
             sent,
@@ -338,6 +362,7 @@ class PacerRegistry:
             sent * DATAGRAM_BYTES * 8e-6 / span if span > 0 else 0.0,
             100 * sending.share,
             sending.paced_at * 8e-6,
+            sending.flows,
             sending.late,
             received,
             arrival_span,

@@ -243,6 +243,7 @@ def test_pacer_ignores_nonsense_and_a_blocked_path_and_a_busy_sender_probes() ->
     pacer.report(path, 100, 100, 1.0, 1.0, paced_at=float("inf"))
     pacer.report(path, 100, 100, 1.0, 1.0, paced_at=rate, share=0.0)
     pacer.report(path, 100, 100, 1.0, 1.0, paced_at=rate, share=1.5)
+    pacer.report(path, 100, 100, 1.0, 1.0, paced_at=rate, flows=0)
     assert pacer.rate == INITIAL_RATE and path.base_loss is None
     pacer.report(path, 100, 100, 1.0, 1.0, paced_at=rate, late=-1.0)  # nonsense
     assert pacer.rate == INITIAL_RATE
@@ -271,6 +272,32 @@ def test_a_flow_reports_for_its_share_of_the_rate() -> None:
     span = span_at(rate / 3)
     assert not pacer.report(path, 1000, 1000, span, span, paced_at=rate, share=1 / 3)
     assert pacer.rate == pytest.approx(rate * PROBE)
+
+
+def test_a_flow_alone_at_its_phase_end_backs_off_for_an_equal_share_only() -> None:
+    """Issue 18's tenth pass: one of a phase's 3 flows, alone at its end (the
+    others done), went at the whole rate of 6 MB/s and met a queue at its
+    receiver's downlink, which two other senders filled too: a third of it
+    came through. That is the path's speed for one flow of three, so the
+    rate stays at what keeps each of the phase's flows there (3 x 2 MB/s),
+    rather than falling to what one of them got (2 MB/s: the 20 Mbit/s bed
+    ran at 7-10 Mbit/s for rounds after each such report)."""
+    registry, peer = PacerRegistry(), PeerID(b"\x01" * 20)
+    registry.pacer = Pacer(rate=6e6, fast_start=False)
+    alone = Sending(1000, span_at(6e6), 6e6, share=1.0, late=0.0, flows=3)
+    registry.sender_report(peer, alone, 1000, span_at(2e6))
+    assert registry.pacer.rate == pytest.approx(BACKOFF * 6e6)
+    # With a third of the rate its arrivals say the same.
+    registry.pacer = Pacer(rate=6e6, fast_start=False)
+    equal = Sending(1000, span_at(2e6), 6e6, share=1 / 3, late=0.0, flows=3)
+    registry.sender_report(peer, equal, 1000, span_at(2e6 * 0.8))
+    assert registry.pacer.rate == pytest.approx(BACKOFF * 3 * 2e6 * 0.8)
+    # Less than an equal share (the flows of a phase overlapped the last
+    # phase's): the share it had, as before.
+    registry.pacer = Pacer(rate=6e6, fast_start=False)
+    squeezed = Sending(1000, span_at(1e6), 6e6, share=1 / 6, late=0.0, flows=3)
+    registry.sender_report(peer, squeezed, 1000, span_at(0.5e6))
+    assert registry.pacer.rate == pytest.approx(BACKOFF * 6 * 0.5e6)
 
 
 def test_pacer_judges_a_report_by_the_rate_its_phase_was_paced_at() -> None:
