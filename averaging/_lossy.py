@@ -286,9 +286,8 @@ async def lossy_all_reduce(
                     if rnd.reducer is not None:
                         nursery.start_soon(rnd.reduce)
                     if group.local.mode is not MemberMode.AUX:
-                        for part in range(group.size):
-                            if part != group.local_index and partition.part_size(part) > 0:
-                                nursery.start_soon(rnd.send_part, part)
+                        for part in rnd.parts_to_send:
+                            nursery.start_soon(rnd.send_part, part)
                 outer.cancel_scope.cancel()
         return rnd.finish(timed_out=deadline.cancelled_caught)
 
@@ -395,12 +394,14 @@ class _LossyRound:
         self.reducer: PieceReducer | None = None
         self.reduced = trio.Event()
         self._senders_left = {s for s in group.senders() if s != me}
+        #: The other members' parts with values to reduce (``send_part``).
+        self.parts_to_send = [
+            j for j in range(group.size) if j != me and partition.part_size(j) > 0
+        ]
         #: The flows of each phase (``Sending.flows``): our results go to
         #: every other sender, our values to every other part's reducer.
         self._result_flows = max(1, len(self._senders_left))
-        self._part_flows = max(
-            1, sum(1 for j in range(group.size) if j != me and partition.part_size(j) > 0)
-        )
+        self._part_flows = max(1, len(self.parts_to_send))
         self._accepted: set[int] = set()
         self._serving = 0  # senders being served (``serve_sender``)
         self._failed_senders: set[int] = set()
