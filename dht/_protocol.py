@@ -1012,42 +1012,54 @@ class SwarmProtocol(KademliaProtocol):
 
     def handle_call_response(self, result: Result, node: Node) -> Result:
         """Keep the routing table by answers: an answer (re)admits its node; a
-        contact of the table that misses a request gets one confirming ping,
-        and one that misses ``_MISSES_TO_EVICT`` requests in a row is removed
-        and left out of look-ups for ``_FAILURE_MEMORY`` (a node not in the
-        table, such as a sender pinged back, at its first miss). Returns
-        ``result``."""
-        now = asyncio.get_event_loop().time()
+        contact of the table that misses a request gets a confirming ping, and
+        one that misses ``_MISSES_TO_EVICT`` requests in a row, the last of
+        them confirming pings, is removed and left out of look-ups for
+        ``_FAILURE_MEMORY`` (a node not in the table, such as a sender pinged
+        back, at its first miss). While a confirming ping is in flight, the
+        misses of other requests are not counted: they were sent before it,
+        and a loss burst that took several of them is one miss, not several.
+        Returns ``result``."""
         contact = (node.id, node.ip, node.port)
         if result[0]:
             self._failed.pop(contact, None)
             self._missed.pop(contact, None)
             return super().handle_call_response(result, node)
-        misses = self._missed.get(contact, 0) + 1
+        if contact in self._missed:
+            return result  # its confirming ping decides
         known = not self.router.is_new_node(node)  # a contact, not a sender pinged back
-        if known and misses < _MISSES_TO_EVICT and self._confirm(node, contact, misses):
+        if known and self._confirm(node, contact, misses=1):
             return result
+        return self._evict(node, contact)
+
+    def _evict(self, node: Node, contact: tuple[bytes, str, int]) -> Result:
+        """Remove a contact that missed, and leave it out of look-ups."""
+        now = asyncio.get_event_loop().time()
         self._missed.pop(contact, None)
         self._failed[contact] = now
         if len(self._failed) > 4096:
             self._failed = {k: t for k, t in self._failed.items() if now - t < _FAILURE_MEMORY}
-        return super().handle_call_response(result, node)
+        return super().handle_call_response((False, None), node)
 
     def _confirm(self, node: Node, contact: tuple[bytes, str, int], misses: int) -> bool:
-        """Ping a contact that missed a request; its answer, or its miss, comes
-        back through ``handle_call_response``. False (evict now) if the
-        protocol is closed or too many confirmations are in flight."""
-        if contact in self._missed:
-            return True  # a confirmation is already in flight
-        if self._closed or len(self._missed) >= _MAX_PENDING_PINGS:
+        """Ping a contact that missed ``misses`` requests in a row; an answer
+        readmits it, a miss pings it again or evicts it. False (evict now) if
+        the protocol is closed or too many confirmations are in flight."""
+        if misses >= _MISSES_TO_EVICT or self._closed:
+            return False
+        if contact not in self._missed and len(self._missed) >= _MAX_PENDING_PINGS:
             return False
         self._missed[contact] = misses
 
         def on_reply(reply: Result) -> None:
+            if contact not in self._missed:
+                return  # answered meanwhile
             if self._closed:
                 self._missed.pop(contact, None)
-            elif reply[0] or contact in self._missed:  # not evicted meanwhile
-                self.handle_call_response((reply[0], None), node)
+            elif reply[0]:
+                self.handle_call_response((True, None), node)
+            elif not self._confirm(node, contact, misses + 1):
+                self._evict(node, contact)
 
         self.request((node.ip, node.port), "ping", [], node.id, on_reply)
         return True

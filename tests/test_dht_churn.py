@@ -8,7 +8,9 @@ for any dead node's timeout would fail the test.
 
 from __future__ import annotations
 
+import asyncio
 import random
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -140,60 +142,135 @@ async def test_operations_never_wait_for_dead_nodes() -> None:
         assert sum(node.stats().sent_requests for node in live) > 0
 
 
+class _Watch:
+    """What a DHT node's table makes of one contact: each answer and miss it
+    handles, with whether a confirming ping was in flight, and how often it
+    removed the contact from its routing table."""
+
+    def __init__(self, table: Any, node: Any) -> None:
+        self.handled: list[tuple[bool, bool]] = []
+        self.removals = 0
+        self._changed = trio.Event()
+        contact = (bytes(node.peer_id), node.host, node.port)
+        handle, remove = table.handle_call_response, table.router.remove_contact
+
+        def observed(result: Any, other: Node) -> Any:
+            if other.id == contact[0]:
+                self.handled.append((bool(result[0]), contact in table._missed))
+                self._changed.set()
+            return handle(result, other)
+
+        def removed(other: Node) -> None:
+            if other.id == contact[0]:
+                self.removals += 1
+                self._changed.set()
+            remove(other)
+
+        table.handle_call_response = observed
+        table.router.remove_contact = removed
+
+    def misses(self) -> int:
+        return sum(not answered for answered, _ in self.handled)
+
+    def confirmed(self) -> bool:
+        """Answered a confirming ping."""
+        return (True, True) in self.handled
+
+    async def until(self, condition: Callable[[], bool]) -> None:
+        while not condition():
+            await self._changed.wait()
+            self._changed = trio.Event()
+
+
 async def test_a_missed_request_keeps_a_live_contact_and_a_dead_one_is_evicted() -> None:
-    clock = ManualClock(NOW)
-    # Every wait 2 s, not the harness's 0.25 s floor: the live node must answer
-    # the confirming ping in time, and on a loaded machine (a full test run on
-    # 2 busy cores) a pause of the process longer than 0.25 s evicted it.
     config = replace(TEST_CONFIG, rpc_timeout=2.0, rpc_timeout_floor=2.0, bootstrap_timeout=5.0)
-    async with open_swarm(3, clock, seed=7, config=config) as swarm:
+    async with open_swarm(3, ManualClock(NOW), seed=7, config=config) as swarm:
         writer, live, dead = swarm.nodes
         # ``live`` loses its replies to ``writer`` (as a lossy link would)
         # until one of the writer's requests has missed, every copy of it
         proto = live._server.proto
         sendto = proto._sendto
         lost: list[object] = []
-        missed = trio.Event()
+        table = writer._server.proto
+        watch_live, watch_dead = _Watch(table, live), _Watch(table, dead)
         # replies may be MAC'd under the key ``live`` shares with ``writer``
-        keys = writer._server.proto.sessions.verifying_key
+        keys = table.sessions.verifying_key
 
         def lossy(data: bytes, addr: tuple[str, int]) -> None:
-            to_writer = addr[1] == writer.port and not missed.is_set()
+            to_writer = addr[1] == writer.port and not watch_live.misses()
             if to_writer and decode(data, mac_keys=keys).kind is Kind.RESPONSE:
                 lost.append(addr)
                 return
             sendto(data, addr)
 
         proto._sendto = lossy  # type: ignore[method-assign]
-        # what the writer makes of its requests' answers and misses
-        table = writer._server.proto
-        handle = table.handle_call_response
-        confirmed, evicted = trio.Event(), trio.Event()
-
-        def observed(result: Any, node: Node) -> Any:
-            if node.id == bytes(live.peer_id) and not result[0]:
-                missed.set()
-            live_missed = (node.id, node.ip, node.port) in table._missed
-            out = handle(result, node)
-            if node.id == bytes(live.peer_id) and result[0] and live_missed:
-                confirmed.set()  # the confirming ping after its lost reply
-            if node.id == bytes(dead.peer_id) and not result[0] and not table._missed:
-                evicted.set()
-            return out
-
-        table.handle_call_response = observed  # type: ignore[method-assign]
         await swarm.stop(dead)
         await writer.store("lossy", 1, NOW + 60)
         with trio.fail_after(30):
-            await confirmed.wait()
-            await evicted.wait()
+            await watch_live.until(watch_live.confirmed)
+            await watch_dead.until(lambda: watch_dead.removals > 0)
         assert lost, "the store reached the live node and its replies were lost"
+        assert watch_live.removals == 0  # one missed request and a confirming ping
+        assert watch_dead.misses() >= 2  # missed the store and the ping
         contacts = {c[0] for c in writer.contacts()}
-        assert live.peer_id in contacts  # one missed request and a confirming ping
-        assert dead.peer_id not in contacts  # missed the store and the ping
-        failed = {c[0] for c in writer._server.proto._failed}
+        assert live.peer_id in contacts and dead.peer_id not in contacts
+        failed = {c[0] for c in table._failed}
         assert dead.peer_id in failed and live.peer_id not in failed
         assert await writer.get("lossy") == DHTValue(1, NOW + 60)
+
+
+async def test_requests_lost_together_are_one_miss() -> None:
+    """Two requests in flight together, both lost (a loss burst), cost their
+    contact one confirming ping, not its place in the table: the second miss
+    comes while the first one's ping is in flight."""
+    config = replace(TEST_CONFIG, rpc_timeout=2.0, rpc_timeout_floor=2.0, bootstrap_timeout=5.0)
+    async with open_swarm(2, ManualClock(NOW), seed=5, config=config) as swarm:
+        asker, live = swarm.nodes
+        proto = live._server.proto
+        receive = proto.datagram_received
+        dropped: list[bytes] = []
+
+        def lossy_receive(data: bytes, addr: tuple[str, int]) -> None:
+            if addr[1] == asker.port and _asks(data, "find_node"):
+                dropped.append(data)  # every copy of both requests; pings get through
+                return
+            receive(data, addr)
+
+        proto.datagram_received = lossy_receive  # type: ignore[method-assign]
+        table = asker._server.proto
+        watch = _Watch(table, live)
+        contact = Node(bytes(live.peer_id), live.host, live.port)
+
+        async def ask_twice() -> list[Any]:
+            return list(
+                await asyncio.gather(
+                    table.call_find_node(contact, Node(b"a" * 32)),
+                    table.call_find_node(contact, Node(b"b" * 32)),
+                )
+            )
+
+        with trio.fail_after(30):
+            assert [ok for ok, _ in await asker._loop.call(ask_twice)] == [False, False]
+            await watch.until(lambda: watch.misses() == 2 and watch.handled[-1][0])
+        assert len(dropped) >= 2
+        assert watch.removals == 0 and watch.confirmed()
+        assert live.peer_id in {c[0] for c in asker.contacts()}
+        assert not table._failed and not table._missed
+
+
+def _request(data: bytes) -> list[Any] | None:
+    """A datagram's request body ``[method, args]``, None if it is none."""
+    try:
+        body = unpack(unpack(data)[4])
+    except (ValueError, IndexError, TypeError):
+        return None
+    return body if isinstance(body, list) and len(body) == 2 else None
+
+
+def _asks(data: bytes, method: str) -> bool:
+    """Whether a datagram is a request for ``method``."""
+    body = _request(data)
+    return body is not None and body[0] == method
 
 
 async def test_a_request_sent_again_fails_once_when_the_node_closes() -> None:
@@ -219,11 +296,8 @@ async def test_a_request_sent_again_fails_once_when_the_node_closes() -> None:
 
 def _first_page_request(data: bytes, dkey: bytes) -> bool:
     """Whether a datagram asks for the first page of ``dkey``'s records."""
-    try:
-        body = unpack(unpack(data)[4])
-    except (ValueError, IndexError, TypeError):
-        return False
-    return isinstance(body, list) and body[0] == "find_value" and body[1] == [dkey]
+    body = _request(data)
+    return body is not None and body[0] == "find_value" and body[1] == [dkey]
 
 
 async def test_a_late_answer_from_the_closest_node_is_read_whole() -> None:
