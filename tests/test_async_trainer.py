@@ -5,6 +5,7 @@ peers training together in each mode: test_trainer, test_diloco, test_ef21m."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,60 @@ async def test_a_peer_that_catches_up_joins_its_formed_group_with_weight_0(
             assert b._joining is None
             for x, y in zip(b._staging.host, b_before, strict=True):
                 assert torch.equal(x, y)  # nothing of the round landed in b's own tensors
+
+
+async def test_a_peer_every_other_peer_stepped_past_stops_waiting_for_a_group(
+    clock: trio.testing.MockClock,
+) -> None:
+    """A peer late for its epoch's group (the others reached the target and
+    stepped without it) gives up the group as soon as a reading shows nobody
+    else at that epoch, instead of waiting out the matchmaking bound for a
+    group that can no longer form; a peer whose partner is still at its
+    epoch waits the bound as before."""
+    torch.manual_seed(0)
+    task = load_task("digits")
+    batches = task.batches(0, 32)
+    bound = FAST.averaging.matchmaking.bound
+    async with open_peers(2, seed=7, clock=trio_wall_clock) as peers:
+        a_peer, b_peer = peers.alive
+        models = [task.build(seed=0) for _ in range(2)]
+        async with (
+            AsyncCollaborativeOptimizer.open(
+                a_peer, run_id="passed-by", params=models[0][0].parameters(),
+                optimizer=models[0][1], target_batch_size=64,
+                batch_size_per_step=32, config=FAST,
+            ) as a,
+            AsyncCollaborativeOptimizer.open(
+                b_peer, run_id="passed-by", params=models[1][0].parameters(),
+                optimizer=models[1][1], target_batch_size=64,
+                batch_size_per_step=32, config=FAST,
+            ) as b,
+        ):  # fmt: skip
+            assert await a.wait_for_peers(2, timeout=30.0)
+            assert await b.wait_for_peers(2, timeout=30.0)
+
+            async def batch(opt: AsyncCollaborativeOptimizer, model: torch.nn.Module) -> bool:
+                loss, size = task.loss(model, next(batches))
+                loss.backward()
+                stepped = await opt.step(size)
+                opt.zero_grad()
+                return stepped
+
+            # b computes nothing (a peer that is downloading the state, say);
+            # a reaches the target and waits the bound for b, which is at its
+            # epoch still
+            await b._refresh_now(time.monotonic(), force=True)
+            for _ in range(8):  # bounded: 64 samples, more with b's estimated rate
+                if await batch(a, models[0][0]):
+                    break
+            assert a.epoch == 1 and a.last_step is not None
+            a_result = a.last_step.averaging
+            assert a_result is not None and a_result.reason == "no group formed in time"
+            await a._refresh_now(time.monotonic(), force=True)  # a's record at epoch 1
+            # b now averages its epoch, which nobody else is at any more
+            started = trio.current_time()
+            result = await b._finish_averaging(32.0, 2)
+            assert result.group is None
+            assert result.reason == "every other peer stepped past this epoch"
+            assert trio.current_time() - started < bound / 2
+            assert b._prematch is None

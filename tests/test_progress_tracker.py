@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from dht_harness import TEST_CONFIG, open_swarm
 
 from dht import open_dht_node
@@ -98,6 +99,45 @@ async def test_a_read_that_misses_a_live_peer_keeps_counting_it_until_its_record
             assert (await second.refresh()).swarm.num_peers == 2  # a's record is 20 s old
             clock.advance(11.0)
             assert (await second.refresh()).swarm.num_peers == 1  # 31 s: stale (ttl 30 s)
+
+
+async def test_a_reading_says_when_every_other_peer_stepped_past_this_one() -> None:
+    """``Reading.passed_by``: only once no other live peer is at this peer's
+    epoch or finishing the step before it (its record lags it, and it may
+    still form a group with this peer) and the swarm is beyond it; a peer
+    waits for its group while next to a new reading, ``next_reading``."""
+    clock = ManualClock(NOW)
+    async with open_swarm(3, clock, seed=6) as swarm:
+        a, b, c = swarm.nodes
+        epochs = {a.peer_id: [4], b.peer_id: [5], c.peer_id: [4]}
+        trackers = [_tracker(node, clock, epochs[node.peer_id]) for node in swarm.nodes]
+        for tracker in trackers:
+            await tracker.refresh()
+        assert not (await trackers[0].refresh()).passed_by  # c is at a's epoch
+        epochs[c.peer_id][0] = 5
+        clock.advance(0.5)
+        await trackers[2].refresh()
+        seen: list[bool] = []
+
+        async def wait_for_reading() -> None:
+            seen.append((await trackers[0].next_reading()).passed_by)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait_for_reading)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not seen  # no reading yet
+            await trackers[0].refresh()
+        assert seen == [True]  # b and c at 5, a at 4
+        assert not (await trackers[1].refresh()).passed_by  # b is not behind
+        epochs[c.peer_id][0] = 6
+        clock.advance(0.5)
+        await trackers[2].refresh()
+        # a, one behind b, may be finishing its step and join b's round
+        assert not (await trackers[1].refresh()).passed_by
+        epochs[a.peer_id][0] = 3  # a fell two behind: it downloads the state
+        clock.advance(0.5)
+        await trackers[0].refresh()
+        assert (await trackers[1].refresh()).passed_by
 
 
 async def test_a_reading_names_the_peers_of_the_next_epochs_round() -> None:

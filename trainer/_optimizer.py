@@ -1230,10 +1230,10 @@ class AsyncCollaborativeOptimizer:
         await self._begin_matchmaking(self.epoch, expected)
         prematch = self._prematch
         assert prematch is not None
-        with trio.move_on_after(self.config.averaging.matchmaking.bound + 1.0):
-            await prematch.done.wait()
+        size = self._swarm_size()
+        passed_by = not await self._wait_for_group(prematch, size)
         self._prematch = None
-        group, size = prematch.group, self._swarm_size()
+        group = prematch.group
         result: StepResult | None = None
         took: float | None = None
         if group is not None:
@@ -1244,14 +1244,58 @@ class AsyncCollaborativeOptimizer:
         count = len(expected) if isinstance(expected, frozenset) else expected
         wanted = min(count, self._grad_averager.config.matchmaking.target_group_size)
         one_group = self._grad_averager.grid.dimensions == 1
-        self._timing.settle(group, took, wanted=wanted, one_group=one_group, swarm_size=size)
+        if group is not None or not passed_by:  # late, not a window too short
+            self._timing.settle(group, took, wanted=wanted, one_group=one_group, swarm_size=size)
         if group is None:
             prematch.scope.cancel()
             await prematch.done.wait()
+            if passed_by:
+                return self._grad_averager.skip("every other peer stepped past this epoch")
             return self._grad_averager.skip("no group formed in time")
         if result is None:
             return self._grad_averager.skip("timed out during the all-reduce")
         return result
+
+    async def _wait_for_group(self, prematch: _Prematch, size: int) -> bool:
+        """Wait up to the matchmaking bound for this epoch's group; False if a
+        reading showed every other peer past the epoch first.
+
+        A peer late for its epoch (it downloaded the state, or computes more
+        slowly than the others, who reached the target without it) found the
+        group closed, and waited out the whole bound for a group that could no
+        longer form while the swarm stepped on; it then downloaded the state
+        again, and was late again (the tiny LM on the net bed: 5 s waits,
+        20-26 downloads in 60 epochs)."""
+        passed_by = False
+
+        async def watch(scope: trio.CancelScope) -> None:
+            nonlocal passed_by
+            await self._until_passed_by(prematch.epoch, self._timing.matchmaking_time(size))
+            passed_by = True
+            scope.cancel()
+
+        with trio.move_on_after(self.config.averaging.matchmaking.bound + 1.0):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch, nursery.cancel_scope)
+                await prematch.done.wait()
+                nursery.cancel_scope.cancel()
+        return prematch.group is not None or not passed_by
+
+    async def _until_passed_by(self, epoch: int, patience: float) -> None:
+        """Return once a reading shows every other peer past ``epoch``
+        (``Reading.passed_by``). The tracker's readings come every progress
+        interval; once a group would have formed (``patience`` seconds), this
+        task reads too, at most every ``_refresh_pause``."""
+        read_at = trio.current_time() + patience
+        while True:
+            reading = self._reading
+            if reading is not None and reading.epoch == epoch and reading.passed_by:
+                return
+            with trio.move_on_at(read_at) as waited:
+                await self._progress.next_reading()
+            if waited.cancelled_caught:
+                await self._refresh_now(time.monotonic())
+                read_at = trio.current_time() + self._refresh_pause
 
     def _note_sender_weight(self, group_id: bytes, peer: PeerID, weight: float) -> None:
         """A member of this epoch's group (formed ahead) began the round with

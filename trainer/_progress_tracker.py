@@ -130,6 +130,16 @@ class Reading:
             return awaited
         return None
 
+    @property
+    def passed_by(self) -> bool:
+        """Whether every other live peer has stepped past this peer's epoch:
+        the reading lists them all (``others``: the directory, not the tree's
+        totals), none is at ``epoch`` or finishing the step before it, and
+        the swarm is beyond it. No group can form for ``epoch`` any more; a
+        record lags its peer, so a peer still in such a group shows at
+        ``epoch`` or before, never past it."""
+        return self.others is not None and not self.others.peers and self.swarm.epoch > self.epoch
+
 
 @dataclass(frozen=True)
 class TrackerConfig:
@@ -189,6 +199,8 @@ class ProgressTracker:
         self.config = config
         self._clock = clock
         self.reading: Reading | None = None
+        #: set when ``reading`` is replaced (``next_reading``), then renewed
+        self._read = trio.Event()
         self._wake: trio.Event | None = None
         #: the swarm's totals (see the module docstring)
         self.tree = ProgressTree(run_id)
@@ -324,6 +336,8 @@ class ProgressTracker:
             ahead,
             awaited_next,
         )
+        self._read.set()
+        self._read = trio.Event()
         return self.reading
 
     def _remember(
@@ -378,6 +392,13 @@ class ProgressTracker:
         peers = max(1, peers)
         if peers >= self._peak[0] or now - self._peak[1] > self.config.progress_ttl:
             self._peak = (peers, now)
+
+    async def next_reading(self) -> Reading:
+        """Wait for the next reading (``refresh``, by whichever task), and
+        return it."""
+        await self._read.wait()
+        assert self.reading is not None
+        return self.reading
 
     def wake(self) -> None:
         """Refresh now rather than at the next interval (no-op unless serving)."""
