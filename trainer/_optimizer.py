@@ -805,6 +805,15 @@ class AsyncCollaborativeOptimizer:
                 return False
             return None
         reading = self._reading
+        if reading is not None and reading.epoch < self.epoch - 1 and reading.swarm.num_peers <= 1:
+            # alone, this peer took several global steps on one reading (a
+            # step every few milliseconds, ``_alone``); that reading has aged
+            # past a progress interval: the tracker reads again soon, and
+            # until then only this peer's own samples can make a step due
+            if self._alone_due:
+                return None
+            self._hurry(now)
+            return False
         if reading is None or reading.epoch not in (self.epoch, self.epoch - 1):
             return None
         if reading.swarm.epoch > self.epoch and now >= self._next_catch_up:
