@@ -14,7 +14,9 @@ Layout (little-endian)::
     AES-256-GCM(values, count * 4 bytes) | GCM tag (16 bytes)
 
 - ``kind``: ``PART`` (a sender's values, to the reducer of ``part``) or
-  ``RESULT`` (the reducer's averaged values, back to member ``sender``).
+  ``RESULT`` (the reducer's averaged values, back to member ``sender``), or
+  a copy of a control message of the pair (``SENDER_CONTROL``,
+  ``REDUCER_CONTROL``: below).
 - ``group tag``: the first 8 bytes of SHA-256 of the group id; ``round``: a
   random number the reducer draws for each (sender, part) pair and sends over
   the reliable stream.
@@ -46,6 +48,19 @@ in and without raising, counting each reason (``dropped``):
 
 Reordering is harmless by construction: a piece goes to its offset whatever
 order it arrives in, and the piece bookkeeping (``_pieces``) is per piece.
+
+Control copies. The lossy round's small control messages also travel on the
+reliable stream, where one lost segment waits for TCP's retransmission timer,
+doubling with each loss in a row. Those on a round's critical path are sent
+as datagrams as well (``ControlSealer``, ``ControlOpener``): the same header
+with ``offset`` 0 and ``count`` the length in bytes of a msgpack message
+(``swarm._wire``), encrypted and authenticated like values, under a key of
+their own per direction (``key_label`` with their kind). The opener drops
+what the value opener drops (but for ``misplaced``, an offset or count that
+is not such a message's: ``malformed``), and a message that does not decode
+(``malformed``). An exact copy of a datagram it opened (the sender may send
+each message twice) is not a replay: it is counted in ``copies``, not
+dropped, and returned as None like a drop.
 """
 
 from __future__ import annotations
@@ -56,13 +71,15 @@ import struct
 import warnings
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from swarm import ConfigError
+from swarm import ConfigError, ProtocolError
+from swarm._wire import pack, unpack
 
 #: Largest datagram (header, values, tag): one Ethernet frame's payload with
 #: room for IP and UDP headers, as the DHT's datagrams.
@@ -95,6 +112,11 @@ class Kind(enum.IntEnum):
 
     PART = 1  # a sender's values, to the part's reducer
     RESULT = 2  # the reducer's averaged values, back to a member
+    #: copies of a sender's control messages (its end of sending), to the reducer
+    SENDER_CONTROL = 3
+    #: copies of a reducer's control messages (its report, its end of
+    #: results), to a member
+    REDUCER_CONTROL = 4
 
 
 def group_tag(group_id: bytes) -> bytes:
@@ -277,3 +299,84 @@ class DatagramOpener:
     def _drop(self, reason: str) -> tuple[int, np.ndarray] | None:
         self.dropped[reason] += 1
         return None
+
+
+#: Bytes of a control message that fit one datagram with its header and tag.
+MAX_CONTROL_MESSAGE = MAX_DATAGRAM_SIZE - _MIN_DATAGRAM
+
+
+class ControlSealer:
+    """Seals one direction's control messages of a pair (``pair.kind`` is
+    ``SENDER_CONTROL`` or ``REDUCER_CONTROL``), numbering them in order."""
+
+    def __init__(self, key: bytes, pair: Pair) -> None:
+        if pair.kind not in (Kind.SENDER_CONTROL, Kind.REDUCER_CONTROL):
+            raise ConfigError(f"{pair.kind!r} is not a kind of control datagram")
+        self._aead = AESGCM(key)
+        self.pair = pair
+        self.seq = 0
+        self._prefix = _HEADER_HEAD.pack(
+            MAGIC, VERSION, pair.kind, pair.group_tag, pair.round, pair.part, pair.sender
+        )
+
+    def seal(self, message: object) -> bytes:
+        """The datagram carrying ``message``. ``ValueError`` if it is not
+        msgpack-able or longer than ``MAX_CONTROL_MESSAGE`` packed: the
+        reliable stream carries such a message alone."""
+        data = pack(message, max_size=MAX_CONTROL_MESSAGE)
+        seq = self.seq
+        if seq > _MAX_SEQ:
+            raise OverflowError("2**32 datagrams under one key")
+        header = self._prefix + _HEADER_TAIL.pack(0, len(data), seq)
+        sealed = self._aead.encrypt(_nonce(seq), data, header)
+        self.seq = seq + 1
+        return header + sealed
+
+
+class ControlOpener:
+    """Opens one direction's control datagrams of a pair: ``open`` returns
+    the decoded message of a datagram that authenticates and was not opened
+    before, None for anything else (``dropped`` counts why; ``copies`` the
+    exact copies of opened ones). The message is untrusted in shape: the
+    caller checks it as it checks the stream's copy."""
+
+    def __init__(self, key: bytes, pair: Pair) -> None:
+        self._aead = AESGCM(key)
+        self.pair = pair
+        self._route = _HEADER_HEAD.pack(
+            MAGIC, VERSION, pair.kind, pair.group_tag, pair.round, pair.part, pair.sender
+        )[3:]
+        self._opened: dict[int, bytes] = {}  # by sequence number
+        self.dropped: Counter[str] = Counter()
+        self.copies = 0
+
+    def open(self, datagram: bytes | bytearray | memoryview) -> Any:
+        data = bytes(datagram)
+        size = len(data)
+        if not _MIN_DATAGRAM <= size <= MAX_DATAGRAM_SIZE:
+            return self._drop("malformed")
+        if data[:2] != MAGIC or data[2] != VERSION:
+            return self._drop("malformed")
+        if data[3 : _HEADER_HEAD.size] != self._route:
+            return self._drop("misrouted")
+        offset, count, seq = _HEADER_TAIL.unpack_from(data, _HEADER_HEAD.size)
+        if offset != 0 or size != _MIN_DATAGRAM + count:
+            return self._drop("malformed")
+        opened = self._opened.get(seq)
+        if opened is not None:
+            if opened == data:
+                self.copies += 1
+                return None
+            return self._drop("replayed")
+        try:
+            plain = self._aead.decrypt(_nonce(seq), data[HEADER.size :], data[: HEADER.size])
+        except InvalidTag:
+            return self._drop("forged")
+        self._opened[seq] = data
+        try:
+            return unpack(plain, max_size=MAX_CONTROL_MESSAGE)
+        except ProtocolError:  # only the sender's key makes one: a broken sender
+            return self._drop("malformed")
+
+    def _drop(self, reason: str) -> None:
+        self.dropped[reason] += 1

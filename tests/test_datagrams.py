@@ -11,13 +11,17 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from averaging._datagrams import (
     HEADER,
+    MAX_CONTROL_MESSAGE,
     MAX_DATAGRAM_SIZE,
     PIECE_ELEMENTS,
+    ControlOpener,
+    ControlSealer,
     DatagramOpener,
     DatagramSealer,
     Kind,
@@ -26,7 +30,9 @@ from averaging._datagrams import (
     key_label,
     peek_route,
 )
+from swarm import ConfigError
 from swarm._handshake import HandshakeResult, exported_key
+from swarm._wire import pack
 
 KEY = bytes(range(32))
 PAIR = Pair(
@@ -195,3 +201,124 @@ def test_random_bytes_are_dropped(data: bytes) -> None:
     opener = DatagramOpener(KEY, PAIR)
     assert opener.open(data) is None
     peek_route(data)
+
+
+# control copies: a pair's small control messages as datagrams
+
+CONTROL = dataclasses.replace(PAIR, kind=Kind.REDUCER_CONTROL)
+REPORT = ["report", 3, 0.25, [[0, b"\x07"], [1, b"\x05"]]]
+MARKER = ["sent", 3, 0.5]
+
+
+def sealed_control(pair: Pair = CONTROL, key: bytes = KEY) -> list[bytes]:
+    sealer = ControlSealer(key, pair)
+    return [sealer.seal(REPORT), sealer.seal(MARKER)]
+
+
+def test_control_messages_round_trip_once_and_copies_are_not_replays() -> None:
+    opener = ControlOpener(KEY, CONTROL)
+    report, marker = sealed_control()
+    assert peek_route(report) == (Kind.REDUCER_CONTROL, 2, 1)
+    assert opener.open(marker) == MARKER  # reordered: each stands alone
+    assert opener.open(report) == REPORT
+    assert opener.open(report) is None and opener.open(marker) is None
+    assert opener.copies == 2 and not opener.dropped
+    # the same sequence number with other contents: a replay, not a copy
+    other = ControlSealer(KEY, CONTROL).seal(MARKER)
+    assert opener.open(other) is None and opener.dropped == {"replayed": 1}
+
+
+def other_control(**changes: object) -> Pair:
+    return dataclasses.replace(CONTROL, **changes)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("datagram", "reason"),
+    [
+        (sealed_control()[0][:-1], "malformed"),  # truncated by one byte
+        (sealed_control()[0][:20], "malformed"),
+        (sealed_control()[0] + bytes(MAX_DATAGRAM_SIZE), "malformed"),
+        (b"XX" + sealed_control()[0][2:], "malformed"),
+        (sealed_control(other_control(group_tag=group_tag(b"another group")))[0], "misrouted"),
+        (sealed_control(other_control(round=54321))[0], "misrouted"),
+        (sealed_control(other_control(part=3))[0], "misrouted"),
+        (sealed_control(other_control(sender=0))[0], "misrouted"),
+        (sealed_control(other_control(kind=Kind.SENDER_CONTROL))[0], "misrouted"),
+        (sealed_pieces()[0], "misrouted"),  # a piece of values is not a control message
+        (sealed_control(key=bytes(32))[0], "forged"),
+    ],
+    ids=[
+        "truncated",
+        "short",
+        "oversized",
+        "magic",
+        "group",
+        "round",
+        "part",
+        "sender",
+        "direction",
+        "values",
+        "key",
+    ],
+)
+def test_wrong_control_datagrams_are_dropped(datagram: bytes, reason: str) -> None:
+    opener = ControlOpener(KEY, CONTROL)
+    assert opener.open(datagram) is None
+    assert opener.dropped == {reason: 1}
+
+
+def seal_control_bytes(payload: bytes, seq: int) -> bytes:
+    """A control datagram of ``CONTROL`` around any ``payload``, as only the
+    key's holder can seal one."""
+    p = CONTROL
+    header = HEADER.pack(
+        b"SL", 1, p.kind, p.group_tag, p.round, p.part, p.sender, 0, len(payload), seq
+    )
+    return header + AESGCM(KEY).encrypt(seq.to_bytes(12, "little"), payload, header)
+
+
+def test_a_control_datagram_whose_message_does_not_decode_is_dropped() -> None:
+    opener = ControlOpener(KEY, CONTROL)
+    assert opener.open(seal_control_bytes(pack(MARKER), 0)) == MARKER  # as ControlSealer does
+    assert opener.open(seal_control_bytes(pack(MARKER)[:-1], 1)) is None  # a document cut short
+    assert opener.open(seal_control_bytes(pack(MARKER) + b"\x00", 2)) is None  # and one more
+    assert opener.dropped == {"malformed": 2}
+
+
+def test_control_sealer_refuses_long_messages_and_other_kinds() -> None:
+    sealer = ControlSealer(KEY, CONTROL)
+    assert len(sealer.seal(["x", b"y" * (MAX_CONTROL_MESSAGE - 20)])) <= MAX_DATAGRAM_SIZE
+    with pytest.raises(ValueError):
+        sealer.seal(["x", b"y" * MAX_CONTROL_MESSAGE])
+    with pytest.raises(ConfigError):
+        ControlSealer(KEY, PAIR)
+
+
+@given(
+    which=st.integers(0, 1),
+    edits=st.lists(st.tuples(st.integers(0, 2000), st.integers(1, 255)), min_size=1, max_size=4),
+    cut=st.none() | st.integers(0, 1400),
+)
+@_FUZZ
+def test_any_altered_control_datagram_is_never_accepted(
+    which: int, edits: list[tuple[int, int]], cut: int | None
+) -> None:
+    original = sealed_control()[which]
+    data = bytearray(original)
+    for position, xor in edits:
+        data[position % len(data)] ^= xor
+    if cut is not None:
+        data = data[:cut]
+    opener = ControlOpener(KEY, CONTROL)
+    opened = opener.open(bytes(data))
+    if bytes(data) == original:
+        assert opened == [REPORT, MARKER][which]
+    else:
+        assert opened is None and sum(opener.dropped.values()) == 1
+
+
+@given(data=st.binary(max_size=1500))
+@_FUZZ
+def test_random_bytes_are_no_control_message(data: bytes) -> None:
+    opener = ControlOpener(KEY, CONTROL)
+    assert opener.open(data) is None

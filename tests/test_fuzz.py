@@ -46,7 +46,15 @@ from averaging._allreduce import (
     parse_sender_header,
 )
 from averaging._codecs import FLOAT16, NONE, UINT4, UINT8, decode, decode_split, encode
-from averaging._datagrams import PIECE_ELEMENTS, DatagramOpener, DatagramSealer, Kind, Pair
+from averaging._datagrams import (
+    PIECE_ELEMENTS,
+    ControlOpener,
+    ControlSealer,
+    DatagramOpener,
+    DatagramSealer,
+    Kind,
+    Pair,
+)
 from averaging._group import Group, GroupMember, MemberMode
 from averaging._matchmaking import Candidate, member_from_wire, member_to_wire
 from averaging._partition import Partition
@@ -338,6 +346,23 @@ def _lossy_datagram(data: bytes) -> None:
         raise AssertionError("an altered datagram was accepted")
 
 
+_LOSSY_CONTROL = Pair(Kind.REDUCER_CONTROL, b"t" * 8, 9, part=1, sender=0, part_size=7)
+
+
+def _lossy_controls() -> list[bytes]:
+    sealer = ControlSealer(_LOSSY_KEY, _LOSSY_CONTROL)
+    return [sealer.seal(["report", 1, 0.5, [[0, b"\x01"]]]), sealer.seal(["sent", 1, 0.5])]
+
+
+def _lossy_control(data: bytes) -> None:
+    """The same for the control messages' datagram copies."""
+    opened = ControlOpener(_LOSSY_KEY, _LOSSY_CONTROL).open(data)
+    if opened is None:
+        raise ProtocolError("dropped")
+    if data not in _lossy_controls():
+        raise AssertionError("an altered control datagram was accepted")
+
+
 def _lossy_mask(data: bytes) -> None:
     PieceMask.from_bytes(data[1:], data[0] if data else 0)
 
@@ -431,6 +456,7 @@ TARGETS = [
     Target("state-transfer", _state_headers, _transfer, (ProtocolError, DonorBusy, DonorRefused)),
     Target("state", _state_samples, _state),
     Target("lossy-datagram", _lossy_datagrams, _lossy_datagram),
+    Target("lossy-control", _lossy_controls, _lossy_control),
     Target("lossy-mask", lambda: [bytes([11, 0xFF, 0x07]), bytes([8, 0x81])], _lossy_mask),
     Target(
         "matchmaking-member",
