@@ -17,6 +17,21 @@ opened by i to j (the control channel)::
     j => i  RESULT datagrams of the averaged part j, paced
     j -> i  ["sent", datagrams, seconds]
 
+The end-of-sending markers and the report go as datagrams too, before
+their stream copies (``send_control``; ``_datagrams``, "Control copies"):
+sealed once, sent ``CONTROL_COPIES`` times, under keys of their own exported
+for ``round`` as the payload's. A lost TCP segment waits for TCP's
+retransmission timer, and one lost twice or more in a row for its doubling
+back-off (0.2-0.8 s at 10% loss, the longest waits of a round); a copy is
+lost on its own. The receiving end acts on the first copy to arrive
+(``_first_copy``) and never on a second: a marker only ends a wait, and a
+sender that acted on the report's datagram copy, reading the stream's copy
+later for the marker behind it, refuses one that differs (``ProtocolError``);
+stream copies left unread are left to the pooled connection
+(``Stream.leave_unread``). A report too long for one datagram goes by
+stream only. The header has no datagram copy: its keys come from the
+stream, which the reducer has only once the header arrived.
+
 ``offer`` is the round that i, as the reducer of part i, chose for j's
 datagrams of part i (-1 where i reduces nothing that j sends): the same
 number as i's reply on j's own stream, the port already in the header.
@@ -89,7 +104,7 @@ import socket
 import struct
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -105,6 +120,8 @@ from swarm._wire import expect_bytes, expect_float, expect_int, expect_list, exp
 from ._datagrams import (
     FULL_DATAGRAM,
     PIECE_ELEMENTS,
+    ControlOpener,
+    ControlSealer,
     DatagramOpener,
     DatagramSealer,
     Kind,
@@ -138,6 +155,10 @@ EARLY_PER_PIECE = 2
 #: datagrams loses one more often than not), so it is kept short: 50 ms cost
 #: a round of the digits task 0.1 s, where the round takes 0.04 s.
 DRAIN = 0.01
+#: Datagram copies sent of each control message (``_LossyRound.send_control``),
+#: back to back: on a link that loses packets at random, each copy is lost
+#: on its own, and two lost at 10% is 1%. A copy is a few hundred bytes.
+CONTROL_COPIES = 2
 #: How long a control stream for a group this peer does not run (yet) waits.
 UNKNOWN_GROUP_WAIT = 2.0
 HEADER_TIMEOUT = 5.0
@@ -232,6 +253,102 @@ class _Inbound:
     @property
     def span(self) -> float:
         return 0.0 if self.first is None else self.last - self.first
+
+
+@dataclass
+class _Control:
+    """The datagram copies of one direction's control messages of a pair, by
+    their first field (``"sent"``, ``"report"``). The first copy of each is
+    kept; a different message under the same name (only the remote's key can
+    seal one) is dropped as ``duplicate``, and one that is not a list named by
+    a string as ``malformed``: what it says is checked where it is used, as
+    the stream's copy is."""
+
+    opener: ControlOpener
+    messages: dict[str, Any] = field(default_factory=dict)
+    changed: trio.Event = field(default_factory=trio.Event)
+
+    def deliver(self, datagram: bytes) -> None:
+        message = self.opener.open(datagram)
+        if message is None:
+            return
+        if not (isinstance(message, list) and message and isinstance(message[0], str)):
+            self.opener.dropped["malformed"] += 1
+        elif message[0] in self.messages:
+            self.opener.dropped["duplicate"] += 1
+        else:
+            self.messages[message[0]] = message
+            self.changed.set()
+            self.changed = trio.Event()
+
+    async def wait(self, name: str) -> Any:
+        """The first copy of the message ``name``, once one arrived."""
+        while name not in self.messages:
+            await self.changed.wait()
+        return self.messages[name]
+
+
+async def _first_copy(
+    from_stream: Callable[[], Awaitable[Any]], control: _Control, name: str
+) -> Any:
+    """The control message ``name`` from whichever copy comes first: the
+    stream's (``from_stream``, a cancelled receive loses nothing) or the
+    datagram's. The two are the same message, sealed once."""
+    message: Any = None
+    async with trio.open_nursery() as nursery:
+
+        async def by_datagram() -> None:
+            nonlocal message
+            message = await control.wait(name)
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(by_datagram)
+        message = await from_stream()
+        nursery.cancel_scope.cancel()
+    return message
+
+
+class _ReducerMessages:
+    """What a sender reads of a reducer's messages on their stream, in their
+    order: its reply (unless the offer came first and it was read, with the
+    report, only if it came first), its report and its end of results. Either
+    of the last two may be taken from its datagram copy first: the stream's
+    copy is then read when a later message is wanted, or left unread."""
+
+    MESSAGES = 3  # reply, report, end of results
+
+    def __init__(self, stream: _LossyStream, replied: bool, reply: tuple[int, int]) -> None:
+        self._stream = stream
+        self._reply_due = None if replied else reply
+        self.read = 1 if replied else 0
+        self._report: Any = None
+
+    async def _next(self) -> Any:
+        if self._reply_due is not None:
+            reply = _parse_reply(await self._stream.receive())
+            self.read += 1
+            if reply != self._reply_due:
+                raise ProtocolError("the reducer's reply differs from its offer")
+            self._reply_due = None
+        message = await self._stream.receive()
+        self.read += 1
+        return message
+
+    async def report(self) -> Any:
+        if self._report is None:
+            self._report = await self._next()
+        return self._report
+
+    async def end_of_results(self, report: Any) -> Any:
+        """The marker behind the report, whose stream copy must be ``report``,
+        the copy acted on (``ProtocolError`` otherwise)."""
+        if await self.report() != report:
+            raise ProtocolError("the reducer's report differs from its datagram copy")
+        return await self._next()
+
+    @property
+    def unread(self) -> int:
+        return self.MESSAGES - self.read
 
 
 @dataclass(frozen=True)
@@ -385,6 +502,9 @@ class _LossyRound:
         me = group.local_index
         self.inbound: dict[tuple[int, int, int], _Inbound] = {}
         self._all_inbound: list[_Inbound] = []  # for the counts of dropped datagrams
+        #: The datagram copies of control messages, by route as ``inbound``.
+        self.controls: dict[tuple[int, int, int], _Control] = {}
+        self._all_controls: list[_Control] = []
         self.stray = 0
         self._empty = trio.Event()
         self._idle = False  # the reader waits for the socket to become readable
@@ -457,6 +577,8 @@ class _LossyRound:
                 inbound = self.inbound.get(route) if route is not None else None
                 if inbound is not None:
                     inbound.deliver(datagram, when)
+                elif route is not None and route in self.controls:
+                    self.controls[route].deliver(datagram)
                 elif route is None or not self.keep_early(route, datagram, when):
                     self.stray += 1
             batch += 1
@@ -491,16 +613,22 @@ class _LossyRound:
         if readable or not self._idle:
             await self._empty.wait()
 
-    async def _end_of_sending(self, stream: _LossyStream, inbound: _Inbound, what: str) -> bool:
-        """Wait until the remote is done sending ``inbound``'s datagrams: its
-        end-of-sending marker arrived (consumed and checked: True), or the
-        last datagram it sends did (False: the marker is still to be read).
+    async def _end_of_sending(
+        self,
+        from_stream: Callable[[], Awaitable[Any]],
+        inbound: _Inbound,
+        control: _Control,
+        what: str,
+    ) -> None:
+        """Wait until the remote is done sending ``inbound``'s datagrams: the
+        first to come of its end-of-sending marker (the stream's copy, read by
+        ``from_stream``, or the datagram copy) and the last datagram it sends.
 
-        Why both: a marker is one small TCP segment, and one the link loses
-        waits for TCP's retransmission timer (200 ms at least); the last
-        datagram arriving says the same, as often as the link delivers.
-        ``ProtocolError`` for a malformed marker."""
-        seen = False
+        Why all three: a marker is one small TCP segment, and one the link
+        loses waits for TCP's retransmission timer (200 ms at least, doubling
+        with each loss in a row); the last datagram and the marker's datagram
+        copies say the same, and are lost each on its own. ``ProtocolError``
+        for a malformed marker."""
         async with trio.open_nursery() as nursery:
 
             async def by_datagram() -> None:
@@ -508,11 +636,46 @@ class _LossyRound:
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(by_datagram)
-            # a cancelled receive loses nothing: the marker is read later
-            _check_marker(await stream.receive(), what)
-            seen = True
+            _check_marker(await _first_copy(from_stream, control, "sent"), what)
             nursery.cancel_scope.cancel()
-        return seen
+
+    def _control(
+        self, stream: _LossyStream, kind: Kind, round_: int, part: int, sender: int
+    ) -> tuple[ControlSealer, _Control]:
+        """Our sealer of ``kind``'s control copies in the pair (``part``,
+        ``sender``) and the receiving end of the other direction's."""
+        other = Kind.SENDER_CONTROL if kind is Kind.REDUCER_CONTROL else Kind.REDUCER_CONTROL
+        gid = self.group.group_id
+        size = self.partition.part_size(part)
+        sealer = ControlSealer(
+            stream.export_key(key_label(kind, gid, round_)),
+            Pair(kind, self.tag, round_, part, sender, size),
+        )
+        control = _Control(
+            ControlOpener(
+                stream.export_key(key_label(other, gid, round_)),
+                Pair(other, self.tag, round_, part, sender, size),
+            )
+        )
+        self.controls[(int(other), part, sender)] = control
+        self._all_controls.append(control)
+        return sealer, control
+
+    def send_control(self, sealer: ControlSealer, message: Any, address: tuple[str, int]) -> None:
+        """Send ``CONTROL_COPIES`` datagram copies of ``message`` (before its
+        stream copy). One too long for a datagram (a report on a part of
+        thousands of pieces) goes by the stream only. Not paced: a few
+        hundred bytes per pair and round; a copy the kernel refuses is lost,
+        as one dropped on the way would be."""
+        try:
+            datagram = sealer.seal(message)
+        except ValueError:
+            return
+        for _ in range(CONTROL_COPIES):
+            try:
+                self.sock.sendto(datagram, address)
+            except OSError:
+                return
 
     async def _wait_for_pieces(self, inbound: _Inbound) -> None:
         """After the end-of-sending marker: all pieces, or ``DRAIN`` and then
@@ -678,11 +841,12 @@ class _LossyRound:
             route = (int(Kind.PART), me, sender)
             self.inbound[route] = inbound
             self._all_inbound.append(inbound)
+            sealer_down, control = self._control(stream, Kind.REDUCER_CONTROL, round_, me, sender)
             for datagram, when in self._early.pop(route, ()):
                 inbound.deliver(datagram, when)
             await stream.send([self.sock.getsockname()[1], round_])
             inbound.expect_last(up.num_pieces - 1)  # every piece, in order
-            await self._end_of_sending(stream, inbound, "end of sending")
+            await self._end_of_sending(stream.receive, inbound, control, "end of sending")
             await self._wait_for_pieces(inbound)
             self._sender_done(sender)
             await self.reduced.wait()
@@ -692,17 +856,21 @@ class _LossyRound:
                 for s, mask in sorted(reducer.masks.items())
                 if mask.count and reducer.weight(s) > 0
             ]
-            await stream.send(["report", inbound.opener.received, inbound.span, masks])
+            address = (self.group.members[sender].host, port)
+            report = ["report", inbound.opener.received, inbound.span, masks]
+            self.send_control(sealer_down, report, address)
+            await stream.send(report)
             # The all-gather: our averaged part back to the sender.
             down = Pair(Kind.RESULT, self.tag, round_, me, sender, part_size)
             sealer = DatagramSealer(stream.export_key(key_label(Kind.RESULT, gid, round_)), down)
             result = reducer.result()
-            address = (self.group.members[sender].host, port)
             pieces = (p for p in range(down.num_pieces) if reducer.has_result(p))
             sent = await self._send_datagrams(
                 sealer, result.numpy(), pieces, address, self._result_flows
             )
-            await stream.send(["sent", sealer.seq, sent.span])
+            marker = ["sent", sealer.seq, sent.span]
+            self.send_control(sealer_down, marker, address)
+            await stream.send(marker)
             # What the sender got comes with its next header. An end of
             # sending still unread (its last datagram came first) is left
             # to the connection, which discards it with the stream.
@@ -766,6 +934,7 @@ class _LossyRound:
                 )
                 self.inbound[(int(Kind.RESULT), part, me)] = inbound
                 self._all_inbound.append(inbound)
+                sealer_up, control = self._control(stream, Kind.SENDER_CONTROL, round_, part, me)
                 up = Pair(Kind.PART, self.tag, round_, part, me, part_size)
                 sealer = DatagramSealer(stream.export_key(key_label(Kind.PART, gid, round_)), up)
                 values = self.flat[lo:hi].numpy()
@@ -773,10 +942,12 @@ class _LossyRound:
                 sent = await self._send_datagrams(
                     sealer, values, range(up.num_pieces), address, self._part_flows
                 )
-                await stream.send(["sent", sealer.seq, sent.span])
-                if not replied and _parse_reply(await stream.receive()) != (port, round_):
-                    raise ProtocolError("the reducer's reply differs from its offer")
-                report = expect_list(await stream.receive(), 4, "reducer report")
+                marker = ["sent", sealer.seq, sent.span]
+                self.send_control(sealer_up, marker, address)
+                await stream.send(marker)
+                messages = _ReducerMessages(stream, replied, (port, round_))
+                acted = await _first_copy(messages.report, control, "report")
+                report = expect_list(acted, 4, "reducer report")
                 if expect_str(report[0], "marker") != "report":
                     raise ProtocolError("expected the reducer's report")
                 received = expect_int(report[1], "pieces received", lo=0, hi=sealer.seq)
@@ -786,7 +957,9 @@ class _LossyRound:
                 codes = contributor_codes(masks, got.n)
                 nonzero = np.flatnonzero(codes)
                 inbound.expect_last(int(nonzero[-1]) if nonzero.size else -1)
-                marker_read = await self._end_of_sending(stream, inbound, "end of results")
+                await self._end_of_sending(
+                    lambda: messages.end_of_results(acted), inbound, control, "end of results"
+                )
                 await self._wait_for_pieces(inbound)
                 # From here on nothing more is taken: the result is what arrived.
                 del self.inbound[(int(Kind.RESULT), part, me)]
@@ -794,10 +967,11 @@ class _LossyRound:
                 self.pacers.results_got(
                     member.peer_id, round_, inbound.opener.received, inbound.span
                 )
-                if not marker_read:
-                    # Its last datagram said the same: the pooled connection
-                    # discards the marker when it comes, without us waiting.
-                    stream.leave_unread(1)
+                if messages.unread:
+                    # Their datagram copies came first, or the last datagram
+                    # said the same as the marker: the pooled connection
+                    # discards the stream's copies when they come.
+                    stream.leave_unread(messages.unread)
         except Exception as e:  # per-peer boundary: this reducer only
             if part not in self._results:  # after them: only the stream's end was left
                 logger.info("lossy all-reduce: part %d from member %d failed: %r", part, part, e)
@@ -877,6 +1051,8 @@ class _LossyRound:
         dropped: Counter[str] = Counter()
         for inbound in self._all_inbound:
             dropped.update(inbound.opener.dropped)
+        for control in self._all_controls:
+            dropped.update(control.opener.dropped)
         if self.stray:
             dropped["stray"] = self.stray
         if not aux:

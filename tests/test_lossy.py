@@ -24,7 +24,7 @@ import trio.testing
 
 from averaging import AllReduceConfig, AllReduceResult, all_reduce
 from averaging._codecs import FLOAT16
-from averaging._datagrams import FULL_DATAGRAM, PIECE_ELEMENTS, Kind, peek_route
+from averaging._datagrams import FULL_DATAGRAM, HEADER, PIECE_ELEMENTS, Kind, peek_route
 from averaging._faults import DatagramFaults, DatagramFilter, FaultPlan
 from averaging._group import Group, GroupMember, MemberMode
 from averaging._lossy import (
@@ -347,6 +347,142 @@ async def test_a_member_leaves_without_the_markers_its_results_made_moot() -> No
             [entry] = nets[0]._pool[nets[1].peer_id]
             assert entry.ready  # the marker discarded, the remote's EOF and DONE in
             assert nets[0].dialed == 1
+
+
+class LateControl:
+    """A stream whose control messages (``"sent"`` and ``"report"``) reach
+    the reading end only once ``release`` is set, as over a link that lost
+    every segment of them until then: a receive that returns one waits for
+    ``release``, and a cancelled wait keeps the message for the next
+    receive. Leaving messages unread counts the one kept as read."""
+
+    def __init__(self, stream: Any, release: trio.Event) -> None:
+        self._stream = stream
+        self._release = release
+        self._kept: Any = None
+        self.held = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    async def receive(self) -> Any:
+        if self._kept is None:
+            message = await self._stream.receive()
+            if not (isinstance(message, list) and message and message[0] in ("sent", "report")):
+                return message
+            self._kept = message
+            self.held += 1
+        await self._release.wait()
+        message, self._kept = self._kept, None
+        return message
+
+    def leave_unread(self, messages: int) -> None:
+        self._stream.leave_unread(messages - (self._kept is not None))
+
+
+class LateControlNetwork(HeldHeaders):
+    """A member's network whose lossy control streams, opened or accepted,
+    are ``LateControl``."""
+
+    def __init__(self, net: Connections, release: trio.Event) -> None:
+        super().__init__(net, release)
+        self.streams: list[LateControl] = []
+
+    def late(self, stream: Any) -> LateControl:
+        self.streams.append(LateControl(stream, self._release))
+        return self.streams[-1]
+
+    def set_handler(self, name: str, handler: Callable[[Any], Awaitable[None]]) -> None:
+        async def late(stream: Any) -> None:
+            await handler(self.late(stream))
+
+        self._net.set_handler(name, late)
+
+    @asynccontextmanager
+    async def open_stream(
+        self, peer_id: Any, address: tuple[str, int], name: str
+    ) -> AsyncIterator[LateControl]:
+        async with self._net.open_stream(peer_id, address, name) as stream:
+            yield self.late(stream)
+
+
+class DropLastPieces(DatagramFilter):
+    """Drops the last piece of every part and every result (the only short
+    ones here): only a marker can tell that a sender is done."""
+
+    def __init__(self) -> None:
+        super().__init__(DatagramFaults(), random.Random(0))
+
+    def __call__(self, datagram: bytes) -> list[bytes]:
+        kind, count = datagram[3], HEADER.unpack_from(datagram)[8]
+        return [] if kind in (Kind.PART, Kind.RESULT) and count < PIECE_ELEMENTS else [datagram]
+
+
+class DropLastPiecesEverywhere(DatagramFaults):
+    def filter(self, member: int) -> DatagramFilter:
+        return DropLastPieces()
+
+
+async def test_a_round_ends_on_its_control_messages_datagram_copies() -> None:
+    """Every end-of-sending marker and report on the streams of two members
+    arrives only after their rounds (held back at the reading end), and the
+    last datagram of every part and result is lost: the rounds end on the
+    markers' and reports' datagram copies, with every piece averaged as
+    reported. Before the copies, each member waited for its reducer's report
+    until the round's deadline and kept its own values. Two rounds: the
+    stream copies left unread are discarded by the pooled connections, which
+    the second round reuses."""
+    async with open_peers(2) as nets:
+        groups = make_groups(nets)
+        part = Partition.for_group(groups[0], TOTAL, PIECE_ELEMENTS)
+        assert all((hi - lo) % PIECE_ELEMENTS for lo, hi in part.part_bounds)  # short last pieces
+        release = trio.Event()
+        late = [LateControlNetwork(net, release) for net in nets]
+        plan = FaultPlan(datagrams=DropLastPiecesEverywhere())
+        inputs = [member_data(0), member_data(1)]
+        first_dials: list[int] = []
+        flats: list[torch.Tensor] = []
+        outcomes: list[Any] = [None, None]
+
+        async def member(i: int) -> None:
+            outcomes[i] = await lossy_all_reduce(
+                late[i],
+                groups[i],
+                flats[i],
+                1.0,
+                sender_timeout=2.0,
+                round_timeout=15.0,
+                fault_plan=plan,
+            )
+
+        for round_ in range(2):
+            flats[:] = [x.clone() for x in inputs]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(member, 0)
+                nursery.start_soon(member, 1)
+            # each stream held back the first control message read from it
+            assert sorted(s.held for s in late[0].streams + late[1].streams) == [1, 1, 1, 1]
+            for i, outcome in enumerate(outcomes):
+                assert not outcome.timed_out
+                assert not outcome.failed_senders and not outcome.failed_reducers
+                for p, (lo, hi) in enumerate(part.part_bounds):
+                    whole = part.part_size(p) // PIECE_ELEMENTS
+                    # the last piece: the sender's or the result lost, our own values
+                    assert outcome.contributors[p] == (frozenset({0, 1}),) * whole + (
+                        frozenset({i}),
+                    )
+                    both = slice(lo, lo + whole * PIECE_ELEMENTS)
+                    mean = (inputs[0][both] + inputs[1][both]) / 2
+                    assert torch.allclose(flats[i][both], mean, atol=1e-6, rtol=0), (i, p)
+                    ours = slice(lo + whole * PIECE_ELEMENTS, hi)
+                    assert torch.equal(flats[i][ours], inputs[i][ours])
+            late[0].streams.clear()
+            late[1].streams.clear()
+            await trio.testing.wait_all_tasks_blocked()
+            dials = [net.dialed for net in nets]
+            if round_ == 0:
+                first_dials = dials
+        assert dials == first_dials  # the second round found the connections in the pool
 
 
 async def test_lossy_needs_raw_float32_and_the_mean() -> None:
