@@ -485,6 +485,120 @@ async def test_a_round_ends_on_its_control_messages_datagram_copies() -> None:
         assert dials == first_dials  # the second round found the connections in the pool
 
 
+class AlteredReports(HeldHeaders):
+    """A member's network whose reducer's reports on the streams say another
+    time than their datagram copies (sealed before the change)."""
+
+    def set_handler(self, name: str, handler: Callable[[Any], Awaitable[None]]) -> None:
+        async def altered(stream: Any) -> None:
+            await handler(AlteredReport(stream))
+
+        self._net.set_handler(name, altered)
+
+
+class AlteredReport:
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    async def send(self, message: Any) -> None:
+        if message[0] == "report":
+            message = [*message[:2], message[2] + 1.0, *message[3:]]
+        await self._stream.send(message)
+
+
+class ReportAfterItsCopy(LateControl):
+    """A stream that hands out a report only once ``release`` is set and
+    every task that could run has run (its datagram copy, delivered when
+    ``release`` was set, acted on); the other control messages at once."""
+
+    async def receive(self) -> Any:
+        if self._kept is None:
+            message = await self._stream.receive()
+            if message[0] != "report":
+                return message
+            self._kept = message
+        await self._release.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        message, self._kept = self._kept, None
+        return message
+
+
+class ReportAfterCopy(LateControlNetwork):
+    def late(self, stream: Any) -> LateControl:
+        return ReportAfterItsCopy(stream, self._release)
+
+
+class CopyFirst(DatagramFilter):
+    """Member 0's receiver: sets ``report`` as the report's datagram copy
+    from reducer 1 goes by (it is delivered before anything else runs), and
+    drops the copies of reducer 1's end of results and its last result
+    piece, so that the marker can come only by stream, behind its report."""
+
+    def __init__(self, report: trio.Event) -> None:
+        super().__init__(DatagramFaults(), random.Random(0))
+        self.report = report
+
+    def __call__(self, datagram: bytes) -> list[bytes]:
+        fields = HEADER.unpack_from(datagram)
+        kind, part, sender, count, seq = fields[2], fields[5], fields[6], fields[8], fields[9]
+        if (kind, part, sender) == (Kind.REDUCER_CONTROL, 1, 0):
+            if seq > 0:
+                return []
+            self.report.set()
+        if (kind, part, sender) == (Kind.RESULT, 1, 0) and count < PIECE_ELEMENTS:
+            return []
+        return [datagram]
+
+
+class CopyFirstAt(DatagramFaults):
+    def __init__(self, report: trio.Event) -> None:
+        super().__init__()
+        self.report = report
+
+    def filter(self, member: int) -> DatagramFilter:
+        return CopyFirst(self.report) if member == 0 else super().filter(member)
+
+
+async def test_a_report_whose_stream_copy_differs_from_the_datagram_copy_is_refused() -> None:
+    """Reducer 1's report on its stream to member 0 differs from the
+    datagram copy that member 0 acted on, and member 0 reads it (behind it
+    comes the end of results, which has no other way through): member 0
+    refuses the reducer, keeps its own values of part 1, and still averages
+    its own part with member 1's values."""
+    async with open_peers(2) as nets:
+        groups = make_groups(nets)
+        bounds = Partition.for_group(groups[0], TOTAL, PIECE_ELEMENTS).part_bounds
+        report = trio.Event()
+        plan = FaultPlan(datagrams=CopyFirstAt(report))
+        members = [ReportAfterCopy(nets[0], report), AlteredReports(nets[1], trio.Event())]
+        inputs = [member_data(0), member_data(1)]
+        flats = [x.clone() for x in inputs]
+        outcomes: list[Any] = [None, None]
+
+        async def member(i: int) -> None:
+            outcomes[i] = await lossy_all_reduce(
+                members[i],
+                groups[i],
+                flats[i],
+                1.0,
+                sender_timeout=2.0,
+                round_timeout=15.0,
+                fault_plan=plan,
+            )
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(member, 0)
+            nursery.start_soon(member, 1)
+    assert outcomes[0].failed_reducers == {1} and not outcomes[0].failed_senders
+    (lo0, hi0), (lo1, hi1) = bounds
+    assert torch.equal(flats[0][lo1:hi1], inputs[0][lo1:hi1])
+    mean = (inputs[0][lo0:hi0] + inputs[1][lo0:hi0]) / 2
+    assert torch.allclose(flats[0][lo0:hi0], mean, atol=1e-6, rtol=0)
+
+
 async def test_lossy_needs_raw_float32_and_the_mean() -> None:
     from averaging import CenteredClip
 
