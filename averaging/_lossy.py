@@ -289,22 +289,24 @@ class _Control:
 
 
 async def _first_copy(
-    from_stream: Callable[[], Awaitable[Any]], control: _Control, name: str
+    from_stream: Callable[[], Awaitable[Any]], control: _Control, name: str, taken: Counter[str]
 ) -> Any:
     """The control message ``name`` from whichever copy comes first: the
     stream's (``from_stream``, a cancelled receive loses nothing) or the
-    datagram's. The two are the same message, sealed once."""
-    message: Any = None
+    datagram's, counted in ``taken``. The two are the same message, sealed
+    once; where both come at once, the first to be read is the one."""
+    first: list[tuple[Any, str]] = []
     async with trio.open_nursery() as nursery:
 
         async def by_datagram() -> None:
-            nonlocal message
-            message = await control.wait(name)
+            first.append((await control.wait(name), "datagram copy"))
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(by_datagram)
-        message = await from_stream()
+        first.append((await from_stream(), "stream"))
         nursery.cancel_scope.cancel()
+    message, source = first[0]
+    taken[source] += 1
     return message
 
 
@@ -505,6 +507,9 @@ class _LossyRound:
         #: The datagram copies of control messages, by route as ``inbound``.
         self.controls: dict[tuple[int, int, int], _Control] = {}
         self._all_controls: list[_Control] = []
+        #: Where the round took each end of sending and report from: the
+        #: "stream", the "datagram copy", the "last datagram" of a phase.
+        self.taken: Counter[str] = Counter()
         self.stray = 0
         self._empty = trio.Event()
         self._idle = False  # the reader waits for the socket to become readable
@@ -633,10 +638,11 @@ class _LossyRound:
 
             async def by_datagram() -> None:
                 await inbound.ended.wait()
+                self.taken["last datagram"] += 1
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(by_datagram)
-            _check_marker(await _first_copy(from_stream, control, "sent"), what)
+            _check_marker(await _first_copy(from_stream, control, "sent", self.taken), what)
             nursery.cancel_scope.cancel()
 
     def _control(
@@ -946,7 +952,7 @@ class _LossyRound:
                 self.send_control(sealer_up, marker, address)
                 await stream.send(marker)
                 messages = _ReducerMessages(stream, replied, (port, round_))
-                acted = await _first_copy(messages.report, control, "report")
+                acted = await _first_copy(messages.report, control, "report", self.taken)
                 report = expect_list(acted, 4, "reducer report")
                 if expect_str(report[0], "marker") != "report":
                     raise ProtocolError("expected the reducer's report")
@@ -1077,11 +1083,12 @@ class _LossyRound:
                 have += size * len(who)
                 total += size * senders
         logger.info(
-            "lossy all-reduce %s: %.1f%% of the %d senders' data in our result%s",
+            "lossy all-reduce %s: %.1f%% of the %d senders' data in our result%s%s",
             self.group.group_id.hex()[:8],
             100.0 * have / total if total else 100.0,
             senders,
             f"; dropped datagrams: {dict(sorted(dropped.items()))}" if dropped else "",
+            f"; control taken from: {dict(sorted(self.taken.items()))}" if self.taken else "",
         )
 
 

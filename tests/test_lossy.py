@@ -423,7 +423,9 @@ class DropLastPiecesEverywhere(DatagramFaults):
         return DropLastPieces()
 
 
-async def test_a_round_ends_on_its_control_messages_datagram_copies() -> None:
+async def test_a_round_ends_on_its_control_messages_datagram_copies(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Every end-of-sending marker and report on the streams of two members
     arrives only after their rounds (held back at the reading end), and the
     last datagram of every part and result is lost: the rounds end on the
@@ -440,6 +442,7 @@ async def test_a_round_ends_on_its_control_messages_datagram_copies() -> None:
         late = [LateControlNetwork(net, release) for net in nets]
         plan = FaultPlan(datagrams=DropLastPiecesEverywhere())
         inputs = [member_data(0), member_data(1)]
+        caplog.set_level(logging.INFO, logger="averaging._lossy")
         first_dials: list[int] = []
         flats: list[torch.Tensor] = []
         outcomes: list[Any] = [None, None]
@@ -457,9 +460,16 @@ async def test_a_round_ends_on_its_control_messages_datagram_copies() -> None:
 
         for round_ in range(2):
             flats[:] = [x.clone() for x in inputs]
+            caplog.clear()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(member, 0)
                 nursery.start_soon(member, 1)
+            # as a sender a report and an end of results, as a reducer an end of sending
+            taken = [
+                r.getMessage() for r in caplog.records if "control taken from" in r.getMessage()
+            ]
+            assert len(taken) == 2
+            assert all(line.endswith("control taken from: {'datagram copy': 3}") for line in taken)
             # each stream held back the first control message read from it
             assert sorted(s.held for s in late[0].streams + late[1].streams) == [1, 1, 1, 1]
             for i, outcome in enumerate(outcomes):
