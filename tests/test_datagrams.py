@@ -169,6 +169,15 @@ def test_both_ends_export_the_same_key_and_labels_separate_keys() -> None:
     assert key not in (d2l, l2d)
 
 
+def _altered(original: bytes, edits: list[tuple[int, int]], cut: int | None) -> bytes:
+    """``original`` with each ``(position, xor)`` of ``edits`` applied (the
+    position wrapped), then cut to ``cut`` bytes."""
+    data = bytearray(original)
+    for position, xor in edits:
+        data[position % len(data)] ^= xor
+    return bytes(data if cut is None else data[:cut])
+
+
 _FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -182,14 +191,10 @@ def test_any_altered_datagram_is_never_accepted(
     piece: int, edits: list[tuple[int, int]], cut: int | None
 ) -> None:
     original = sealed_pieces()[piece]
-    data = bytearray(original)
-    for position, xor in edits:
-        data[position % len(data)] ^= xor
-    if cut is not None:
-        data = data[:cut]
+    data = _altered(original, edits, cut)
     opener = DatagramOpener(KEY, PAIR)
-    opened = opener.open(bytes(data))
-    if bytes(data) == original:
+    opened = opener.open(data)
+    if data == original:
         assert opened is not None
     else:
         assert opened is None and sum(opener.dropped.values()) == 1
@@ -304,14 +309,10 @@ def test_any_altered_control_datagram_is_never_accepted(
     which: int, edits: list[tuple[int, int]], cut: int | None
 ) -> None:
     original = sealed_control()[which]
-    data = bytearray(original)
-    for position, xor in edits:
-        data[position % len(data)] ^= xor
-    if cut is not None:
-        data = data[:cut]
+    data = _altered(original, edits, cut)
     opener = ControlOpener(KEY, CONTROL)
-    opened = opener.open(bytes(data))
-    if bytes(data) == original:
+    opened = opener.open(data)
+    if data == original:
         assert opened == [REPORT, MARKER][which]
     else:
         assert opened is None and sum(opener.dropped.values()) == 1
