@@ -23,7 +23,10 @@ Bulk frames (a batch of 128 KiB or more to send, or a frame with 128 KiB or
 more of payload still to receive) move in worker threads (``_bulk_io``):
 the thread seals or opens them and makes the system calls, so the trio
 thread does not wait on the socket or the cryptography meanwhile; the
-promises about cancellation below hold for them as for the rest.
+promises about cancellation below hold for them as for the rest. A caller
+that knows the frames to come (a ring all-reduce's items) receives them all
+in one worker thread (``Stream.receive_sequence``), which wakes the trio
+thread once per batch of items.
 
 Under packet loss: a dial not connected after ``REDIAL_AFTER`` is raced by
 another (``open_tcp_racing``: a lost SYN otherwise waits TCP's initial 1 s
@@ -88,13 +91,13 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import trio
 from prometheus_client import Counter
 
 from ._bans import BanList
-from ._bulk_io import Stopped, Stopper, duplicate, run_in_thread
+from ._bulk_io import Batches, Stopped, Stopper, duplicate, run_in_thread, worker_batches
 from ._counters import count_of, new_counter
 from ._errors import (
     AuthenticationError,
@@ -131,6 +134,11 @@ Handler = Callable[["Stream"], Awaitable[None]]
 #: Serves an inbound connection that began with ``RAW_MAGIC`` (a relay's
 #: circuits, ``_relay``): the socket after those bytes, closed when it returns.
 RawHandler = Callable[[trio.SocketStream], Awaitable[None]]
+#: Where the values of one item of a received sequence go (``Stream.receive_sequence``):
+#: called in the worker thread with the item's raw header frame, it returns the
+#: buffer its values frame must fill exactly (None: no values frame follows)
+#: and what makes the item once they are there. Raises ``ProtocolError``.
+Placement = Callable[[memoryview], tuple[memoryview | None, Callable[[], _T]]]
 
 MAX_NAME_LENGTH = 256
 _MIN_FRAME_SIZE = 1024
@@ -535,16 +543,20 @@ class _Connection:
     ) -> Frame | None:
         """Decode read-ahead bytes up to the end of the next frame, if they
         hold it. Raises ``ProtocolError`` (the connection is then failed)."""
+        return self._decode(lambda: self._take_ahead(into, progress))
+
+    def _take_ahead(self, into: memoryview | None, progress: Progress | None) -> Frame | None:
+        """``_decode_ahead`` without failing the connection (a worker thread's)."""
         decoder = self._decoder
         with memoryview(self._read_ahead) as ahead:
             while self._ahead_start < self._ahead_end:
-                buffer = self._decode(lambda: decoder.next_buffer(into, progress))
+                buffer = decoder.next_buffer(into, progress)
                 start = self._ahead_start
                 count = min(buffer.nbytes, self._ahead_end - start)
                 buffer[:count] = ahead[start : start + count]
                 buffer.release()
                 self._ahead_start = start + count
-                frame = self._decode(lambda: decoder.advance(count))  # noqa: B023
+                frame = decoder.advance(count)
                 if frame is not None:
                     return frame
         self._ahead_start = self._ahead_end = 0
@@ -706,6 +718,140 @@ class _Connection:
         finally:
             self._low_water = low_water[0]
             sock.close()
+
+    @asynccontextmanager
+    async def receive_sequence(
+        self, count: int, place: Placement[_T], window: int
+    ) -> AsyncIterator[Batches[_T]]:
+        """``Stream.receive_sequence``'s worker (``_bulk_io.worker_batches``).
+        It returns early where a frame that is not raw bytes comes, which it
+        puts back as the next frame to receive; it raises ``OSError``,
+        ``ProtocolError``, ``PeerUnreachableError``, ``Stopped`` (closed) or
+        what ``place`` or an item's completion raise, through ``next_batch``.
+        A sequence left before its last item breaks the connection: the rest
+        of its frames could not be told apart from a later stream's."""
+        if self.closed:
+            raise ClosedError("the connection was closed")
+        if self._receiving:
+            raise trio.BusyResourceError("another task is already receiving on this stream")
+        sock = duplicate(self.socket)
+        received = [0]
+
+        def work(batches: Batches[_T]) -> None:
+            try:
+                self._receive_items(sock, count, place, batches, received)
+            finally:
+                self._receiving = False  # before the trio thread hears that it returned
+
+        self._receiving = True
+        try:
+            async with worker_batches(work, self._workers, window) as batches:
+                yield batches
+        finally:
+            self._receiving = False
+            sock.close()
+            if received[0] < count and not self._pending:
+                self.broken = True
+
+    def _receive_items(
+        self,
+        sock: socket.socket,
+        count: int,
+        place: Placement[_T],
+        batches: Batches[_T],
+        received: list[int],
+    ) -> None:
+        """The loop of ``receive_sequence``'s worker thread."""
+        fd = sock.fileno()
+        for _ in range(count):
+            frame = self._next_frame_blocking(fd, sock, None, batches.stopper)
+            if frame.kind is not FrameKind.BYTES:
+                self._pending.appendleft(frame)
+                return
+            into, complete = place(memoryview(frame.payload).cast("B"))
+            if into is not None:
+                frame = self._next_frame_blocking(fd, sock, into, batches.stopper)
+                if frame.kind is not FrameKind.BYTES:
+                    self._pending.appendleft(frame)
+                    return
+                payload = frame.payload
+                if not isinstance(payload, memoryview) or payload.nbytes != into.nbytes:
+                    raise ProtocolError(
+                        f"{self.remote.short()} sent a raw frame of {len(payload)} bytes,"
+                        f" {into.nbytes} expected"
+                    )
+            batches.put(complete())
+            received[0] += 1
+
+    async def next_items(self, batches: Batches[_T]) -> list[_T]:
+        """``batches.next_batch()``, its worker's failures as ``receive_frame``
+        raises them."""
+        try:
+            return await batches.next_batch()
+        except ProtocolError as e:
+            self.fail_receive(e)
+            raise
+        except PeerUnreachableError:
+            self.broken = True
+            raise
+        except Stopped as e:
+            raise ClosedError("the connection was closed") from e
+        except OSError as e:
+            if self.closed:
+                raise ClosedError("the connection was closed") from e
+            self.broken = True
+            raise PeerUnreachableError(f"connection to {self.remote.short()} lost: {e}") from e
+
+    def _next_frame_blocking(
+        self, fd: int, sock: socket.socket, into: memoryview | None, stopper: Stopper
+    ) -> Frame:
+        """``receive_frame`` in a worker thread, on the duplicate ``sock``,
+        waiting with ``poll``; ``Stopped`` if asked to stop (``into`` is then
+        released: the decoder keeps what came in its own memory)."""
+        if self._pending:
+            return self._pending.popleft()
+        if self._failure is not None:
+            raise ProtocolError(str(self._failure)) from self._failure
+        decoder = self._decoder
+        try:
+            while True:
+                if self._ahead_start < self._ahead_end:
+                    frame = self._take_ahead(into, None)
+                    if frame is not None:
+                        return frame
+                buffer = decoder.next_buffer(into)
+                read_ahead = buffer.nbytes < _COALESCE
+                if read_ahead:
+                    buffer.release()
+                    buffer = memoryview(self._read_ahead)
+                elif buffer.nbytes > _RECEIVE_SLICE:
+                    whole, buffer = buffer, buffer[:_RECEIVE_SLICE]
+                    whole.release()
+                try:
+                    stopper.check()
+                    received = os.readv(fd, [buffer])
+                except BlockingIOError:
+                    want = 1 if read_ahead else min(buffer.nbytes, _RECEIVE_LOW_WATER)
+                    if want != self._low_water:
+                        with suppress(OSError):
+                            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                            self._low_water = want
+                    stopper.wait(fd, select.POLLIN)
+                    continue
+                finally:
+                    buffer.release()
+                self._traffic.received.inc(received)
+                if received == 0:
+                    raise PeerUnreachableError(f"{self.remote.short()} closed the connection")
+                if read_ahead:
+                    self._ahead_start, self._ahead_end = 0, received
+                else:
+                    frame = decoder.advance(received)
+                    if frame is not None:
+                        return frame
+        finally:
+            if into is not None:
+                decoder.release(into)
 
     def _decode(self, step: Callable[[], _T]) -> _T:
         try:
@@ -935,6 +1081,44 @@ class Stream:
         self._connection.fail_receive(error)
         raise error
 
+    @asynccontextmanager
+    async def receive_sequence(
+        self, count: int, place: Placement[_T], *, window: int = 8
+    ) -> AsyncIterator[ReceivedItems[_T]]:
+        """Receive ``count`` items in one worker thread, for the body of the
+        ``async with`` to take in batches (``ReceivedItems.next_batch``).
+
+        An item is a raw frame (its header) and, where ``place(header)``
+        returns a buffer, a raw frame that fills that buffer exactly (its
+        values, received straight into it); ``place``'s second value makes
+        the item. Both run in the worker thread, so they must not touch trio
+        objects, and what they raise (``ProtocolError`` for a header that
+        breaks the caller's protocol) ends the sequence. The worker runs at
+        most ``window`` items ahead of what was taken.
+
+        Why: ``receive`` and ``receive_into`` hand each large frame to a
+        worker thread and back (``_bulk_io.run_in_thread``) and decode each
+        header on the trio thread; for an all-reduce's chunks that was most
+        of the trio thread's work per chunk. Here the trio thread wakes once
+        per batch of items, whatever their number of frames.
+
+        Errors, from ``next_batch``: those of ``receive_into``, and
+        ``ProtocolError`` for a values frame of another size. Leaving the
+        ``async with`` (also by an error or a cancellation) stops the worker
+        and waits for it; left before the last item, the stream is broken
+        (its connection is closed when the stream ends)."""
+        if self._closed:
+            raise ClosedError("the stream was closed")
+        if self._reset is not None:
+            raise StreamResetError(f"{self.remote.short()} reset the stream: {self._reset}")
+        if self._received_eof:
+            await trio.lowlevel.checkpoint()
+            raise EndOfStreamError(f"{self.remote.short()} ended the stream")
+        if self._opening is not None:
+            await self._send([])
+        async with self._connection.receive_sequence(count, place, window) as batches:
+            yield ReceivedItems(self, batches, count)
+
     async def _receive_frame(
         self, into: memoryview | None, progress: Progress | None = None
     ) -> Frame:
@@ -1002,6 +1186,36 @@ class Stream:
 
     def __repr__(self) -> str:
         return f"Stream({self.name!r}, remote={self.remote.short()})"
+
+
+class ReceivedItems(Generic[_T]):
+    """The items of one ``Stream.receive_sequence`` as its worker makes them."""
+
+    def __init__(self, stream: Stream, batches: Batches[_T], count: int) -> None:
+        self._stream = stream
+        self._batches = batches
+        self._left = count
+
+    @property
+    def wake_ups(self) -> int:
+        """How often the worker woke the trio thread so far."""
+        return self._batches.wake_ups
+
+    async def next_batch(self) -> list[_T]:
+        """The items that arrived since the last call, in order, at least
+        one, waiting for one if none has; ``[]`` after the last. Raises
+        (after the items before the failure) what ``Stream.receive_sequence``
+        says. Cancellation loses nothing."""
+        items = await self._stream._connection.next_items(self._batches)
+        self._left -= len(items)
+        if not items and self._left:
+            # the worker stopped at a frame that is not raw bytes: an EOF, a
+            # reset or a message, which receive raises as usual
+            await self._stream._receive_frame(None)
+            error = ProtocolError(f"{self._stream.remote.short()} sent a message inside a sequence")
+            self._stream._connection.fail_receive(error)
+            raise error
+        return items
 
 
 @dataclass

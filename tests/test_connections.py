@@ -1082,3 +1082,161 @@ async def test_a_stream_paces_its_connection_until_lifted() -> None:
             assert max_pacing_rates(a) == [1_250_000]
             stream.pace(None)
             assert max_pacing_rates(a) == [2**64 - 1]
+
+
+def _items(count: int, size: int) -> list[bytes]:
+    """``count`` items' frames: a 4-byte header (index, values size) and,
+    unless the size is 0, the values."""
+    rng = random.Random(count)
+    frames: list[bytes] = []
+    for i in range(count):
+        frames.append(struct.pack("<HH", i, size // 1024))
+        if size:
+            frames.append(rng.randbytes(size))
+    return frames
+
+
+def _placement(
+    buffer: bytearray, size: int
+) -> Any:  # the ``Placement`` of ``_items``: values into ``buffer``, one slot per item
+    def place(header: memoryview) -> tuple[memoryview | None, Any]:
+        index, kib = struct.unpack("<HH", header)
+        if kib * 1024 != size:
+            raise ProtocolError(f"item {index} announces {kib} KiB")
+        into = memoryview(buffer)[index * size : (index + 1) * size] if size else None
+        return into, lambda: index
+
+    return place
+
+
+@pytest.mark.parametrize("config", MODES)
+async def test_a_sequence_arrives_in_place_in_a_worker_thread(config: ConnectionConfig) -> None:
+    """``receive_sequence`` puts each item's values where ``place`` says and
+    hands the items over in order, at most one trio wake-up per item; the
+    stream goes on as usual after it (here: its EOF)."""
+    size, count = 256 * 1024, 24
+    frames = _items(count, size)
+
+    async def source(stream: Stream) -> None:
+        await stream.send_bytes_batch(frames)
+        await stream.send_eof()
+
+    async with two_peers(config, config) as (a, b):
+        b.set_handler("source", source)
+        async with a.open_stream(B.peer_id, address(b), "source") as stream:
+            buffer = bytearray(count * size)
+            taken: list[int] = []
+            async with stream.receive_sequence(count, _placement(buffer, size)) as items:
+                while batch := await items.next_batch():
+                    taken += batch
+                assert items.wake_ups <= count
+            assert taken == list(range(count))
+            assert bytes(buffer) == b"".join(frames[1::2])
+            assert stream._connection._workers == set()
+            with pytest.raises(EndOfStreamError):
+                await stream.receive()
+            await stream.send_eof()
+            assert stream.finished_cleanly
+
+
+async def test_a_sequence_refuses_what_its_placement_or_sizes_refuse() -> None:
+    """A header that ``place`` refuses, or a values frame of another size
+    than its buffer, is a ``ProtocolError`` after the items before it, and
+    the connection is not reused."""
+    size = 128 * 1024
+    good = _items(3, size)
+
+    async def wrong_header(stream: Stream) -> None:
+        await stream.send_bytes_batch([*good, struct.pack("<HH", 3, 7), bytes(7 * 1024)])
+        await stream.send_eof()
+
+    async def short_values(stream: Stream) -> None:
+        await stream.send_bytes_batch([*good, struct.pack("<HH", 3, 128), bytes(size - 4)])
+        await stream.send_eof()
+
+    async with two_peers() as (a, b):
+        for handler, error in ((wrong_header, "announces 7 KiB"), (short_values, "expected")):
+            b.set_handler("source", handler)
+            async with a.open_stream(B.peer_id, address(b), "source") as stream:
+                taken: list[int] = []
+                place = _placement(bytearray(4 * size), size)
+                with pytest.raises(ProtocolError, match=error):
+                    async with stream.receive_sequence(4, place) as items:
+                        while batch := await items.next_batch():
+                            taken += batch
+                assert taken == [0, 1, 2]
+                assert stream._connection.broken
+
+
+async def test_a_sequence_cut_short_by_the_remote_fails_and_leaves_no_worker() -> None:
+    """An EOF before the last item is ``EndOfStreamError``, and a connection
+    lost mid-values (the remote's stream closed) ``PeerUnreachableError``,
+    each after the items before it; no worker thread is left running."""
+    size = 256 * 1024
+    frames = _items(4, size)
+
+    async def ends_early(stream: Stream) -> None:
+        await stream.send_bytes_batch(frames[:4])
+        await stream.send_eof()
+
+    async def dies_mid_values(stream: Stream) -> None:
+        connection = stream._connection
+        wire = b"".join(
+            bytes(b)
+            for frame in frames[:6]
+            for b in connection._encoder.encode(FrameKind.BYTES, frame)
+        )
+        await connection._send_gathered([wire[: len(wire) - size // 2]])
+        await stream.aclose()  # not a clean end: the connection closes
+
+    async with two_peers() as (a, b):
+        for handler, error in (
+            (ends_early, EndOfStreamError),
+            (dies_mid_values, PeerUnreachableError),
+        ):
+            b.set_handler("source", handler)
+            async with a.open_stream(B.peer_id, address(b), "source") as stream:
+                taken: list[int] = []
+                with pytest.raises(error), trio.fail_after(30):
+                    async with stream.receive_sequence(
+                        4, _placement(bytearray(4 * size), size)
+                    ) as items:
+                        while batch := await items.next_batch():
+                            taken += batch
+                assert taken == [0, 1]
+                assert stream._connection._workers == set()
+
+
+async def test_cancelling_a_sequence_stops_its_worker_and_breaks_the_stream() -> None:
+    """A sequence whose caller is cancelled while its worker waits for the
+    next item stops the worker and waits for it; the stream's connection is
+    not reused, and the remote sees it end with the stream."""
+    size = 256 * 1024
+    frames = _items(4, size)
+    lost = trio.Event()
+
+    async def stalls(stream: Stream) -> None:
+        await stream.send_bytes_batch(frames[:4])
+        try:
+            await stream.receive()  # until the dialer gives up
+        except (PeerUnreachableError, ClosedError, EndOfStreamError):
+            lost.set()
+
+    async with two_peers() as (a, b):
+        b.set_handler("stalls", stalls)
+        async with a.open_stream(B.peer_id, address(b), "stalls") as stream:
+            taken: list[int] = []
+            with trio.CancelScope() as scope:
+                async with stream.receive_sequence(
+                    4, _placement(bytearray(4 * size), size)
+                ) as items:
+                    while len(taken) < 2:
+                        taken += await items.next_batch()
+                    scope.cancel()
+                    await items.next_batch()
+            assert scope.cancelled_caught
+            assert taken == [0, 1]
+            assert stream._connection._workers == set()
+            assert stream._connection.broken  # closed when the stream ends, never pooled
+        with trio.fail_after(30):
+            await lost.wait()
