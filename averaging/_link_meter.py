@@ -142,6 +142,12 @@ class RoundTraffic:
         with self._timed(self.down, nbytes, None):
             yield
 
+    def add_received(self, nbytes: int, seconds: float) -> None:
+        """Receipts timed by a worker thread (``_ring``): ``nbytes`` that
+        took ``seconds``, in intervals that overlap no ``receiving``'s."""
+        self.down.bytes += nbytes
+        self.down.busy += seconds
+
     @contextmanager
     def _timed(
         self, direction: _Direction, nbytes: int, connection: Connection | None

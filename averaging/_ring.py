@@ -49,6 +49,10 @@ still holds its local values and can fall back to the butterfly
 predecessor arrives straight in that vector, checked there, so the values
 of a finished ring are copied once, into place at the end (on loopback,
 4 x 25M floats, that copy less took 13-17 ms of CPU per peer and round).
+
+Threads: the items from our predecessor are received, checked, added to and
+put in place by one worker thread (``Stream.receive_sequence``); the trio
+thread forwards what they become to our successor's stream, in batches.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from __future__ import annotations
 import logging
 import math
 import struct
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, AsyncExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -285,7 +290,11 @@ class _Ring:
         net.report_offence(peer, f"ring all-reduce: {error}")
 
     def _take(self) -> bytearray:
-        return self._pool.pop() if self._pool else bytearray(self._chunk_bytes)
+        # the receiving worker thread and the trio thread both take and give
+        try:
+            return self._pool.pop()
+        except IndexError:
+            return bytearray(self._chunk_bytes)
 
     def _values(self, buffer: bytearray, size: int) -> torch.Tensor:
         return torch.frombuffer(buffer, dtype=torch.float32, count=size)
@@ -303,31 +312,55 @@ class _Ring:
             await trio.lowlevel.checkpoint()
 
     async def _receive_all(self, stream: Any, outgoing: trio.MemorySendChannel[_Item]) -> None:
-        """Take each item from our predecessor and hand on what it becomes."""
+        """Take each item from our predecessor and hand on what it becomes.
+
+        One worker thread receives them all (``Stream.receive_sequence``) and
+        does the work of each (``_placed``): checking it, adding our values,
+        reducing our part, putting results in place. The trio thread only
+        forwards what they become, in batches: per item it had handed the
+        values frame to a thread and back and opened the header, most of its
+        samples on loopback at 2M floats (``docs/home-links.md``)."""
         n = self.group.size
         sums = [(self.prev - 1 - s) % n for s in range(n - 1)]
         results = [(self.prev - t) % n for t in range(n - 1)]
-        for kind, parts in ((SUM, sums), (RESULT, results)):
-            for part in parts:
-                for chunk in range(self.partition.num_chunks(part)):
-                    with trio.fail_after(self.reducer_timeout):
-                        item = await self._receive_item(stream, kind, part, chunk)
-                    out = self._result(item) if kind == RESULT else self._sum(item)
-                    if out is not None:
-                        await outgoing.send(out)
+        expected = [
+            (kind, part, chunk)
+            for kind, parts in ((SUM, sums), (RESULT, results))
+            for part in parts
+            for chunk in range(self.partition.num_chunks(part))
+        ]
+        receipts = _Receipts()
+        order = iter(expected)
 
-    async def _receive_item(self, stream: Any, kind: int, part: int, chunk: int) -> _Item:
-        """The next item, which must be ``kind`` (or, for a sum, ``OVERFLOW``)
-        of ``part``'s ``chunk``. ``ProtocolError`` for anything else, and
-        for values that are not all finite (a sum's are checked once ours
-        are added: ``_add``)."""
-        frame = await stream.receive()
-        if not isinstance(frame, bytes | bytearray | memoryview):
-            raise ProtocolError("ring item header: expected raw bytes")
-        data = memoryview(frame).cast("B")
-        if len(data) != _ITEM.size + mask_size(self.group.size):
-            raise ProtocolError(f"ring item header of {len(data)} bytes")
-        got_kind, got_part, got_chunk, weight = _ITEM.unpack_from(data)
+        def place(header: memoryview) -> tuple[memoryview | None, Callable[[], _Item | None]]:
+            return self._placed(header, *next(order), receipts)
+
+        try:
+            async with stream.receive_sequence(len(expected), place) as items:
+                while True:
+                    with trio.fail_after(self.reducer_timeout):
+                        batch = await items.next_batch()
+                    if not batch:
+                        return
+                    for out in batch:
+                        if out is not None:
+                            outgoing.send_nowait(out)
+        finally:
+            if self.traffic is not None:
+                self.traffic.add_received(receipts.bytes, receipts.busy)
+
+    def _placed(
+        self, header: memoryview, kind: int, part: int, chunk: int, receipts: _Receipts
+    ) -> tuple[memoryview | None, Callable[[], _Item | None]]:
+        """In the receiving worker thread: the buffer for the values of the
+        item ``header`` opens, which must be ``kind`` (or, for a sum,
+        ``OVERFLOW``) of ``part``'s ``chunk``, and what makes the item to
+        forward once they are there (None: nothing to forward).
+        ``ProtocolError`` for anything else, and for values that are not all
+        finite (a sum's are checked once ours are added: ``_add``)."""
+        if len(header) != _ITEM.size + mask_size(self.group.size):
+            raise ProtocolError(f"ring item header of {len(header)} bytes")
+        got_kind, got_part, got_chunk, weight = _ITEM.unpack_from(header)
         if kind == SUM and got_kind == OVERFLOW:
             kind = OVERFLOW
         if (got_kind, got_part, got_chunk) != (kind, part, chunk):
@@ -335,12 +368,11 @@ class _Ring:
                 f"ring item {(got_kind, got_part, got_chunk)} out of order,"
                 f" expected {(kind, part, chunk)}"
             )
-        mask = data[_ITEM.size :]
-        members = mask_members(mask, self.group.size)
+        members = mask_members(header[_ITEM.size :], self.group.size)
         valid = math.isfinite(weight) and weight >= 0 and (weight > 0) == bool(members)
         if not valid or (kind == OVERFLOW and members):
             raise ProtocolError(f"ring item with weight sum {weight} and members {sorted(members)}")
-        values = buffer = None
+        values = buffer = view = None
         if members:
             if kind == RESULT:  # straight into place: kept apart until the end
                 values = self._local_result(part, chunk)
@@ -350,14 +382,17 @@ class _Ring:
                 buffer = self._take()
                 view = memoryview(buffer)[: 4 * (b - a)]
                 values = self._values(buffer, b - a)
-            with self._receiving(view.nbytes):
-                received = await stream.receive_into(view)
-            if received != view.nbytes:
-                raise ProtocolError("ring item of the wrong size")
         item = _Item(kind, part, chunk, weight, members, values, buffer)
-        if kind == RESULT or self.weight == 0:  # else ``_add`` checks the sum
-            _check_finite(item)
-        return item
+        started = time.monotonic()
+
+        def complete() -> _Item | None:
+            if view is not None:
+                receipts.add(view.nbytes, time.monotonic() - started)
+            if kind == RESULT or self.weight == 0:  # else ``_add`` checks the sum
+                _check_finite(item)
+            return self._result(item) if kind == RESULT else self._sum(item)
+
+        return view, complete
 
     def _sum(self, item: _Item) -> _Item:
         """A running sum from our predecessor, with our weighted values added:
@@ -468,12 +503,6 @@ class _Ring:
             return nullcontext()
         return self.traffic.sending(sum(memoryview(f).nbytes for f in frames), stream)
 
-    def _receiving(self, nbytes: int) -> AbstractContextManager[None]:
-        """Times the receipt of an item's values from our predecessor for the
-        link meter: from its header on, the receive waits only for the
-        values to cross the link."""
-        return nullcontext() if self.traffic is None else self.traffic.receiving(nbytes)
-
     def _frames(self, item: _Item) -> list[bytes | memoryview]:
         header = _ITEM.pack(item.kind, item.part, item.chunk, item.weight)
         header += contributor_mask(item.members, self.group.size)
@@ -484,6 +513,20 @@ class _Ring:
     @staticmethod
     def _frames_size(item: _Item) -> int:
         return 0 if item.values is None else 4 * item.values.numel()
+
+
+class _Receipts:
+    """Values bytes the receiving worker thread took in, and for how long it
+    waited for them after their headers: the link meter's download sample
+    (``RoundTraffic.add_received``), timed there, as the trio clock cannot be."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.busy = 0.0
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        self.bytes += nbytes
+        self.busy += seconds
 
 
 def _check_finite(item: _Item) -> None:
