@@ -6,6 +6,7 @@ butterfly with the butterfly's promises."""
 
 from __future__ import annotations
 
+import threading
 from contextlib import AsyncExitStack, suppress
 from dataclasses import replace
 from typing import Any
@@ -55,6 +56,7 @@ from averaging._ring import (
 )
 from swarm import Identity, ManualClock, PeerID, ProtocolError, SwarmError
 from swarm._bans import BanList
+from swarm._bulk_io import Batches
 from swarm._connections import open_connections
 
 RING = replace(CONFIG, ring=True)
@@ -388,3 +390,54 @@ def test_a_ring_header_without_a_finite_weight_is_refused() -> None:
             rnd.check_header(predecessor, [RING_VERSION, b"g", 0, bad])
     with pytest.raises(ProtocolError, match="4 items"):
         rnd.check_header(predecessor, [RING_VERSION, b"g", 0])  # version 1's header
+
+
+async def test_a_member_cancelled_mid_ring_leaves_no_receiving_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Member 2 is cancelled (as by its caller) once its receiving worker
+    thread has taken two items: every ring stream's worker, its own and
+    those of the members whose ring broke with it, has returned when the
+    round ends, and the others average without member 2 in the butterfly."""
+    mid_ring, go_on = threading.Event(), threading.Event()
+    placed = _Ring._placed
+
+    def counting(self: _Ring, header: memoryview, *rest: Any) -> Any:
+        if self.me == 2 and rest[:3] == (SUM, *_second_item(self)):
+            mid_ring.set()
+            go_on.wait(60)  # the worker holds here until member 2 is cancelled
+        return placed(self, header, *rest)
+
+    workers: list[Batches[Any]] = []
+    start = Batches._start
+
+    def recorded(self: Batches[Any], work: Any) -> None:
+        workers.append(self)
+        start(self, work)
+
+    monkeypatch.setattr(_Ring, "_placed", counting)
+    monkeypatch.setattr(Batches, "_start", recorded)
+    scopes = {2: trio.CancelScope()}
+    async with open_peers(4) as nets, trio.open_nursery() as nursery:
+
+        async def cancel_mid_ring() -> None:
+            assert await trio.to_thread.run_sync(mid_ring.wait, 60)
+            scopes[2].cancel()
+            go_on.set()
+
+        nursery.start_soon(cancel_mid_ring)
+        groups = make_groups(nets)
+        outcome = await run_round(nets, groups, WEIGHTS, scopes=scopes, config=RING)
+    assert workers and all(batches._returned for batches in workers)
+    for i in (0, 1, 3):
+        result = outcome.results[i]
+        assert isinstance(result, AllReduceResult)
+        assert 2 in result.failed_reducers
+
+
+def _second_item(ring: _Ring) -> tuple[int, int]:
+    """(part, chunk) of the second item a ring member receives."""
+    part = (ring.prev - 1) % ring.group.size
+    if ring.partition.num_chunks(part) > 1:
+        return part, 1
+    return (ring.prev - 2) % ring.group.size, 0
