@@ -225,6 +225,18 @@ def peek_route(datagram: bytes) -> tuple[int, int, int] | None:
     return kind, part, sender
 
 
+def _foreign(data: bytes, route: bytes) -> str | None:
+    """Why a datagram is not one of ``route``'s (its size, magic and version,
+    then its route), the openers' first checks; None if it may be."""
+    if not _MIN_DATAGRAM <= len(data) <= MAX_DATAGRAM_SIZE:
+        return "malformed"
+    if data[:2] != MAGIC or data[2] != VERSION:
+        return "malformed"
+    if data[3 : _HEADER_HEAD.size] != route:
+        return "misrouted"
+    return None
+
+
 class DatagramOpener:
     """Opens the datagrams of one direction of a pair, each piece at most once.
 
@@ -261,12 +273,9 @@ class DatagramOpener:
         """
         data = datagram if isinstance(datagram, bytes) else bytes(datagram)
         size = len(data)
-        if not _MIN_DATAGRAM <= size <= MAX_DATAGRAM_SIZE:
-            return self._drop("malformed")
-        if data[:2] != MAGIC or data[2] != VERSION:
-            return self._drop("malformed")
-        if data[3 : _HEADER_HEAD.size] != self._route:
-            return self._drop("misrouted")
+        refused = _foreign(data, self._route)
+        if refused is not None:
+            return self._drop(refused)
         offset, count, seq = _HEADER_TAIL.unpack_from(data, _HEADER_HEAD.size)
         piece, rest = divmod(offset, PIECE_ELEMENTS)
         if rest or piece >= self._num_pieces:
@@ -353,12 +362,9 @@ class ControlOpener:
     def open(self, datagram: bytes | bytearray | memoryview) -> Any:
         data = bytes(datagram)
         size = len(data)
-        if not _MIN_DATAGRAM <= size <= MAX_DATAGRAM_SIZE:
-            return self._drop("malformed")
-        if data[:2] != MAGIC or data[2] != VERSION:
-            return self._drop("malformed")
-        if data[3 : _HEADER_HEAD.size] != self._route:
-            return self._drop("misrouted")
+        refused = _foreign(data, self._route)
+        if refused is not None:
+            return self._drop(refused)
         offset, count, seq = _HEADER_TAIL.unpack_from(data, _HEADER_HEAD.size)
         if offset != 0 or size != _MIN_DATAGRAM + count:
             return self._drop("malformed")
