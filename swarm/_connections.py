@@ -529,6 +529,10 @@ class _Connection:
             return 0
         return max(0, int(struct.unpack("i", raw)[0]))
 
+    def queueing_delay(self) -> float | None:
+        """``Stream.queueing_delay``."""
+        return None if self.closed else _queueing_delay(self.socket)
+
     def check_sizes(self, frames: list[tuple[FrameKind, bytes | bytearray | memoryview]]) -> None:
         """``ValueError`` if a payload exceeds ``max_frame_size``."""
         for _, payload in frames:
@@ -984,6 +988,14 @@ class Stream:
         handed over minus the growth of this is what crossed the link meanwhile
         (``averaging._link_meter``)."""
         return self._connection.unacknowledged_bytes()
+
+    def queueing_delay(self) -> float | None:
+        """How long this stream's packets wait in queues on the way to the
+        remote, in seconds: the connection's smoothed round trip less its
+        least (``TCP_INFO``); None where the kernel does not say. A sender
+        that outruns a slow link builds a queue at it, which this shows
+        (``averaging._link_meter``: whether pacing would help)."""
+        return self._connection.queueing_delay()
 
     def leave_unread(self, messages: int) -> None:
         """Dialer: the remote still sends ``messages`` messages (not raw
@@ -2113,9 +2125,11 @@ MAX_DIALS = 3
 REDIAL_RTTS = 4
 MIN_REDIAL_AFTER = 0.02
 #: ``struct tcp_info`` (``linux/tcp.h``): the bytes asked for, and where its
-#: smoothed round trip (``tcpi_rtt``, microseconds) is.
-_TCP_INFO_SIZE = 104
+#: smoothed and least round trips (``tcpi_rtt``, ``tcpi_min_rtt``,
+#: microseconds) are.
+_TCP_INFO_SIZE = 152
 _TCPI_RTT = 68
+_TCPI_MIN_RTT = 148
 
 
 async def open_tcp_racing(
@@ -2203,6 +2217,23 @@ def _smoothed_rtt(sock: trio.socket.SocketType) -> float | None:
         return None
     rtt_us: int = struct.unpack_from("=I", info, _TCPI_RTT)[0]
     return rtt_us / 1e6 if rtt_us else None
+
+
+def _queueing_delay(sock: trio.socket.SocketType) -> float | None:
+    """How much longer than its least round trip a TCP connection's smoothed
+    round trip is, in seconds: the time its packets wait in queues on the
+    path. None where the kernel does not say (no ``TCP_INFO`` or no sample)."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_SIZE)
+    except (OSError, AttributeError):
+        return None
+    if len(info) < _TCPI_MIN_RTT + 4:
+        return None
+    rtt_us: int = struct.unpack_from("=I", info, _TCPI_RTT)[0]
+    min_rtt_us: int = struct.unpack_from("=I", info, _TCPI_MIN_RTT)[0]
+    if not rtt_us or not min_rtt_us or min_rtt_us == 2**32 - 1:  # ~0: no sample yet
+        return None
+    return max(0, rtt_us - min_rtt_us) / 1e6
 
 
 def _mark_punched(connection: _Connection) -> None:

@@ -36,6 +36,7 @@ from swarm._connections import (
     ConnectionConfig,
     Connections,
     Stream,
+    _smoothed_rtt,
     open_connections,
     open_tcp_racing,
 )
@@ -1240,3 +1241,20 @@ async def test_cancelling_a_sequence_stops_its_worker_and_breaks_the_stream() ->
             assert stream._connection.broken  # closed when the stream ends, never pooled
         with trio.fail_after(30):
             await lost.wait()
+
+
+async def test_a_stream_tells_how_long_its_packets_wait_in_queues() -> None:
+    """``Stream.queueing_delay``: the connection's smoothed round trip less
+    its least (``TCP_INFO``), which the link meter reads to tell a link that
+    queues (worth pacing) from one that does not."""
+    async with two_peers() as (a, b):
+        b.set_handler("echo", echo)
+        async with a.open_stream(B.peer_id, address(b), "echo") as stream:
+            for i in range(3):
+                await stream.send(i)
+                assert await stream.receive() == i
+            delay = stream.queueing_delay()
+            [connection] = a._connections
+            rtt = _smoothed_rtt(connection.socket)
+            assert delay is not None and rtt is not None
+            assert 0 <= delay <= rtt
