@@ -229,7 +229,14 @@ class AllReduceConfig:
     #: limit to 92-94%, past gloo's 88-91% in the same launches. A local
     #: setting: members may differ. The rate counts IP packets (the link
     #: counts its frames' headers too): set it a little under the link's.
+    #: Overrides ``auto_pacing``.
     upload_pacing: float | None = None
+    #: Without ``upload_pacing``, pace at the upload this peer's unpaced
+    #: rounds measured (``LinkMeter.pacing_rate``: a round unpaced now and
+    #: then, to follow a link that got faster or slower), where the
+    #: all-reduce is given a meter, as the averager gives its own. False:
+    #: unpaced. A local setting: members may differ.
+    auto_pacing: bool = True
 
     def __post_init__(self) -> None:
         for name in ("sender_timeout", "reducer_timeout", "round_timeout"):
@@ -325,6 +332,7 @@ class StreamLike(Protocol):
     ) -> int: ...
     async def aclose(self) -> None: ...
     def unacknowledged_bytes(self) -> int: ...
+    def queueing_delay(self) -> float | None: ...
     def pace(self, rate: float | None) -> None: ...
 
 
@@ -382,6 +390,7 @@ async def all_reduce(
         raise ConfigError("the group's local member is not this peer")
     if config.lossy:  # the seam of the lossy data plane (issue 18): averaging/_lossy.py
         return await _lossy_round(net, group, tensors, weight, codec, config, plan)
+    config = _auto_paced(config, meter)
     started = trio.current_time()
     flat = flatten(tensors)
     # the ring serves raw float32 and the weighted mean; where it may run,
@@ -409,11 +418,20 @@ async def all_reduce(
                         nursery.start_soon(rnd.send_part, part)
     result = rnd.result(timed_out=deadline.cancelled_caught)
     if meter is not None and traffic is not None and _fault_free(result):
-        meter.record(traffic)
+        meter.record(traffic, config.upload_pacing)
     if group.local.mode is not MemberMode.AUX:
         unflatten_into(flat, tensors)
         _log_contributors(result, len(group.senders()), started)
     return result
+
+
+def _auto_paced(config: AllReduceConfig, meter: LinkMeter | None) -> AllReduceConfig:
+    """``config`` with the pace ``meter`` gives this round (``auto_pacing``),
+    unless the user set one (``upload_pacing``) or turned it off."""
+    if config.upload_pacing is not None or not config.auto_pacing or meter is None:
+        return config
+    rate = meter.pacing_rate()
+    return config if rate is None else dataclasses.replace(config, upload_pacing=rate)
 
 
 async def _ring_round(
@@ -469,7 +487,7 @@ async def _ring_round(
         )
         return dataclasses.replace(result, group_id=group.group_id)
     if meter is not None and traffic is not None:
-        meter.record(traffic)
+        meter.record(traffic, config.upload_pacing)
     result = AllReduceResult(
         group_id=group.group_id,
         local_index=group.local_index,
@@ -1999,6 +2017,9 @@ class _LocalStream:
 
     def unacknowledged_bytes(self) -> int:
         return 0  # nothing crosses a link
+
+    def queueing_delay(self) -> float | None:
+        return None  # nothing crosses a link
 
     def pace(self, rate: float | None) -> None:
         pass  # nothing crosses a link

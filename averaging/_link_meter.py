@@ -40,6 +40,30 @@ Only rounds in which nothing failed and at least ``MIN_SAMPLE_BYTES`` went
 each way count (tiny rounds measure system calls, not links); a measurement
 is the median of the last ``window`` such rounds, so one disturbed round
 does not move the parts.
+
+Automatic pacing (``LinkMeter.pacing_rate``). Unpaced, the n - 1 flows of an
+uplink build a queue at the link and take it from each other in turns; paced
+just under the link they keep to their shares (``AllReduceConfig.
+upload_pacing``), which needs the link's rate. An unpaced round measures it;
+a paced round measures only what the pacing let through, so it cannot tell a
+faster link, and a pace taken from paced rounds would drift with the meter's
+errors. Pacing helps only where the flows queue at the link; where the CPU
+or the receiver is what holds them (loopback, a fast LAN), a pace from one
+round's figure would only cap the next. So the pace follows the unpaced
+rounds only, and only while their sends saw a queue (their connections'
+smoothed round trip ``QUEUED`` over its least, the median over a round's
+sends): the largest of the last ``CAPACITY_WINDOW`` such rounds' uploads,
+once there are ``MIN_UNPACED``, times ``AUTO_PACING_SHARE``; none above
+``AUTO_PACING_MAX``. The largest, because the meter errs low, not high: a
+busy CPU or a receiver that drains late makes a round look slower than its
+link, and one round's figure (4 peers on a loaded machine: 44-89 Mbit/s on
+100 Mbit/s links) paced later rounds under the link. A round runs
+unpaced again, a probe, when ``PROBE_EVERY`` paced rounds have passed (the
+link may have got faster: a peer that moved to a faster network) or as soon
+as a paced round moved less than ``SLOWER_THAN_PACED`` of its pace (the link
+got slower). A probe that lands outside ``LINK_CHANGED`` of the estimate
+starts a new history: the link changed, and the old figures would hold the
+pace where it was.
 """
 
 from __future__ import annotations
@@ -52,6 +76,37 @@ from typing import Protocol
 
 #: Bytes a direction must carry in one round for the round to count.
 MIN_SAMPLE_BYTES = 256 * 1024
+#: The pace of automatic pacing over the upload that unpaced rounds
+#: measured. The pace counts IP packets (1500 bytes per 1448 of payload) and
+#: the meter payload; and the meter's figure errs low: on 4 peers x 100
+#: Mbit/s (tbf) unpaced rounds measured 87-94 Mbit/s where TCP's payload
+#: can reach 95.6. Declared paces of 97-98.5 Mbit/s filled those links best
+#: (92-94% of the link limit), above 99.5 the queue comes back; 1.07x the
+#: measured figures paced at 94-100 (docs/home-links.md).
+AUTO_PACING_SHARE = 1.07
+#: No automatic pacing above this measured upload (bytes per second, 500
+#: Mbit/s): pacing keeps flows from queueing at a home link's shaper, while
+#: faster, the peer's CPU or its LAN is what an unpaced round measured (on
+#: loopback, 4 peers on 2 busy cores measured 0.63 Gbit/s in their first
+#: round), and a cap at that figure would hold the next rounds to it.
+AUTO_PACING_MAX = 500e6 / 8
+#: The queueing delay (seconds; ``Connection.queueing_delay``, the median
+#: over a round's sends) from which an unpaced round counts as one whose
+#: flows queued at the link. Unpaced on the 100 Mbit/s test bed, tbf's
+#: queues held 20-40 ms; on loopback there is none.
+QUEUED = 0.005
+#: Unpaced rounds whose upload rates the pace follows (their largest).
+CAPACITY_WINDOW = 3
+#: Unpaced rounds that must have queued before the first pace.
+MIN_UNPACED = 2
+#: Paced rounds after which one runs unpaced, to see whether the link got faster.
+PROBE_EVERY = 10
+#: A paced round whose upload measured less than this share of its pace
+#: makes the next round a probe: the link no longer carries the pace.
+SLOWER_THAN_PACED = 0.8
+#: A probe outside [LINK_CHANGED, 1 / LINK_CHANGED] of the estimate
+#: replaces the unpaced history instead of joining it.
+LINK_CHANGED = 0.8
 
 
 class Connection(Protocol):
@@ -59,6 +114,11 @@ class Connection(Protocol):
 
     def unacknowledged_bytes(self) -> int:
         """Bytes handed to the kernel that the remote has not acknowledged yet."""
+        ...
+
+    def queueing_delay(self) -> float | None:
+        """Seconds the connection's packets wait in queues on the path (its
+        smoothed round trip less its least); None if not known."""
         ...
 
 
@@ -71,7 +131,7 @@ class _Direction:
     when it ends (module docstring). Without, those handed over.
     """
 
-    __slots__ = ("active", "busy", "bytes", "connections", "handed", "queued", "since")
+    __slots__ = ("active", "busy", "bytes", "connections", "delays", "handed", "queued", "since")
 
     def __init__(self) -> None:
         self.active = 0
@@ -82,6 +142,7 @@ class _Direction:
         self.queued = 0  # unacknowledged when the current busy interval began
         # by identity; holding them keeps their ids unique for the round
         self.connections: dict[int, Connection] = {}
+        self.delays: list[float] = []  # queueing delays, one per send that ended
 
     def start(self, now: float, connection: Connection | None = None) -> None:
         if connection is not None and id(connection) not in self.connections:
@@ -94,7 +155,9 @@ class _Direction:
             self.queued = self._unacknowledged()
         self.active += 1
 
-    def stop(self, now: float, nbytes: int) -> None:
+    def stop(self, now: float, nbytes: int, connection: Connection | None = None) -> None:
+        if connection is not None and (delay := connection.queueing_delay()) is not None:
+            self.delays.append(delay)
         self.active -= 1
         self.handed += nbytes
         if self.active == 0:
@@ -107,6 +170,11 @@ class _Direction:
 
     def _unacknowledged(self) -> int:
         return sum(c.unacknowledged_bytes() for c in self.connections.values())
+
+    def saw_queue(self) -> bool:
+        """Whether this direction's sends found their connections queueing
+        (the median delay at least ``QUEUED``); False if none said."""
+        return bool(self.delays) and statistics.median(self.delays) >= QUEUED
 
     def rate(self) -> float | None:
         """Bytes per second of busy time, if enough was moved to tell."""
@@ -158,7 +226,7 @@ class RoundTraffic:
             yield
             moved = nbytes
         finally:
-            direction.stop(self._clock(), moved)
+            direction.stop(self._clock(), moved, connection)
 
 
 class LinkMeter:
@@ -176,18 +244,50 @@ class LinkMeter:
         self._clock = clock
         self._up: deque[float] = deque(maxlen=window)
         self._down: deque[float] = deque(maxlen=window)
+        self._capacity: deque[float] = deque(maxlen=CAPACITY_WINDOW)  # unpaced uploads
+        self._paced_rounds = 0  # since the last unpaced round
+        self._probe = False  # the last paced round moved less than its pace
 
     def round_traffic(self) -> RoundTraffic:
         return RoundTraffic(self._clock)
 
-    def record(self, traffic: RoundTraffic) -> None:
+    def record(self, traffic: RoundTraffic, paced: float | None = None) -> None:
         """Add the rates of a round in which nothing failed (the caller's
-        judgement: a stalled peer makes the others' sends look slow)."""
+        judgement: a stalled peer makes the others' sends look slow).
+        ``paced``: the upload pace (bytes per second) the round's streams
+        shared, None if they were not paced; a paced round's upload is not
+        a measure of the link (module docstring)."""
         up, down = traffic.up.rate(), traffic.down.rate()
-        if up is not None:
-            self._up.append(up)
         if down is not None:
             self._down.append(down)
+        if up is None:
+            return
+        self._up.append(up)
+        if paced is not None:
+            self._paced_rounds += 1
+            self._probe = self._probe or up < SLOWER_THAN_PACED * paced
+            return
+        self._paced_rounds = 0
+        self._probe = False
+        if not traffic.up.saw_queue():  # nothing to gain from pacing (module docstring)
+            self._capacity.clear()
+            return
+        if self._capacity:
+            estimate = max(self._capacity)
+            if not LINK_CHANGED * estimate <= up <= estimate / LINK_CHANGED:
+                self._capacity.clear()
+        self._capacity.append(up)
+
+    def pacing_rate(self) -> float | None:
+        """The upload pace (bytes per second) for this peer's next round, to
+        share among its streams (``AllReduceConfig.upload_pacing``): under
+        the upload its unpaced rounds measured. None: run unpaced, because
+        too few unpaced rounds have counted yet or a probe is due (module
+        docstring)."""
+        if len(self._capacity) < MIN_UNPACED or self._probe or self._paced_rounds >= PROBE_EVERY:
+            return None
+        estimate = max(self._capacity)
+        return AUTO_PACING_SHARE * estimate if estimate <= AUTO_PACING_MAX else None
 
     @property
     def upload(self) -> float:

@@ -9,6 +9,9 @@ import pytest
 import torch
 import trio
 from peer_harness import averager_config, open_peers
+from test_allreduce import make_groups
+from test_allreduce import open_peers as open_nets
+from test_connections import max_pacing_rates
 
 from averaging import (
     AllReduceConfig,
@@ -21,8 +24,17 @@ from averaging import (
     MoshpitGrid,
     StepResult,
 )
+from averaging._allreduce import _auto_paced, all_reduce
 from averaging._averager import UPLOAD_PACING_SHARE
-from averaging._link_meter import MIN_SAMPLE_BYTES
+from averaging._link_meter import (
+    AUTO_PACING_MAX,
+    AUTO_PACING_SHARE,
+    MIN_SAMPLE_BYTES,
+    MIN_UNPACED,
+    PROBE_EVERY,
+    QUEUED,
+    RoundTraffic,
+)
 from averaging._matchmaking import (
     Candidate,
     announcement,
@@ -76,11 +88,15 @@ def test_a_failed_transfer_counts_its_time_but_not_its_bytes() -> None:
 
 
 class FakeConnection:
-    def __init__(self) -> None:
+    def __init__(self, delay: float | None = None) -> None:
         self.queued = 0
+        self.delay = delay
 
     def unacknowledged_bytes(self) -> int:
         return self.queued
+
+    def queueing_delay(self) -> float | None:
+        return self.delay
 
 
 def test_only_bytes_that_crossed_while_sends_ran_count() -> None:
@@ -323,3 +339,150 @@ async def test_a_declared_upload_stands_in_for_the_measured_one_among_measured_p
             assert [b - a for a, b in res.allreduce.part_bounds] == sizes
             # measured on loopback, the others are far faster than the declared link
             assert sizes[[m.peer_id for m in members].index(declarer)] == min(sizes)
+
+
+#: the queueing delay of a link that unpaced flows overrun, and of one they do not
+QUEUEING = 4 * QUEUED
+NO_QUEUE = QUEUED / 50
+
+
+def one_round(rate: float, delay: float | None = QUEUEING) -> RoundTraffic:
+    """The traffic of a round that uploaded 4 MiB at ``rate`` bytes/s on a
+    connection whose packets waited ``delay`` seconds in queues."""
+    clock = FakeClock()
+    traffic = RoundTraffic(clock)
+    with traffic.sending(4 * MIB, FakeConnection(delay)):
+        clock.now = 4 * MIB / rate
+    return traffic
+
+
+def test_the_pace_follows_unpaced_rounds_whose_flows_queued() -> None:
+    meter = LinkMeter(FakeClock())
+    assert meter.pacing_rate() is None  # nothing measured: unpaced
+    meter.record(one_round(10e6, delay=None))  # the kernel did not say: no sign of a queue
+    meter.record(one_round(10e6))
+    assert meter.pacing_rate() is None  # one round that queued is not enough
+    meter.record(one_round(9e6))
+    # the largest: a busy CPU or a late receiver makes a round look slower, not faster
+    assert meter.pacing_rate() == pytest.approx(AUTO_PACING_SHARE * 10e6)
+    meter.record(one_round(11e6))
+    assert meter.pacing_rate() == pytest.approx(AUTO_PACING_SHARE * 11e6)
+    # the CPU or the receiver held the flows, not the link: pacing would only cap them
+    meter.record(one_round(10e6, delay=NO_QUEUE))
+    assert meter.pacing_rate() is None
+    # faster than a home link: no pace, however the flows queued
+    for _ in range(MIN_UNPACED):
+        meter.record(one_round(2 * AUTO_PACING_MAX))
+    assert meter.pacing_rate() is None
+
+
+def test_paced_rounds_keep_the_pace_and_a_probe_comes_every_so_often() -> None:
+    """A paced round measures the pace, not the link: it neither lowers nor
+    raises the pace, and after ``PROBE_EVERY`` of them a round runs unpaced,
+    whose figure (the link got faster) joins the estimate."""
+    meter = LinkMeter(FakeClock())
+    for _ in range(MIN_UNPACED):
+        meter.record(one_round(10e6))
+    pace = meter.pacing_rate()
+    assert pace == pytest.approx(AUTO_PACING_SHARE * 10e6)
+    for _ in range(PROBE_EVERY - 1):
+        meter.record(one_round(0.95 * pace), paced=pace)
+        assert meter.pacing_rate() == pace
+    meter.record(one_round(0.95 * pace), paced=pace)
+    assert meter.pacing_rate() is None  # the probe
+    meter.record(one_round(11e6))
+    assert meter.pacing_rate() == pytest.approx(AUTO_PACING_SHARE * 11e6)
+    assert meter.upload == pytest.approx(0.95 * pace)  # what it publishes: every round's
+
+
+def test_a_link_that_got_slower_is_probed_at_once_and_its_old_figures_dropped() -> None:
+    meter = LinkMeter(FakeClock())
+    for rate in (10e6, 10.2e6, 9.8e6):
+        meter.record(one_round(rate))
+    pace = meter.pacing_rate()
+    assert pace == pytest.approx(AUTO_PACING_SHARE * 10.2e6)
+    meter.record(one_round(0.5 * pace), paced=pace)  # the link no longer carries the pace
+    assert meter.pacing_rate() is None
+    meter.record(one_round(5e6))  # far from 10: a new link, a new history
+    assert meter.pacing_rate() is None
+    meter.record(one_round(5e6))
+    assert meter.pacing_rate() == pytest.approx(AUTO_PACING_SHARE * 5e6)
+    # and one that got faster, found by the next probe, as quickly
+    for _ in range(PROBE_EVERY):
+        meter.record(one_round(AUTO_PACING_SHARE * 5e6), paced=AUTO_PACING_SHARE * 5e6)
+    assert meter.pacing_rate() is None
+    for _ in range(MIN_UNPACED):
+        meter.record(one_round(20e6))
+    assert meter.pacing_rate() == pytest.approx(AUTO_PACING_SHARE * 20e6)
+
+
+def test_a_set_pace_wins_and_automatic_pacing_can_be_turned_off() -> None:
+    meter = LinkMeter(FakeClock())
+    config = AllReduceConfig()
+    assert config.auto_pacing and config.upload_pacing is None  # the default
+    assert _auto_paced(config, meter) == config  # nothing measured yet
+    for _ in range(MIN_UNPACED):
+        meter.record(one_round(10e6))
+    assert _auto_paced(config, meter) == replace(config, upload_pacing=meter.pacing_rate())
+    assert _auto_paced(config, None) == config  # no meter, no measurement
+    declared = replace(config, upload_pacing=1e6)
+    assert _auto_paced(declared, meter) == declared
+    off = replace(config, auto_pacing=False)
+    assert _auto_paced(off, meter) == off
+
+
+#: two members' all-reduce of this many floats: each uploads 512 KiB, paced at
+#: AUTO_PACED (bytes/s) it takes a quarter of a second
+PACED_ELEMENTS = MIB // 8
+AUTO_PACED = AUTO_PACING_SHARE * 2e6
+
+
+BASE = AllReduceConfig(sender_timeout=10.0, reducer_timeout=20.0, round_timeout=60.0)
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        (BASE, {int(AUTO_PACED)}),
+        (replace(BASE, upload_pacing=1.5e6), {int(1.5e6)}),
+        (replace(BASE, auto_pacing=False), set()),
+    ],
+    ids=["measured", "set", "off"],
+)
+async def test_a_measured_pace_caps_each_stream_of_a_real_round(
+    config: AllReduceConfig, expected: set[int]
+) -> None:
+    """Two peers on loopback whose meters measured a slow link that queued:
+    their next round's stream to the other is paced (``SO_MAX_PACING_RATE``
+    on the real connection) at the measured pace, or at the one the config
+    sets, and is not paced with ``auto_pacing=False``."""
+    gen = torch.Generator().manual_seed(5)
+    values = [torch.randn(PACED_ELEMENTS, generator=gen) for _ in range(2)]
+    mean = (values[0] + values[1]) / 2
+    meters = [LinkMeter(trio.current_time) for _ in range(2)]
+    for meter in meters:
+        for _ in range(MIN_UNPACED):
+            meter.record(one_round(2e6))
+    caps: set[int] = set()  # every SO_MAX_PACING_RATE seen while the round ran
+    done = trio.Event()
+    async with open_nets(2) as nets:
+        groups = make_groups(nets)
+
+        async def member(i: int) -> None:
+            await all_reduce(nets[i], groups[i], [values[i]], config=config, meter=meters[i])
+
+        async def watch() -> None:
+            while not done.is_set():
+                for net in nets:
+                    caps.update(max_pacing_rates(net))
+                await trio.sleep(0.01)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            async with trio.open_nursery() as members:
+                for i in range(2):
+                    members.start_soon(member, i)
+            done.set()
+    for v in values:
+        torch.testing.assert_close(v, mean)
+    assert caps - {2**64 - 1} == expected
