@@ -147,7 +147,13 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         metavar="RATE",
         help="this peer's upload, e.g. 20mbit or 2.5MB/s: parts of the average follow it "
         "instead of the measured rate, and the all-reduce paces its streams to 97%% of it "
-        "so that they share the link without queueing (default: measured, unpaced)",
+        "so that they share the link without queueing (default: measured, and paced at "
+        "the measured rate where unpaced rounds queued at the link)",
+    )
+    network.add_argument(
+        "--no-auto-pacing",
+        action="store_true",
+        help="without --upload-rate, do not pace the all-reduce at the measured upload",
     )
     network.add_argument(
         "--no-auto-punch",
@@ -584,7 +590,8 @@ def _collaborative_config(args: argparse.Namespace) -> CollaborativeConfig:
             f"--averaging-timeout {timeout:g} must exceed --matchmaking-time plus two "
             f"request timeouts ({matchmaking.bound:g}s), or no group can form"
         )
-    averaging = AveragerConfig(matchmaking=matchmaking, allreduce=AllReduceConfig(ring=args.ring))
+    allreduce = AllReduceConfig(ring=args.ring, auto_pacing=not args.no_auto_pacing)
+    averaging = AveragerConfig(matchmaking=matchmaking, allreduce=allreduce)
     if args.upload_rate is not None:
         averaging = averaging.with_upload_rate(_upload_rate(args.upload_rate))
     return CollaborativeConfig(

@@ -141,3 +141,15 @@ def test_no_auto_punch_turns_automatic_punching_off_from_a_flag_or_the_file(
         (["train", "--host", "127.0.0.1", "--config", str(config)], False),
     ]:
         assert _peer_config(_parse_args(build_parser(), argv)).punch.auto is auto, argv
+
+
+def test_no_auto_pacing_turns_automatic_pacing_off_and_a_declared_rate_still_paces() -> None:
+    from swarm.cli import _collaborative_config
+
+    for argv, auto, pacing in [
+        (["train"], True, None),
+        (["train", "--no-auto-pacing"], False, None),
+        (["train", "--no-auto-pacing", "--upload-rate", "8mbit"], False, 0.97e6),
+    ]:
+        config = _collaborative_config(_parse_args(build_parser(), argv)).averaging.allreduce
+        assert (config.auto_pacing, config.upload_pacing) == (auto, pacing), argv
