@@ -379,6 +379,7 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     from averaging import LinkMeter
     from averaging._allreduce import AllReduceConfig, all_reduce, serve_allreduce
     from averaging._group import Group, GroupMember
+    from averaging._link_meter import MIN_UNPACED
     from swarm import Identity
     from swarm._connections import ConnectionConfig, open_connections
 
@@ -395,6 +396,7 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         lossy=args.lossy_worker,
         ring=args.ring_worker,
         upload_pacing=rate_bits(args.upload_pacing) / 8 if args.upload_pacing else None,
+        auto_pacing=not args.unpaced_worker,
     )
     x = torch.empty(args.size, dtype=torch.float32)
     bounds = [args.size * i // args.split for i in range(args.split + 1)]
@@ -411,14 +413,17 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     # largest, and whether the parts came out equal (around the ring: it ran)
     spreads: list[float] = []
     equal_parts: list[bool] = []
+    paces: list[float] = []  # per timed round: the upload pace in bytes/s, 0 if unpaced
 
     codec = codec_by_name(args.codec)
     hosts = args.hosts.split(",") if args.hosts else ["127.0.0.1"] * args.peers
-    # --measured: parts by the upload rates the peers measured in their
-    # earlier rounds, as the averager's members publish them in matchmaking
-    # (here through files); one untimed round first, which measures
-    meter = LinkMeter(trio.current_time) if args.measured else None
-    warmup = 1 if args.measured else 0
+    # The meter every averager gives its rounds, which paces them
+    # (AllReduceConfig.auto_pacing) after the untimed rounds that measure, as
+    # a training run's earlier rounds would. --measured: parts by the upload
+    # rates the peers measured, as the averager's members publish them in
+    # matchmaking (here through files).
+    meter = LinkMeter(trio.current_time)
+    warmup = MIN_UNPACED
 
     async def main() -> None:
         nonlocal contributors_ok, timeline
@@ -447,7 +452,7 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
                     file_barrier, directory, f"ours-{round_}", args.rank, args.peers
                 )
                 uploads = [0.0] * args.peers
-                if meter is not None and round_ >= 0:  # all written before the barrier
+                if args.measured and round_ >= 0:  # all written before the barrier
                     uploads = [
                         float((directory / f"upload.{round_}.{r}").read_text())
                         for r in range(args.peers)
@@ -459,15 +464,17 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
                     for r in range(args.peers)
                 )
                 group = Group(f"round-{round_}".encode(), members, args.rank)
+                pace = config.upload_pacing or (config.auto_pacing and meter.pacing_rate()) or 0
                 start, cpu, split = time.perf_counter(), time.process_time(), cpu_now()
                 result = await all_reduce(
                     net, group, tensors, weight=1.0, codec=codec, config=config, meter=meter
                 )
-                if meter is not None:  # what the next round's members publish
+                if args.measured:  # what the next round's members publish
                     (directory / f"upload.{round_ + 1}.{args.rank}").write_text(str(meter.upload))
                 if round_ < 0:
                     continue
-                if meter is not None:
+                paces.append(pace)
+                if args.measured:
                     sizes = {b - a for a, b in result.part_bounds}
                     spreads.append(min(uploads) / max(uploads))
                     equal_parts.append(max(sizes) - min(sizes) <= 1)
@@ -502,6 +509,7 @@ def run_ours(args: argparse.Namespace, directory: Path) -> dict[str, Any]:
         "held": held,
         "spreads": spreads,
         "equal_parts": equal_parts,
+        "paces": paces,
     }
 
 
@@ -572,6 +580,7 @@ def launch(
     lossy: bool = False,
     ring: bool = False,
     pacing: str | None = None,
+    unpaced: bool = False,
 ) -> dict[str, Any]:
     """Run one implementation's workers (in ``bed``'s namespaces, if given)."""
     with tempfile.TemporaryDirectory(prefix=f"allreduce-{impl}-") as tmp:
@@ -625,6 +634,7 @@ def launch(
                     + (["--lossy-worker"] if lossy else [])
                     + (["--ring-worker"] if ring else [])
                     + (["--upload-pacing", pacing] if pacing else [])
+                    + (["--unpaced-worker"] if unpaced else [])
                     + (["--pacing-log"] if args.pacing_log else []),
                 ),
                 stdout=subprocess.PIPE,
@@ -675,6 +685,13 @@ def launch(
         # --measured (the same in every worker: every member cuts the same parts)
         "spreads": outputs[0].get("spreads") or [],
         "equal_parts": outputs[0].get("equal_parts") or [],
+        # per round, the smallest and largest upload pace of the peers (0: unpaced)
+        "paces": [
+            (min(o["paces"][i] for o in outputs), max(o["paces"][i] for o in outputs))
+            for i in range(args.rounds)
+        ]
+        if impl == "ours"
+        else [],
     }
 
 
@@ -762,6 +779,13 @@ def main() -> None:
     parser.add_argument("--hosts", help=argparse.SUPPRESS)
     parser.add_argument("--bandwidths", help=argparse.SUPPRESS)
     parser.add_argument("--measured", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--compare-unpaced",
+        action="store_true",
+        help="also run each of ours with AllReduceConfig(auto_pacing=False), each right after"
+        " its default (automatically paced) run",
+    )
+    parser.add_argument("--unpaced-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     from averaging import AllReduceConfig
 
@@ -779,6 +803,7 @@ def main() -> None:
         return
     gloo = launch(args, "gloo", False)
     plain = launch(args, "ours", False)
+    unpaced = launch(args, "ours", False, unpaced=True) if args.compare_unpaced else None
     encrypted = plain if args.plain_only else launch(args, "ours", True)
     ring_plain = launch(args, "ours", False, ring=True) if args.ring else None
     ring_encrypted = (
@@ -806,6 +831,9 @@ def main() -> None:
         "rounds": args.rounds,
         "split": args.split,
     }
+    if unpaced is not None:
+        report["ours_plain_unpaced_s"] = unpaced["median_s"]
+        report["ratio_plain_unpaced"] = unpaced["median_s"] / gloo["median_s"]
     for name, run in (("ring_plain", ring_plain), ("ring", ring_encrypted)):
         if run is not None:
             report[f"{name}_s"] = run["median_s"]
@@ -830,6 +858,16 @@ def main() -> None:
         f"   CPU/peer {plain['cpu_s']:.3f} s   ratio {report['ratio_plain']:.2f} (target <= 1.2)"
     )
     print(split_line(plain["cpu_split_s"], "trio's", "bulk I/O"))
+    if any(high for _, high in plain["paces"]):
+        paces = ", ".join(f"{high * 8e-9:.2f}" if high else "unpaced" for _, high in plain["paces"])
+        print(f"    paced per round (Gbit/s, fastest peer): {paces}")
+    if unpaced is not None:
+        print(
+            f"  ours, unpaced      {unpaced['median_s']:8.3f} s   peak RSS"
+            f" {unpaced['rss_mb']:7.1f} MiB   CPU/peer {unpaced['cpu_s']:.3f} s"
+            f"   ratio {report['ratio_plain_unpaced']:.2f} (auto_pacing=False)"
+        )
+        print(split_line(unpaced["cpu_split_s"], "trio's", "bulk I/O"))
     if not args.plain_only:
         print(
             f"  ours, encrypted    {encrypted['median_s']:8.3f} s   peak RSS"
@@ -913,9 +951,13 @@ def link_main(args: argparse.Namespace) -> None:
             runs.append(("ours, parts by link rate", "ours", False, "none", up, False))
             runs.append(("ours, parts by measured rate", "ours", False, "none", None, True))
         for name, impl, encrypt, codec, bandwidths, measured in runs:
-            result = launch(args, impl, encrypt, codec, bed, bandwidths, measured)
-            bound = link_bound(wire_bytes(args.size, codec), up, down)
-            rows.append((name, result, bound))
+            # --compare-unpaced: each of ours as before automatic pacing, right after it
+            for unpaced in (False, True) if impl == "ours" and args.compare_unpaced else (False,):
+                result = launch(
+                    args, impl, encrypt, codec, bed, bandwidths, measured, unpaced=unpaced
+                )
+                bound = link_bound(wire_bytes(args.size, codec), up, down)
+                rows.append((name + (", unpaced" if unpaced else ""), result, bound))
         for chunks in args.compare_chunks:
             # the same run with parts cut into at least this many chunks
             variant = argparse.Namespace(**{**vars(args), "min_chunks_per_part": chunks})
@@ -978,6 +1020,12 @@ def link_main(args: argparse.Namespace) -> None:
         )
         threads = ("its caller", "gloo's") if name.startswith("gloo") else ("trio's", "bulk I/O")
         print(split_line(result["cpu_split_s"], *threads))
+        if any(high for _, high in result.get("paces") or []):
+            paces = ", ".join(
+                f"{low * 8e-6:.1f}-{high * 8e-6:.1f}" if high else "unpaced"
+                for low, high in result["paces"]
+            )
+            print(f"  {'':{width}} paced per round (Mbit/s, peers' range): {paces}")
         if result.get("spreads"):
             spreads = ", ".join(f"{x:.3f}" for x in result["spreads"])
             equal = sum(result["equal_parts"])
