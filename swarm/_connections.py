@@ -1119,6 +1119,13 @@ class Stream:
         ``async with`` (also by an error or a cancellation) stops the worker
         and waits for it; left before the last item, the stream is broken
         (its connection is closed when the stream ends)."""
+        await self._ready_to_receive()
+        async with self._connection.receive_sequence(count, place, window) as batches:
+            yield ReceivedItems(self, batches, count)
+
+    async def _ready_to_receive(self) -> None:
+        """Raise what a receive on this stream must raise now (closed, reset,
+        ended); else send its opening first if it has not gone yet."""
         if self._closed:
             raise ClosedError("the stream was closed")
         if self._reset is not None:
@@ -1128,22 +1135,12 @@ class Stream:
             raise EndOfStreamError(f"{self.remote.short()} ended the stream")
         if self._opening is not None:
             await self._send([])
-        async with self._connection.receive_sequence(count, place, window) as batches:
-            yield ReceivedItems(self, batches, count)
 
     async def _receive_frame(
         self, into: memoryview | None, progress: Progress | None = None
     ) -> Frame:
         """The next ``BYTES`` or ``MESSAGE`` frame; raises for the others."""
-        if self._closed:
-            raise ClosedError("the stream was closed")
-        if self._reset is not None:
-            raise StreamResetError(f"{self.remote.short()} reset the stream: {self._reset}")
-        if self._received_eof:
-            await trio.lowlevel.checkpoint()
-            raise EndOfStreamError(f"{self.remote.short()} ended the stream")
-        if self._opening is not None:
-            await self._send([])
+        await self._ready_to_receive()
         frame = await self._connection.receive_frame(into, progress)
         if frame.kind is FrameKind.BYTES or frame.kind is FrameKind.MESSAGE:
             return frame
