@@ -61,8 +61,9 @@ in each piece it gets back (``AllReduceResult.contributors``, one set per
 piece; ``chunk_elements`` is ``PIECE_ELEMENTS``).
 
 When a phase ends. The reducer averages once every expected piece arrived, or
-once each sender's end-of-sending arrived and ``DRAIN`` seconds more passed
-(datagrams sent before it may still be on their way), or at the reduce
+once each sender's end-of-sending arrived and, unless its last datagram did
+too, ``DRAIN`` seconds more passed (datagrams sent before it may still be on
+their way), or at the reduce
 deadline, half the round's timeout after the start, whichever comes first. A
 sender that has not opened its stream within ``sender_timeout`` is left out, as
 is one whose stream breaks (what it delivered still counts). A member stops
@@ -150,10 +151,11 @@ EARLY_PER_PIECE = 2
 #: the marker travels on TCP, the datagrams it follows on UDP, and the two
 #: may be reordered on the way by a few milliseconds. Only the path's
 #: reordering: datagrams that reached the kernel meanwhile are read anyway
-#: (``_Round.settled``), however busy the CPU. Every phase in which the link
-#: lost a datagram waits this long (most phases at 10% loss: a part of 8
-#: datagrams loses one more often than not), so it is kept short: 50 ms cost
-#: a round of the digits task 0.1 s, where the round takes 0.04 s.
+#: (``_Round.settled``), however busy the CPU. A phase waits this long only
+#: when the link lost its last datagram (``_wait_for_pieces``): before, every
+#: phase that lost any did (most phases at 10% loss: a part of 8 datagrams
+#: loses one more often than not). Kept short: 50 ms cost a round of the
+#: digits task 0.1 s, where the round takes 0.04 s.
 DRAIN = 0.01
 #: Datagram copies sent of each control message (``_LossyRound.send_control``),
 #: back to back: on a link that loses packets at random, each copy is lost
@@ -684,13 +686,19 @@ class _LossyRound:
                 return
 
     async def _wait_for_pieces(self, inbound: _Inbound) -> None:
-        """After the end-of-sending marker: all pieces, or ``DRAIN`` and then
-        what had arrived by then."""
-        if not inbound.complete.is_set():
+        """After the end-of-sending marker: all pieces, or what had arrived
+        by the time the last datagram the remote sends did, or else once
+        ``DRAIN`` passed. On a path that keeps datagrams in order nothing
+        sent before the last is still on its way once it arrived (what is
+        missing was lost); the marker may pass it, so what reached the kernel
+        is read first (``settled``)."""
+        if inbound.complete.is_set():
+            return
+        await self.settled()
+        if not inbound.ended.is_set():
             with trio.move_on_after(DRAIN):
-                await inbound.complete.wait()
-            if not inbound.complete.is_set():
-                await self.settled()
+                await inbound.ended.wait()
+            await self.settled()
 
     async def _send_datagrams(
         self,
