@@ -409,7 +409,10 @@ async def all_reduce(
         rnd.reducer_buffer(),
         _registry(net).register(rnd) if rnd.reducer is not None else _nothing(),
     ):
-        async with trio.open_nursery() as nursery:
+        async with (
+            traffic.watching_drains() if traffic is not None else nullcontext(),
+            trio.open_nursery() as nursery,
+        ):
             if rnd.reducer is not None:
                 nursery.start_soon(rnd.reduce, _registry(net).withdrawn_from(group.group_id))
             if group.local.mode is not MemberMode.AUX:
@@ -457,16 +460,17 @@ async def _ring_round(
     traffic = meter.round_traffic() if meter is not None else None
     with trio.move_on_after(config.round_timeout) as deadline:
         try:
-            outcome = await ring_all_reduce(
-                net,
-                group,
-                partition,
-                flat,
-                weight,
-                config.reducer_timeout,
-                config.upload_pacing,
-                traffic,
-            )
+            async with traffic.watching_drains() if traffic is not None else nullcontext():
+                outcome = await ring_all_reduce(
+                    net,
+                    group,
+                    partition,
+                    flat,
+                    weight,
+                    config.reducer_timeout,
+                    config.upload_pacing,
+                    traffic,
+                )
         except RingFailed as e:
             logger.info(
                 "all-reduce %s: %s; falling back to the butterfly", group.group_id.hex()[:8], e

@@ -22,14 +22,25 @@ measured a 40 Mbit/s uplink at up to 150 Mbit/s. So each send reads its
 connections' unacknowledged bytes (Linux's SIOCOUTQ) when a busy interval
 begins and ends: handed over + before - after were acknowledged by the
 remotes meanwhile, on whichever connection. A send that returned at once
-counts (nearly) nothing, in (nearly) no time.
+counts (nearly) nothing, in (nearly) no time, until its bytes leave: while
+no send runs and the connections still hold bytes the sends handed over,
+the link is draining them, and the round's watcher (``RoundTraffic.
+watching_drains``) reads every ``DRAIN_POLL`` how many crossed since it last
+looked, counting them with the time since the last read that saw bytes
+cross. Without it a peer whose kernel took each of its sends at once (a
+fast link, parts under a mebibyte) counted too few bytes to publish a rate,
+and one member without a rate means equal parts for its whole group
+(``_partition.part_weights``).
 
 Caveats, which decide how the figures are used:
 
-- Bytes acknowledged during a busy interval may have crossed just before it,
-  and bytes a connection still holds when the interval ends may cross in
-  the idle time after it: each interval errs by at most what the
-  connections hold unsent plus what is in flight.
+- Bytes acknowledged during a busy interval may have crossed just before it:
+  each interval errs by at most what the connections hold unsent plus what
+  is in flight. A drain's time errs high by up to one ``DRAIN_POLL`` (the
+  read that saw its last bytes gone counts the whole poll), and a drain
+  that shows no progress for ``DRAIN_STALL`` (a receiver that stopped
+  reading, a loss being recovered) stops being watched: its remaining bytes
+  count only if a later send's interval sees them cross.
 - A receive lasts as long as the *sender* takes to send, so the download
   rate is bounded by the uploads of the peers it receives from: it is a
   lower bound of the link. The part sizes therefore follow the upload rate
@@ -70,12 +81,21 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Protocol
+
+import trio
 
 #: Bytes a direction must carry in one round for the round to count.
 MIN_SAMPLE_BYTES = 256 * 1024
+#: Seconds between the reads of a drain: the connections' unacknowledged
+#: bytes after the sends that handed them over returned (module docstring).
+#: A drain's time errs high by up to this much; on a home link the drains
+#: of a round's last sends last tens of milliseconds or more.
+DRAIN_POLL = 0.002
+#: Seconds without a byte crossing after which a drain is no longer watched.
+DRAIN_STALL = 0.25
 #: The pace of automatic pacing over the upload that unpaced rounds
 #: measured. The pace counts IP packets (1500 bytes per 1448 of payload) and
 #: the meter payload; and the meter's figure errs low: on 4 peers x 100
@@ -131,7 +151,19 @@ class _Direction:
     when it ends (module docstring). Without, those handed over.
     """
 
-    __slots__ = ("active", "busy", "bytes", "connections", "delays", "handed", "queued", "since")
+    __slots__ = (
+        "active",
+        "busy",
+        "bytes",
+        "connections",
+        "delays",
+        "draining",
+        "handed",
+        "mark",
+        "pending",
+        "queued",
+        "since",
+    )
 
     def __init__(self) -> None:
         self.active = 0
@@ -143,8 +175,16 @@ class _Direction:
         # by identity; holding them keeps their ids unique for the round
         self.connections: dict[int, Connection] = {}
         self.delays: list[float] = []  # queueing delays, one per send that ended
+        # a drain: bytes the connections held when the last send returned
+        self.draining = False
+        self.pending = 0  # still unacknowledged at the last read
+        self.mark = 0.0  # when the busy time counted so far ends
 
     def start(self, now: float, connection: Connection | None = None) -> None:
+        # a send ends a drain: what it still holds counts if it crosses
+        # during the interval (``queued``); since the watcher's last read
+        # (at most DRAIN_POLL ago), nothing counts
+        self.draining = False
         if connection is not None and id(connection) not in self.connections:
             self.connections[id(connection)] = connection
             if self.active:  # new to this interval: what it holds already is not ours
@@ -163,10 +203,26 @@ class _Direction:
         if self.active == 0:
             self.busy += now - self.since
             if self.connections:
-                left = self.handed + self.queued - self._unacknowledged()
+                held = self._unacknowledged()
+                left = self.handed + self.queued - held
                 self.bytes += min(self.handed + self.queued, max(0, left))
+                self.draining, self.pending, self.mark = held > 0, held, now
             else:
                 self.bytes += self.handed
+
+    def read_drain(self, now: float) -> bool:
+        """Count what crossed since the last read of a drain (module
+        docstring); returns whether the drain goes on."""
+        if not self.draining or self.active:
+            return False
+        held = self._unacknowledged()
+        if held < self.pending:
+            self.bytes += self.pending - held
+            self.busy += now - self.mark
+            self.mark = now
+        self.pending = held
+        self.draining = held > 0 and now - self.mark < DRAIN_STALL
+        return self.draining
 
     def _unacknowledged(self) -> int:
         return sum(c.unacknowledged_bytes() for c in self.connections.values())
@@ -193,6 +249,7 @@ class RoundTraffic:
         self._clock = clock
         self.up = _Direction()
         self.down = _Direction()
+        self._drain_began = trio.Event()
 
     @contextmanager
     def sending(self, nbytes: int, connection: Connection | None = None) -> Iterator[None]:
@@ -209,6 +266,33 @@ class RoundTraffic:
         counting what arrived)."""
         with self._timed(self.down, nbytes, None):
             yield
+
+    @asynccontextmanager
+    async def watching_drains(self) -> AsyncIterator[None]:
+        """Around a round's sends: reads the drains that follow them (module
+        docstring) until the block ends. What the block raises reaches the
+        caller as it was raised, not wrapped in the watcher's nursery's group."""
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_drains)
+                try:
+                    yield
+                finally:
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            if len(group.exceptions) != 1:  # the block's and the watcher's Cancelled
+                raise
+            raised = group.exceptions[0]  # the watcher raises nothing else
+            raise raised from raised.__cause__
+
+    async def _watch_drains(self) -> None:
+        while True:
+            await self._drain_began.wait()
+            self._drain_began = trio.Event()
+            while True:
+                await trio.sleep(DRAIN_POLL)
+                if not self.up.read_drain(self._clock()):
+                    break
 
     def add_received(self, nbytes: int, seconds: float) -> None:
         """Receipts timed by a worker thread (``_ring``): ``nbytes`` that
@@ -227,6 +311,8 @@ class RoundTraffic:
             moved = nbytes
         finally:
             direction.stop(self._clock(), moved, connection)
+            if direction.draining:
+                self._drain_began.set()
 
 
 class LinkMeter:

@@ -29,6 +29,8 @@ from averaging._averager import UPLOAD_PACING_SHARE
 from averaging._link_meter import (
     AUTO_PACING_MAX,
     AUTO_PACING_SHARE,
+    DRAIN_POLL,
+    DRAIN_STALL,
     MIN_SAMPLE_BYTES,
     MIN_UNPACED,
     PROBE_EVERY,
@@ -119,6 +121,63 @@ def test_only_bytes_that_crossed_while_sends_ran_count() -> None:
     meter.record(traffic)
     # the timed second: a's new MiB less the half it still holds, and b's MiB
     assert meter.upload == MIB * 1.5 / 1.0
+
+
+class DrainingConnection(FakeConnection):
+    """A connection whose kernel takes every send at once and then moves
+    ``rate`` bytes a second across the link; counts the meter's reads."""
+
+    def __init__(self, rate: float) -> None:
+        super().__init__()
+        self.rate = rate
+        self.reads = 0
+
+    def unacknowledged_bytes(self) -> int:
+        self.reads += 1
+        return self.queued
+
+    async def drain(self, until: int = 0) -> None:
+        while self.queued > until:
+            await trio.sleep(0.001)
+            self.queued = max(until, self.queued - int(self.rate * 0.001))
+
+
+async def test_bytes_that_cross_after_their_sends_returned_count_with_their_time(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A fast link, parts the kernel takes whole: every send returns at once
+    and its bytes cross while no send runs. The round's watcher counts them
+    over the time they took; waiting for results afterwards is not counted.
+    Without it the round counts nothing and the peer publishes no rate."""
+    traffic = RoundTraffic(trio.current_time)
+    link = DrainingConnection(rate=10 * MIB)
+    async with traffic.watching_drains():
+        for _ in range(2):
+            with traffic.sending(MIB, link):
+                link.queued = MIB
+            await link.drain()
+            await trio.sleep(1.0)  # the results
+    assert traffic.up.bytes == 2 * MIB
+    # 0.1 s each; each drain's time errs high by at most one read
+    assert 0.2 <= traffic.up.busy <= 0.2 + 2 * DRAIN_POLL + 1e-9
+    assert traffic.up.rate() is not None
+
+
+async def test_a_drain_that_stalls_is_left_and_its_wait_not_counted(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    traffic = RoundTraffic(trio.current_time)
+    link = DrainingConnection(rate=10 * MIB)
+    async with traffic.watching_drains():
+        with traffic.sending(MIB, link):
+            link.queued = MIB
+        await link.drain(until=MIB // 2)  # 50 ms, then the receiver stops reading
+        await trio.sleep(DRAIN_STALL + 0.1)
+        reads = link.reads
+        await trio.sleep(10.0)
+        assert link.reads == reads  # no longer watched
+    assert traffic.up.bytes == MIB // 2
+    assert 0.05 <= traffic.up.busy <= 0.05 + DRAIN_POLL + 1e-9  # not the stalled wait
 
 
 def test_small_rounds_do_not_count_and_the_median_of_recent_rounds_does() -> None:
