@@ -36,6 +36,7 @@ from swarm._connections import (
     ConnectionConfig,
     Connections,
     Stream,
+    _Connection,
     _smoothed_rtt,
     open_connections,
     open_tcp_racing,
@@ -837,7 +838,6 @@ async def test_closing_right_after_a_call() -> None:
 async def test_frames_pipelined_behind_the_handshake_then_garbage() -> None:
     """Bytes that arrive with the last handshake message are decoded too: the
     authentic frames first, then the ProtocolError; the connection is broken."""
-    from swarm._connections import _Connection
     from swarm._framing import FrameEncoder, FrameKind
 
     dialer = Handshake(A, initiator=True, expected_peer=B.peer_id)
@@ -1063,12 +1063,14 @@ async def test_a_connection_holds_at_most_a_mebibyte_unsent() -> None:
             ] == [_SEND_LOW_WATER]
 
 
+def max_pacing_rate(connection: _Connection) -> int:
+    """The connection's SO_MAX_PACING_RATE (bytes/s; 2**64 - 1: no cap)."""
+    return int(struct.unpack("=Q", connection.socket.getsockopt(socket.SOL_SOCKET, 47, 8))[0])
+
+
 def max_pacing_rates(net: Connections) -> list[int]:
-    """Each connection's SO_MAX_PACING_RATE (bytes/s; 2**64 - 1: no cap)."""
-    return [
-        struct.unpack("=Q", c.socket.getsockopt(socket.SOL_SOCKET, 47, 8))[0]
-        for c in net._connections
-    ]
+    """Each connection's SO_MAX_PACING_RATE."""
+    return [max_pacing_rate(c) for c in net._connections]
 
 
 async def test_a_stream_paces_its_connection_until_lifted() -> None:

@@ -11,7 +11,7 @@ import trio
 from peer_harness import averager_config, open_peers
 from test_allreduce import make_groups
 from test_allreduce import open_peers as open_nets
-from test_connections import max_pacing_rates
+from test_connections import max_pacing_rate
 
 from averaging import (
     AllReduceConfig,
@@ -47,6 +47,7 @@ from averaging._matchmaking import (
 from averaging._partition import Partition, part_sizes, part_weights
 from dht import DHTValue, owner_marker
 from swarm import ConfigError, Identity, PeerID, ProtocolError
+from swarm._connections import _Connection
 
 MIB = 2**20
 
@@ -509,12 +510,20 @@ BASE = AllReduceConfig(sender_timeout=10.0, reducer_timeout=20.0, round_timeout=
     ids=["measured", "set", "off"],
 )
 async def test_a_measured_pace_caps_each_stream_of_a_real_round(
-    config: AllReduceConfig, expected: set[int]
+    config: AllReduceConfig, expected: set[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two peers on loopback whose meters measured a slow link that queued:
     their next round's stream to the other is paced (``SO_MAX_PACING_RATE``
     on the real connection) at the measured pace, or at the one the config
     sets, and is not paced with ``auto_pacing=False``."""
+    caps: set[int] = set()  # every SO_MAX_PACING_RATE a connection was given
+    pace = _Connection.pace
+
+    def read_back(connection: _Connection, rate: float | None) -> None:
+        pace(connection, rate)
+        caps.add(max_pacing_rate(connection))
+
+    monkeypatch.setattr(_Connection, "pace", read_back)
     gen = torch.Generator().manual_seed(5)
     values = [torch.randn(PACED_ELEMENTS, generator=gen) for _ in range(2)]
     mean = (values[0] + values[1]) / 2
@@ -522,26 +531,15 @@ async def test_a_measured_pace_caps_each_stream_of_a_real_round(
     for meter in meters:
         for _ in range(MIN_UNPACED):
             meter.record(one_round(2e6))
-    caps: set[int] = set()  # every SO_MAX_PACING_RATE seen while the round ran
-    done = trio.Event()
     async with open_nets(2) as nets:
         groups = make_groups(nets)
 
         async def member(i: int) -> None:
             await all_reduce(nets[i], groups[i], [values[i]], config=config, meter=meters[i])
 
-        async def watch() -> None:
-            while not done.is_set():
-                for net in nets:
-                    caps.update(max_pacing_rates(net))
-                await trio.sleep(0.01)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch)
-            async with trio.open_nursery() as members:
-                for i in range(2):
-                    members.start_soon(member, i)
-            done.set()
+        async with trio.open_nursery() as members:
+            for i in range(2):
+                members.start_soon(member, i)
     for v in values:
         torch.testing.assert_close(v, mean)
     assert caps - {2**64 - 1} == expected
