@@ -615,19 +615,9 @@ class _Connection:
                     frame = self._decode_ahead(into, progress)
                     if frame is not None:
                         return frame
-                buffer = self._decode(lambda: self._decoder.next_buffer(into, progress))
-                # A small need (a header, a tag, a short message) reads whatever
-                # has arrived into the read-ahead buffer, often several whole
-                # frames at once; a large payload is received straight into place.
-                read_ahead = buffer.nbytes < _COALESCE
-                if read_ahead:
-                    buffer.release()
-                    buffer = memoryview(self._read_ahead)
-                elif buffer.nbytes > _RECEIVE_SLICE:
-                    # In slices that stay in the CPU's cache until the decoder
-                    # has authenticated them (``FrameDecoder.advance``).
-                    whole, buffer = buffer, buffer[:_RECEIVE_SLICE]
-                    whole.release()
+                buffer, read_ahead = self._read_target(
+                    self._decode(lambda: self._decoder.next_buffer(into, progress))
+                )
                 if not read_ahead and buffer.nbytes >= _BULK:
                     buffer.release()
                     frame = await self._receive_in_thread(into, progress)
@@ -675,23 +665,19 @@ class _Connection:
             raise ClosedError("the connection was closed")
         sock = duplicate(self.socket)
         decoder, count = self._decoder, self._traffic.received.inc
-        low_water = [self._low_water]  # the socket's SO_RCVLOWAT, shared with the dup
 
         def receive(stopper: Stopper) -> Frame | None:
             fd = sock.fileno()
             while not stopper.stopped:
+                # straight into place to the frame's end: the read-ahead
+                # buffer is the trio thread's (``_read_target``)
                 buffer = decoder.next_buffer(into, progress)
                 if buffer.nbytes > _RECEIVE_SLICE:
                     buffer = buffer[:_RECEIVE_SLICE]
                 try:
                     received = os.readv(fd, [buffer])
                 except BlockingIOError:
-                    want = min(buffer.nbytes, _RECEIVE_LOW_WATER)
-                    if want != low_water[0]:
-                        with suppress(OSError):
-                            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
-                            low_water[0] = want
-                    stopper.wait(fd, select.POLLIN)
+                    self._wait_for_bytes(sock, min(buffer.nbytes, _RECEIVE_LOW_WATER), stopper)
                     continue
                 finally:
                     buffer.release()
@@ -720,7 +706,6 @@ class _Connection:
             self.broken = True
             raise PeerUnreachableError(f"connection to {self.remote.short()} lost: {e}") from e
         finally:
-            self._low_water = low_water[0]
             sock.close()
 
     @asynccontextmanager
@@ -823,24 +808,13 @@ class _Connection:
                     frame = self._take_ahead(into, None)
                     if frame is not None:
                         return frame
-                buffer = decoder.next_buffer(into)
-                read_ahead = buffer.nbytes < _COALESCE
-                if read_ahead:
-                    buffer.release()
-                    buffer = memoryview(self._read_ahead)
-                elif buffer.nbytes > _RECEIVE_SLICE:
-                    whole, buffer = buffer, buffer[:_RECEIVE_SLICE]
-                    whole.release()
+                buffer, read_ahead = self._read_target(decoder.next_buffer(into))
                 try:
                     stopper.check()
                     received = os.readv(fd, [buffer])
                 except BlockingIOError:
                     want = 1 if read_ahead else min(buffer.nbytes, _RECEIVE_LOW_WATER)
-                    if want != self._low_water:
-                        with suppress(OSError):
-                            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
-                            self._low_water = want
-                    stopper.wait(fd, select.POLLIN)
+                    self._wait_for_bytes(sock, want, stopper)
                     continue
                 finally:
                     buffer.release()
@@ -856,6 +830,33 @@ class _Connection:
         finally:
             if into is not None:
                 decoder.release(into)
+
+    def _read_target(self, wanted: memoryview) -> tuple[memoryview, bool]:
+        """Where the next read goes, for the decoder's ``wanted`` buffer, and
+        whether that is the read-ahead buffer. A small need (a header, a tag,
+        a short message) reads whatever has arrived into the read-ahead
+        buffer, often several whole frames at once; a large payload is
+        received straight into place, in slices that stay in the CPU's cache
+        until the decoder has authenticated them (``FrameDecoder.advance``)."""
+        if wanted.nbytes < _COALESCE:
+            wanted.release()
+            return memoryview(self._read_ahead), True
+        if wanted.nbytes > _RECEIVE_SLICE:
+            whole, wanted = wanted, wanted[:_RECEIVE_SLICE]
+            whole.release()
+        return wanted, False
+
+    def _wait_for_bytes(self, sock: socket.socket, want: int, stopper: Stopper) -> None:
+        """In a worker thread, on ``sock`` (a duplicate of this connection's
+        socket): sleep until ``want`` bytes have arrived (``SO_RCVLOWAT``, as
+        ``_receive_into``), the remote closed, or the worker is asked to stop.
+        One thread at a time receives on a connection, so the worker keeps
+        ``_low_water``."""
+        if want != self._low_water:
+            with suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                self._low_water = want
+        stopper.wait(sock.fileno(), select.POLLIN)
 
     def _decode(self, step: Callable[[], _T]) -> _T:
         try:
