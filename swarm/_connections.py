@@ -1495,6 +1495,20 @@ class Connections:
             if c.punched and c.dialer and c.remote == peer_id and not c.closed
         )
 
+    def inbound_key_exporters(self, peer_id: PeerID) -> list[Callable[[bytes], bytes]]:
+        """``export_key`` of each live connection that ``peer_id`` dialed to
+        this peer: the connections its streams to us come on. A stream's keys
+        are its connection's (``Stream.export_key``), so a protocol beside the
+        streams can open what the remote sealed under a stream's key before
+        that stream's first message arrived (the lossy all-reduce's header
+        copy), trying each: a remote has ``max_streams_per_peer`` of them at
+        most, and the keys are derived, not stored."""
+        return [
+            c.export_key
+            for c in self._connections
+            if not c.dialer and c.remote == peer_id and not c.closed and not c.broken
+        ]
+
     def set_raw_handler(self, handler: RawHandler | None) -> None:
         """Serve inbound connections that begin with ``RAW_MAGIC`` with
         ``handler`` instead of a handshake (``None``: refuse them, the default).

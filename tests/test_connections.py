@@ -133,6 +133,24 @@ async def test_sequential_streams_reuse_one_connection() -> None:
         assert len(b._connections) == 1
 
 
+async def test_a_listener_derives_its_streams_keys_from_the_dialers_connections() -> None:
+    """``inbound_key_exporters``: the listener has, for each connection the
+    dialer made to it, the keys of the streams on it before any message of
+    theirs came (the lossy round's header copy); a dialer has none from the
+    peer it dialed."""
+    async with two_peers() as (a, b):
+        b.set_handler("echo", echo)
+        label = b"swarm/test-label"
+        async with a.open_stream(B.peer_id, address(b), "echo") as stream:
+            await stream.send("hello")
+            assert await stream.receive() == "hello"
+            [export] = b.inbound_key_exporters(A.peer_id)
+            assert export(label) == stream.export_key(label)
+            assert export(b"swarm/other-label") != stream.export_key(label)
+            assert a.inbound_key_exporters(B.peer_id) == []
+            assert b.inbound_key_exporters(B.peer_id) == []
+
+
 async def test_both_ends_resend_a_lost_segment_after_milliseconds() -> None:
     """Each side of a connection asks the kernel for a least retransmission
     timeout of 10 ms (20 ms where the kernel's clock cannot time 10) and for
