@@ -348,6 +348,8 @@ class Network(Protocol):
 
     def report_offence(self, peer_id: PeerID, reason: str) -> None: ...
 
+    def inbound_key_exporters(self, peer_id: PeerID) -> list[Callable[[bytes], bytes]]: ...
+
 
 async def all_reduce(
     net: Network,

@@ -61,6 +61,11 @@ is not such a message's: ``malformed``), and a message that does not decode
 (``malformed``). An exact copy of a datagram it opened (the sender may send
 each message twice) is not a replay: it is counted in ``copies``, not
 dropped, and returned as None like a drop.
+
+A sender's header is copied as well (``SENDER_HEADER``), with the same
+checks; its key is exported for the reducer's round of the pair from the
+connection the sender's stream comes on, not from the stream: the reducer
+has the connection before the header's stream reaches it (``_lossy``).
 """
 
 from __future__ import annotations
@@ -117,6 +122,9 @@ class Kind(enum.IntEnum):
     #: copies of a reducer's control messages (its report, its end of
     #: results), to a member
     REDUCER_CONTROL = 4
+    #: a copy of a sender's header, to the reducer, under a key of the
+    #: connection its stream comes on (``_lossy``, "The header's copy")
+    SENDER_HEADER = 5
 
 
 def group_tag(group_id: bytes) -> bytes:
@@ -310,16 +318,18 @@ class DatagramOpener:
         return None
 
 
+_CONTROL_KINDS = frozenset({Kind.SENDER_CONTROL, Kind.REDUCER_CONTROL, Kind.SENDER_HEADER})
 #: Bytes of a control message that fit one datagram with its header and tag.
 MAX_CONTROL_MESSAGE = MAX_DATAGRAM_SIZE - _MIN_DATAGRAM
 
 
 class ControlSealer:
     """Seals one direction's control messages of a pair (``pair.kind`` is
-    ``SENDER_CONTROL`` or ``REDUCER_CONTROL``), numbering them in order."""
+    ``SENDER_CONTROL``, ``REDUCER_CONTROL`` or ``SENDER_HEADER``), numbering
+    them in order."""
 
     def __init__(self, key: bytes, pair: Pair) -> None:
-        if pair.kind not in (Kind.SENDER_CONTROL, Kind.REDUCER_CONTROL):
+        if pair.kind not in _CONTROL_KINDS:
             raise ConfigError(f"{pair.kind!r} is not a kind of control datagram")
         self._aead = AESGCM(key)
         self.pair = pair

@@ -29,8 +29,28 @@ sender that acted on the report's datagram copy, reading the stream's copy
 later for the marker behind it, refuses one that differs (``ProtocolError``);
 stream copies left unread are left to the pooled connection
 (``Stream.leave_unread``). A report too long for one datagram goes by
-stream only. The header has no datagram copy: its keys come from the
-stream, which the reducer has only once the header arrived.
+stream only.
+
+The header's copy. A sender that starts on the reducer's offer (below)
+sends its header as a datagram too (``Kind.SENDER_HEADER``, the same
+checks as the other control copies). Its key cannot come from the stream:
+the reducer has the stream only once the header, its first message, arrived.
+It comes from the connection the stream is opened on, which the reducer has
+already (its handshake came before): a stream's keys are its connection's
+(``Stream.export_key``), exported for the round the reducer chose for the
+pair, which the sender knows from the offer and nobody else does. The
+reducer tries each connection the sender dialed to it
+(``Connections.inbound_key_exporters``, a few at most) and takes the one
+whose key opens the copy; every key of the pair then comes from it, as the
+stream's would. The alternative, a key carried in the reducer's own header
+to the sender, would come from the reducer's stream to the sender: a second
+stream whose header may be held up alike. The first of the two copies to be
+accepted serves the pair (``_AwaitedStream``): what the reducer sends on the
+stream meanwhile waits for it, a receive on it waits for it, and the
+stream's header, once it comes, must equal the copy (``ProtocolError``
+otherwise). A copy after the stream's header, or a second copy, changes
+nothing. A stream that comes after its round ended gets what was queued
+for it (``_Registry.keep_awaited``), so its connection stays pooled.
 
 ``offer`` is the round that i, as the reducer of part i, chose for j's
 datagrams of part i (-1 where i reduces nothing that j sends): the same
@@ -194,13 +214,18 @@ _SEGMENT_REFUSED = frozenset({errno.EIO, errno.EINVAL, errno.EMSGSIZE, errno.EOP
 _TIMESPEC = struct.Struct("@qq")
 
 
-class _LossyStream(Protocol):
+class _ServedStream(Protocol):
+    """What the reducer of a pair uses of the sender's stream."""
+
     remote: PeerID
 
     async def send(self, message: Any) -> None: ...
     async def receive(self) -> Any: ...
     async def aclose(self) -> None: ...
     def export_key(self, label: bytes) -> bytes: ...
+
+
+class _LossyStream(_ServedStream, Protocol):
     def leave_unread(self, messages: int) -> None: ...
 
 
@@ -213,6 +238,112 @@ class LossyNetwork(Protocol):
     def set_handler(self, name: str, handler: Callable[[Any], Any]) -> None: ...
 
     def open_stream(self, peer_id: PeerID, address: tuple[str, int], name: str) -> Any: ...
+
+    def inbound_key_exporters(self, peer_id: PeerID) -> list[Callable[[bytes], bytes]]: ...
+
+
+@dataclass(frozen=True)
+class _Header:
+    """A sender's header, checked for shape and ranges (``parse_header``)."""
+
+    group_id: bytes
+    part: int
+    sender: int
+    weight: float
+    total: int
+    port: int
+    got: tuple[int, int, float] | None
+    offer: int
+
+
+def parse_header(message: Any) -> _Header:
+    """A sender's header, from its stream or its datagram copy: its fields
+    of the right types and ranges, else ``ProtocolError`` with the reason.
+    What it says is checked against the round by ``accept_header``."""
+    fields = expect_list(message, 9, "lossy all-reduce header")
+    if expect_int(fields[0], "version") != LOSSY_VERSION:
+        raise ProtocolError(f"lossy all-reduce version {fields[0]}, expected {LOSSY_VERSION}")
+    weight = expect_float(fields[4], "weight")
+    if not (math.isfinite(weight) and weight >= 0):
+        raise ProtocolError("weight must be finite and >= 0")
+    return _Header(
+        group_id=expect_bytes(fields[1], "group id", max_size=64),
+        part=expect_int(fields[2], "part", lo=0, hi=2**16 - 1),
+        sender=expect_int(fields[3], "sender", lo=0, hi=2**16 - 1),
+        weight=weight,
+        total=expect_int(fields[5], "total", lo=0),
+        port=expect_int(fields[6], "udp port", lo=1, hi=65535),
+        got=_parse_got(fields[7]),
+        offer=expect_int(fields[8], "offered round", lo=-1, hi=2**32 - 1),
+    )
+
+
+class _AwaitedStream:
+    """The sender's stream, for a pair that the reducer serves on its
+    header's datagram copy before the stream reached it (module docstring,
+    "The header's copy"): keys from the connection the stream comes on,
+    messages sent queued until it comes (``attach``), a receive waiting for
+    it. Any failure to come is the round's deadline's business: the pair
+    goes on by datagram meanwhile."""
+
+    def __init__(self, remote: PeerID, export: Callable[[bytes], bytes], header: Any) -> None:
+        self.remote = remote
+        self._export = export
+        self.header = header  # the copy: the stream's header must equal it
+        self._stream: _ServedStream | None = None
+        self._queue: list[Any] = []
+        self._arrived = trio.Event()
+        self._failure: ProtocolError | None = None
+        self._closed = False
+        #: set once the round is done with the stream (``_serve_by_copy``)
+        self.served = trio.Event()
+
+    def export_key(self, label: bytes) -> bytes:
+        return self._export(label)
+
+    @property
+    def attached(self) -> bool:
+        return self._arrived.is_set()
+
+    async def send(self, message: Any) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if self._stream is None:
+            self._queue.append(message)
+            await trio.lowlevel.checkpoint()
+        else:
+            await self._stream.send(message)
+
+    async def receive(self) -> Any:
+        await self._arrived.wait()
+        if self._failure is not None:
+            raise self._failure
+        assert self._stream is not None
+        return await self._stream.receive()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        if self._stream is not None:
+            await self._stream.aclose()
+        else:
+            await trio.lowlevel.checkpoint()
+
+    async def attach(self, stream: _ServedStream, header: Any) -> None:
+        """The stream came with ``header``: send what waited for it, in order,
+        then serve it until the round is done with it. ``ProtocolError`` for
+        a header other than the copy's (the pair's receives fail with it)."""
+        if header != self.header:
+            self._failure = ProtocolError("the header differs from its datagram copy")
+            self._arrived.set()
+            raise self._failure
+        while self._queue:  # a send meanwhile joins the queue's end
+            await stream.send(self._queue.pop(0))
+        self._stream = stream
+        self._arrived.set()
+        if self._closed:
+            await stream.aclose()
+            return
+        await self.served.wait()
 
 
 @dataclass
@@ -404,12 +535,14 @@ async def lossy_all_reduce(
             async with trio.open_nursery() as outer:
                 outer.start_soon(rnd.read_datagrams, faults)
                 async with trio.open_nursery() as nursery:
+                    rnd.nursery = nursery
                     if rnd.reducer is not None:
                         nursery.start_soon(rnd.reduce)
                     if group.local.mode is not MemberMode.AUX:
                         for part in rnd.parts_to_send:
                             nursery.start_soon(rnd.send_part, part)
                 outer.cancel_scope.cancel()
+            _registry(net).keep_awaited(rnd)
         return rnd.finish(timed_out=deadline.cancelled_caught)
 
 
@@ -503,7 +636,7 @@ class _LossyRound:
         self.reduce_deadline = trio.current_time() + round_timeout / 2
         self.tag = group_tag(group.group_id)
         self.pacers = _pacers(net)
-        me = group.local_index
+        self.me = me = group.local_index
         self.inbound: dict[tuple[int, int, int], _Inbound] = {}
         self._all_inbound: list[_Inbound] = []  # for the counts of dropped datagrams
         #: The datagram copies of control messages, by route as ``inbound``.
@@ -513,6 +646,7 @@ class _LossyRound:
         #: "stream", the "datagram copy", the "last datagram" of a phase.
         self.taken: Counter[str] = Counter()
         self.stray = 0
+        self._header_drops: Counter[str] = Counter()  # of header copies
         self._empty = trio.Event()
         self._idle = False  # the reader waits for the socket to become readable
         self.segmented = False  # one send call may carry many datagrams (``_tune``)
@@ -536,6 +670,13 @@ class _LossyRound:
         #: The round of each sender's datagrams to us, chosen before its
         #: header arrives: it travels in our header to that sender as well.
         self._rounds: dict[int, int] = {}
+        #: Pairs served on the header's datagram copy, by sender.
+        self.awaited: dict[int, _AwaitedStream] = {}
+        #: Of those, the senders whose ``serve_sender`` has not started yet:
+        #: their datagrams are kept as before their header.
+        self._starting: set[int] = set()
+        #: Where the pairs served on a header's copy run (``lossy_all_reduce``).
+        self.nursery: trio.Nursery | None = None
         #: Datagrams of a sender that came before its header, by route.
         self._early: dict[tuple[int, int, int], list[tuple[bytes, float]]] = {}
         if partition.part_size(me) > 0:
@@ -586,6 +727,8 @@ class _LossyRound:
                     inbound.deliver(datagram, when)
                 elif route is not None and route in self.controls:
                     self.controls[route].deliver(datagram)
+                elif route is not None and route[:2] == (Kind.SENDER_HEADER, self.me):
+                    self.take_header_copy(route[2], datagram)
                 elif route is None or not self.keep_early(route, datagram, when):
                     self.stray += 1
             batch += 1
@@ -602,8 +745,10 @@ class _LossyRound:
         me = self.group.local_index
         if kind != Kind.PART or part != me or sender not in self._rounds:
             return False
-        if sender not in self._senders_left or sender in self._accepted:
+        if sender not in self._senders_left:
             return False
+        if sender in self._accepted and sender not in self._starting:
+            return False  # ``serve_sender`` opens its datagrams now
         kept = self._early.setdefault(route, [])
         if len(kept) >= EARLY_PER_PIECE * num_pieces(self.partition.part_size(me)):
             return False
@@ -648,7 +793,7 @@ class _LossyRound:
             nursery.cancel_scope.cancel()
 
     def _control(
-        self, stream: _LossyStream, kind: Kind, round_: int, part: int, sender: int
+        self, stream: _ServedStream, kind: Kind, round_: int, part: int, sender: int
     ) -> tuple[ControlSealer, _Control]:
         """Our sealer of ``kind``'s control copies in the pair (``part``,
         ``sender``) and the receiving end of the other direction's."""
@@ -760,42 +905,82 @@ class _LossyRound:
 
     # ----------------------------------------------------------------- reducer
 
-    def accept_header(
-        self, stream: _LossyStream, message: Any
-    ) -> tuple[int, float, int, tuple[int, int, float] | None]:
-        """A sender's header checked against this round: (sender, weight, udp
-        port, what it got of our last results or None). The round it offers
-        for our datagrams of its part is kept for ``send_part``.
+    def accept_header(self, remote: PeerID, header: _Header) -> None:
+        """Take a sender's header (``parse_header``) from ``remote``, checked
+        against this round. The round it offers for our datagrams of its part
+        is kept for ``send_part``.
 
         Raises ``ProtocolError`` with the one-line reason for the refusal.
         """
-        fields = expect_list(message, 9, "lossy all-reduce header")
-        if expect_int(fields[0], "version") != LOSSY_VERSION:
-            raise ProtocolError(f"lossy all-reduce version {fields[0]}, expected {LOSSY_VERSION}")
         me = self.group.local_index
-        if expect_int(fields[2], "part") != me or self.reducer is None:
-            raise ProtocolError(f"part {fields[2]} is not reduced here (member {me})")
-        sender = expect_int(fields[3], "sender", lo=0, hi=self.group.size - 1)
-        weight = expect_float(fields[4], "weight")
-        if not (math.isfinite(weight) and weight >= 0):
-            raise ProtocolError("weight must be finite and >= 0")
-        if expect_int(fields[5], "total") != self.partition.total:
+        if header.group_id != self.group.group_id:
+            raise ProtocolError("a header of another group")
+        if header.part != me or self.reducer is None:
+            raise ProtocolError(f"part {header.part} is not reduced here (member {me})")
+        sender = header.sender
+        if sender >= self.group.size:
+            raise ProtocolError(f"sender {sender} is not a member of a group of {self.group.size}")
+        if header.total != self.partition.total:
             raise ProtocolError(f"vector sizes differ: ours has {self.partition.total} elements")
-        port = expect_int(fields[6], "udp port", lo=1, hi=65535)
-        got = _parse_got(fields[7])
-        offer = expect_int(fields[8], "offered round", lo=-1, hi=2**32 - 1)
         member = self.group.members[sender]
-        if stream.remote != member.peer_id:
+        if remote != member.peer_id:
             raise ProtocolError(f"member {sender} of the group is another peer")
         if member.mode is MemberMode.AUX or sender == me:
             raise ProtocolError(f"member {sender} sends no data here")
         if sender in self._accepted or sender not in self._senders_left:
             raise ProtocolError(f"member {sender} already has a stream, or is too late")
         self._accepted.add(sender)
-        if offer >= 0:
-            self._offers[sender] = (port, offer)
+        if header.offer >= 0:
+            self._offers[sender] = (header.port, header.offer)
             self._offered[sender].set()
-        return sender, weight, port, got
+        if header.got is not None:
+            self.pacers.late_report(remote, *header.got)
+
+    def take_header_copy(self, sender: int, datagram: bytes) -> None:
+        """Serve ``sender``'s pair on its header's datagram copy, if it opens
+        under the key of a connection ``sender`` dialed to us and its stream's
+        header has not come (module docstring, "The header's copy"). A copy
+        that opens under none (forged, or from a connection whose handshake
+        has not ended here) is counted as ``forged``; one whose header this
+        round refuses, as ``refused header``: the stream's copy is refused
+        as always when it comes."""
+        round_ = self._rounds.get(sender)
+        if round_ is None or sender in self._accepted or sender not in self._senders_left:
+            return  # a second copy, one behind the stream, or not a pair of ours
+        me = self.group.local_index
+        peer = self.group.members[sender].peer_id
+        pair = Pair(Kind.SENDER_HEADER, self.tag, round_, me, sender, self.partition.part_size(me))
+        label = key_label(Kind.SENDER_HEADER, self.group.group_id, round_)
+        dropped: Counter[str] = Counter({"forged": 1})
+        for export in self.net.inbound_key_exporters(peer):
+            opener = ControlOpener(export(label), pair)
+            message = opener.open(datagram)
+            if message is not None:
+                break
+            dropped = opener.dropped
+        else:
+            self._header_drops.update(dropped)
+            return
+        try:
+            header = parse_header(message)
+            if header.sender != sender:
+                raise ProtocolError(f"sender {header.sender} in a copy from member {sender}")
+            self.accept_header(peer, header)
+        except ProtocolError as e:
+            logger.info("lossy all-reduce: member %d's header copy refused: %s", sender, e)
+            self._header_drops["refused header"] += 1
+            return
+        awaited = self.awaited[sender] = _AwaitedStream(peer, export, message)
+        self._starting.add(sender)
+        self.taken["header datagram copy"] += 1
+        assert self.nursery is not None  # the reducer's task runs until the sender is done
+        self.nursery.start_soon(self._serve_by_copy, awaited, header)
+
+    async def _serve_by_copy(self, awaited: _AwaitedStream, header: _Header) -> None:
+        try:
+            await self.serve_sender(awaited, header.sender, header.weight, header.port)
+        finally:
+            awaited.served.set()
 
     def _sender_done(self, sender: int, *, failed: bool = False) -> None:
         self._senders_left.discard(sender)
@@ -832,7 +1017,7 @@ class _LossyRound:
             await self._changed.wait()
 
     async def serve_sender(
-        self, stream: _LossyStream, sender: int, weight: float, port: int
+        self, stream: _ServedStream, sender: int, weight: float, port: int
     ) -> None:
         """The reducer's side of one pair, until the sender has its results.
 
@@ -856,6 +1041,7 @@ class _LossyRound:
             self.inbound[route] = inbound
             self._all_inbound.append(inbound)
             sealer_down, control = self._control(stream, Kind.REDUCER_CONTROL, round_, me, sender)
+            self._starting.discard(sender)
             for datagram, when in self._early.pop(route, ()):
                 inbound.deliver(datagram, when)
             await stream.send([self.sock.getsockname()[1], round_])
@@ -918,21 +1104,30 @@ class _LossyRound:
         part_size = hi - lo
         try:
             async with self.net.open_stream(member.peer_id, member.address, LOSSY_STREAM) as stream:
-                await stream.send(
-                    [
-                        LOSSY_VERSION,
-                        self.group.group_id,
-                        part,
-                        me,
-                        self.weight,
-                        self.partition.total,
-                        self.sock.getsockname()[1],
-                        list(self.pacers.take_got(member.peer_id) or ()),
-                        self._rounds.get(part, -1),
-                    ]
-                )
+                header = [
+                    LOSSY_VERSION,
+                    self.group.group_id,
+                    part,
+                    me,
+                    self.weight,
+                    self.partition.total,
+                    self.sock.getsockname()[1],
+                    list(self.pacers.take_got(member.peer_id) or ()),
+                    self._rounds.get(part, -1),
+                ]
+                await stream.send(header)
                 port, round_, replied = await self._reducer_round(stream, part)
                 gid = self.group.group_id
+                if not replied:
+                    # Our header may be held up on its way (module docstring,
+                    # "The header's copy"); had the reply come, it was not.
+                    header_up = Pair(Kind.SENDER_HEADER, self.tag, round_, part, me, part_size)
+                    label = key_label(Kind.SENDER_HEADER, gid, round_)
+                    self.send_control(
+                        ControlSealer(stream.export_key(label), header_up),
+                        header,
+                        (member.host, port),
+                    )
                 buffer = np.zeros(part_size, dtype=np.float32)
                 got = PieceMask(num_pieces(part_size))
 
@@ -1067,6 +1262,7 @@ class _LossyRound:
             dropped.update(inbound.opener.dropped)
         for control in self._all_controls:
             dropped.update(control.opener.dropped)
+        dropped.update(self._header_drops)
         if self.stray:
             dropped["stray"] = self.stray
         if not aux:
@@ -1142,26 +1338,50 @@ class _Registry:
 
     def __init__(self) -> None:
         self._rounds: RoundsByGroup[_LossyRound] = RoundsByGroup()
+        #: Streams of pairs served on their header's copy that had not come
+        #: by the end of their round, by (group id, sender, remote), with
+        #: when they are forgotten.
+        self._awaited: dict[tuple[bytes, int, PeerID], tuple[_AwaitedStream, float]] = {}
 
     def register(self, rnd: _LossyRound) -> AbstractContextManager[None]:
         """``rnd`` receives its group's streams while the block runs."""
         return self._rounds.register(rnd.group.group_id, rnd)
 
+    def keep_awaited(self, rnd: _LossyRound) -> None:
+        """Keep the streams that ``rnd`` served on a header's copy and that
+        had not come, for ``HEADER_TIMEOUT``: one that comes gets what was
+        sent on it and ends as usual, rather than being refused and its
+        connection closed."""
+        now = trio.current_time()
+        for key, (_, until) in list(self._awaited.items()):
+            if until < now:
+                del self._awaited[key]
+        for sender, awaited in rnd.awaited.items():
+            if not awaited.attached:
+                key = (rnd.group.group_id, sender, awaited.remote)
+                self._awaited[key] = (awaited, now + HEADER_TIMEOUT)
+
     async def handle(self, stream: _LossyStream) -> None:
         """The connection handler of ``LOSSY_STREAM``: ``ProtocolError`` refuses."""
         with trio.move_on_after(HEADER_TIMEOUT) as wait:
-            header = await stream.receive()
+            message = await stream.receive()
         if wait.cancelled_caught:
             raise ProtocolError("no lossy all-reduce header in time")
-        fields = expect_list(header, 9, "lossy all-reduce header")
-        gid = expect_bytes(fields[1], "group id", max_size=64)
+        header = parse_header(message)
+        gid = header.group_id
+        kept = self._awaited.pop((gid, header.sender, stream.remote), None)
+        if kept is not None:  # its round ended on the header's copy
+            await kept[0].attach(stream, message)
+            return
         rnd = await self._rounds.find(gid, wait=UNKNOWN_GROUP_WAIT)
         if rnd is None:
             raise ProtocolError(f"no lossy all-reduce round for group {gid.hex()[:16]} here")
-        sender, weight, port, got = rnd.accept_header(stream, header)
-        if got is not None:
-            rnd.pacers.late_report(stream.remote, *got)
-        await rnd.serve_sender(stream, sender, weight, port)
+        awaited = rnd.awaited.get(header.sender)
+        if awaited is not None and awaited.remote == stream.remote:
+            await awaited.attach(stream, message)
+            return
+        rnd.accept_header(stream.remote, header)
+        await rnd.serve_sender(stream, header.sender, header.weight, header.port)
 
 
 _registries: WeakKeyDictionary[Any, _Registry] = WeakKeyDictionary()

@@ -56,6 +56,7 @@ from averaging._datagrams import (
     Pair,
 )
 from averaging._group import Group, GroupMember, MemberMode
+from averaging._lossy import LOSSY_VERSION, parse_header
 from averaging._matchmaking import Candidate, member_from_wire, member_to_wire
 from averaging._partition import Partition
 from averaging._pieces import PieceMask
@@ -363,6 +364,28 @@ def _lossy_control(data: bytes) -> None:
         raise AssertionError("an altered control datagram was accepted")
 
 
+_LOSSY_HEADER = Pair(Kind.SENDER_HEADER, b"t" * 8, 9, part=1, sender=0, part_size=7)
+
+
+def _lossy_headers() -> list[bytes]:
+    sealer = ControlSealer(_LOSSY_KEY, _LOSSY_HEADER)
+    return [
+        sealer.seal([LOSSY_VERSION, b"g" * 8, 1, 0, 1.5, 14, 40000, [], 77]),
+        sealer.seal([LOSSY_VERSION, b"g" * 8, 1, 0, 0.0, 14, 40000, [3, 2, 0.01], -1]),
+    ]
+
+
+def _lossy_header(data: bytes) -> None:
+    """The same for a header's datagram copy, whose message is then checked
+    as the stream's header is (``parse_header``)."""
+    opened = ControlOpener(_LOSSY_KEY, _LOSSY_HEADER).open(data)
+    if opened is None:
+        raise ProtocolError("dropped")
+    if data not in _lossy_headers():
+        raise AssertionError("an altered header copy was accepted")
+    parse_header(opened)
+
+
 def _lossy_mask(data: bytes) -> None:
     PieceMask.from_bytes(data[1:], data[0] if data else 0)
 
@@ -457,6 +480,7 @@ TARGETS = [
     Target("state", _state_samples, _state),
     Target("lossy-datagram", _lossy_datagrams, _lossy_datagram),
     Target("lossy-control", _lossy_controls, _lossy_control),
+    Target("lossy-header-copy", _lossy_headers, _lossy_header),
     Target("lossy-mask", lambda: [bytes([11, 0xFF, 0x07]), bytes([8, 0x81])], _lossy_mask),
     Target(
         "matchmaking-member",
@@ -561,6 +585,20 @@ def test_allreduce_header_with_any_fields(fields: list[object], our_version: boo
         fields[0] = PROTOCOL_VERSION
     with contextlib.suppress(ProtocolError):
         parse_sender_header(fields, _GROUP, _PARTITION, ALICE.peer_id)
+
+
+@given(
+    st.lists(_documents | st.integers(-2, 3) | st.floats(-1, 2), min_size=8, max_size=10),
+    st.booleans(),
+)
+@FUZZ
+def test_lossy_header_with_any_fields(fields: list[object], our_version: bool) -> None:
+    """A lossy header (its stream's copy or its datagram copy's message)
+    with any fields is parsed or refused with ``ProtocolError``."""
+    if our_version:  # get past the version check to the other fields
+        fields[0] = LOSSY_VERSION
+    with contextlib.suppress(ProtocolError):
+        parse_header(fields)
 
 
 @given(

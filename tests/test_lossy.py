@@ -219,6 +219,9 @@ class HeldHeaders:
     def open_stream(self, peer_id: Any, address: tuple[str, int], name: str) -> Any:
         return self._net.open_stream(peer_id, address, name)
 
+    def inbound_key_exporters(self, peer_id: Any) -> list[Callable[[bytes], bytes]]:
+        return self._net.inbound_key_exporters(peer_id)
+
 
 class CountPart(DatagramFilter):
     """Lets every datagram through; sets ``done`` once ``n`` datagrams of
@@ -284,6 +287,75 @@ async def test_a_sender_starts_on_the_reducers_offer_before_its_header_is_read()
         assert not outcomes[i].failed_senders and not outcomes[i].failed_reducers
         assert all(who == {0, 1} for parts in outcomes[i].contributors for who in parts)
         assert torch.allclose(flats[i], mean, atol=1e-6, rtol=0)
+
+
+class HeaderBehindTheRound(HeldHeaders):
+    """A member's network whose first lossy control stream sets ``opened``
+    when it comes (its connection exists here from then on) and is read
+    only once ``release`` is set; ``handled`` is set when its handler
+    returned, ``failure`` what it raised. Later streams are read at once."""
+
+    def __init__(self, net: Connections, release: trio.Event, opened: trio.Event) -> None:
+        super().__init__(net, release)
+        self.opened = opened
+        self.handled = trio.Event()
+        self.failure: BaseException | None = None
+
+    def set_handler(self, name: str, handler: Callable[[Any], Awaitable[None]]) -> None:
+        async def held(stream: Any) -> None:
+            if self.opened.is_set():
+                await handler(stream)
+                return
+            self.opened.set()
+            await self._release.wait()
+            try:
+                await handler(stream)
+            except BaseException as e:
+                self.failure = e
+                raise
+            finally:
+                self.handled.set()
+
+        self._net.set_handler(name, held)
+
+
+async def test_a_round_proceeds_on_the_headers_datagram_copy() -> None:
+    """Member 1 reads member 0's header from its stream only after the round
+    ended. Member 0 started on member 1's offer (read once member 1 had the
+    connection: ``opened``) and sent its header as a datagram too, under a
+    key of that connection: member 1 serves the pair on the copy, and every
+    piece holds both members' data. Without the copy member 1 would leave
+    member 0 out after ``sender_timeout``. The stream, when it comes, gets
+    the messages sent meanwhile and ends cleanly: the next round reuses its
+    connection."""
+    async with open_peers(2) as nets:
+        groups = make_groups(nets)
+        release, opened = trio.Event(), trio.Event()
+        held = HeaderBehindTheRound(nets[1], release, opened)
+        inputs = [member_data(0), member_data(1)]
+        nets_used = [HeldHeaders(nets[0], opened), held]
+        outcomes: list[Any] = [None, None]
+
+        async def member(i: int, flat: torch.Tensor) -> None:
+            outcomes[i] = await lossy_all_reduce(
+                nets_used[i], groups[i], flat, 1.0, sender_timeout=2.0, round_timeout=6.0
+            )
+
+        for round_ in range(2):
+            flats = [x.clone() for x in inputs]
+            async with trio.open_nursery() as nursery:
+                for i in range(2):
+                    nursery.start_soon(member, i, flats[i])
+            for i in range(2):
+                assert not outcomes[i].failed_senders and not outcomes[i].failed_reducers
+                assert all(who == {0, 1} for parts in outcomes[i].contributors for who in parts)
+                assert torch.allclose(flats[i], (inputs[0] + inputs[1]) / 2, atol=1e-6, rtol=0)
+            if round_ == 0:
+                assert not held.handled.is_set()
+                release.set()
+                await held.handled.wait()
+                assert held.failure is None
+        assert nets[0].dialed == 1  # the late stream's connection carried the second round
 
 
 class HeldMarker:
