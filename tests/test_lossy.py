@@ -31,13 +31,14 @@ from averaging._group import Group, GroupMember, MemberMode
 from averaging._lossy import (
     LOSSY_STREAM,
     LOSSY_VERSION,
+    _AwaitedStream,
     _pacers,
     _tune,
     lossy_all_reduce,
     send_burst,
 )
 from averaging._partition import Partition
-from swarm import ConfigError, Identity, SwarmError
+from swarm import ConfigError, Identity, ProtocolError, StreamResetError, SwarmError
 from swarm._connections import ConnectionConfig, Connections, open_connections
 
 TOTAL = 20_000  # about 15 pieces per part in a group of 4
@@ -356,6 +357,52 @@ async def test_a_round_proceeds_on_the_headers_datagram_copy() -> None:
                 await held.handled.wait()
                 assert held.failure is None
         assert nets[0].dialed == 1  # the late stream's connection carried the second round
+
+
+async def test_an_awaited_stream_sends_what_waited_in_order_and_refuses_another_header() -> None:
+    """The reducer's side of a pair served on its header's copy: what it
+    sent before the stream came reaches the sender first and in order, what
+    it sends later follows, a receive waits for the stream; a stream whose
+    header differs from the copy is refused, and so is every later receive
+    or send of the pair."""
+    async with open_peers(2) as nets:
+        header = [LOSSY_VERSION, b"g", 1, 0, 1.0, 10, 4000, [], -1]
+        awaited: list[_AwaitedStream] = []
+        failures: list[BaseException] = []
+
+        async def handler(stream: Any) -> None:
+            try:
+                await awaited[-1].attach(stream, await stream.receive())
+            except ProtocolError as e:
+                failures.append(e)
+                raise
+
+        nets[1].set_handler("awaited", handler)
+        for sent_header in (header, [*header[:4], 2.0, *header[5:]]):
+            pair = _AwaitedStream(nets[0].peer_id, lambda label: bytes(32), header)  # no keys used
+            awaited.append(pair)
+            await pair.send("reply")
+            await pair.send("report")
+            async with nets[0].open_stream(
+                nets[1].peer_id, ("127.0.0.1", nets[1].port), "awaited"
+            ) as stream:
+                await stream.send(sent_header)
+                if sent_header is header:
+                    assert [await stream.receive(), await stream.receive()] == ["reply", "report"]
+                    await pair.send("marker")
+                    assert await stream.receive() == "marker"
+                    await stream.send("sent")
+                    assert await pair.receive() == "sent"
+                    pair.served.set()
+                    await stream.send_eof()
+                else:
+                    with pytest.raises(StreamResetError):
+                        await stream.receive()
+                    with pytest.raises(ProtocolError):
+                        await pair.receive()
+                    with pytest.raises(ProtocolError):
+                        await pair.send("marker")
+        assert len(failures) == 1
 
 
 class HeldMarker:
