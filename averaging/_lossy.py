@@ -940,10 +940,11 @@ class _LossyRound:
         """Serve ``sender``'s pair on its header's datagram copy, if it opens
         under the key of a connection ``sender`` dialed to us and its stream's
         header has not come (module docstring, "The header's copy"). A copy
-        that opens under none (forged, or from a connection whose handshake
-        has not ended here) is counted as ``forged``; one whose header this
-        round refuses, as ``refused header``: the stream's copy is refused
-        as always when it comes."""
+        that no key opens is counted as ``unopened header``: forged, or
+        sealed under a connection whose handshake has not ended here (the
+        first round on a new connection); one whose header this round
+        refuses, as ``refused header``: the stream's copy is refused as
+        always when it comes."""
         round_ = self._rounds.get(sender)
         if round_ is None or sender in self._accepted or sender not in self._senders_left:
             return  # a second copy, one behind the stream, or not a pair of ours
@@ -951,13 +952,14 @@ class _LossyRound:
         peer = self.group.members[sender].peer_id
         pair = Pair(Kind.SENDER_HEADER, self.tag, round_, me, sender, self.partition.part_size(me))
         label = key_label(Kind.SENDER_HEADER, self.group.group_id, round_)
-        dropped: Counter[str] = Counter({"forged": 1})
+        dropped: Counter[str] = Counter({"unopened header": 1})
         for export in self.net.inbound_key_exporters(peer):
             opener = ControlOpener(export(label), pair)
             message = opener.open(datagram)
             if message is not None:
                 break
-            dropped = opener.dropped
+            if "forged" not in opener.dropped:  # malformed or misrouted under any key
+                dropped = opener.dropped
         else:
             self._header_drops.update(dropped)
             return
