@@ -356,6 +356,10 @@ async def test_a_round_proceeds_on_the_headers_datagram_copy() -> None:
                 release.set()
                 await held.handled.wait()
                 assert held.failure is None
+                [entry] = nets[0]._pool[nets[1].peer_id]
+                with trio.fail_after(5):  # its EOF and DONE on their way to member 0
+                    await entry.settled.wait()
+                assert entry.ready
         assert nets[0].dialed == 1  # the late stream's connection carried the second round
 
 
