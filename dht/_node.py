@@ -205,6 +205,9 @@ class DHTNode:
         nursery: trio.Nursery,
     ) -> None:
         self._server = server
+        # a record stored here wakes whoever waits for its key (wait_for_store)
+        self._stored: dict[bytes, trio.Event] = {}
+        server.storage.on_stored = self._wake_waiters
         self._loop = loop
         self._identity = identity
         self.host = host
@@ -375,6 +378,36 @@ class DHTNode:
                 self._write_back, crawl, live, self.config.ksize if latest else 1
             )
         return _to_value(live)
+
+    def get_local(self, key: str | bytes) -> DHTValue | None:
+        """``key`` as this node's own storage holds it: no network, so what
+        other nodes hold is missing (a node stores only the keys it is among
+        the closest to; in a swarm of at most k nodes, all of them)."""
+        self._check_open()
+        now = self._clock()  # validated when stored; only expiry can have changed
+        records = self._server.storage.records(key_id(encode_key(key)))
+        return _to_value([r for r in records if r.expiration > now])
+
+    async def wait_for_store(self, key: str | bytes) -> None:
+        """Return once a record under ``key`` is stored at this node (a new
+        one, or a newer version), whoever sent it; the caller bounds the wait.
+        With ``get_local`` it lets a reader that found nothing learn of a
+        record the moment it arrives here rather than at its next read. A
+        closed node stores nothing more: it waits until the caller's bound."""
+        dkey = key_id(encode_key(key))
+        event = self._stored.get(dkey)
+        if event is None:
+            event = self._stored[dkey] = trio.Event()
+        try:
+            await event.wait()
+        finally:  # the last waiter gave up: forget the key
+            if not event.is_set() and not event.statistics().tasks_waiting:
+                self._stored.pop(dkey, None)
+
+    def _wake_waiters(self, dkey: bytes) -> None:
+        event = self._stored.pop(dkey, None)
+        if event is not None:
+            event.set()
 
     async def _rejoin_if_alone(self) -> None:
         """With no contact left, join again through the initial peers and the

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple, TypeVar
 
@@ -147,6 +147,9 @@ class RecordStorage(IStorage):
         # (records, bytes) charged to each node id and each host
         self._by_peer: dict[bytes, list[int]] = {}
         self._by_host: dict[str, list[int]] = {}
+        #: called with the key id of each record that becomes the stored
+        #: version (``DHTNode.wait_for_store``)
+        self.on_stored: Callable[[bytes], None] | None = None
 
     # -- our interface -------------------------------------------------------
 
@@ -186,9 +189,11 @@ class RecordStorage(IStorage):
         entry.soonest = min(entry.soonest, record.expiration)
         self._charge(record, source)
         entry.updated = time.monotonic()
-        if len(entry.records) > self._limits.max_subkeys_per_key:
-            evicted = self._evict_from(entry)
-            return evicted is not record
+        too_many = len(entry.records) > self._limits.max_subkeys_per_key
+        if too_many and self._evict_from(entry) is record:
+            return False
+        if self.on_stored is not None:
+            self.on_stored(dkey)
         return True
 
     def _check_quota(

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 import trio
+import trio.testing
 from dht_harness import TEST_CONFIG, open_swarm
 from kademlia.node import Node
 
@@ -60,6 +61,35 @@ async def test_record_stored_anywhere_is_read_everywhere() -> None:
                 r is not None and r.value == {"k": k, "blob": b"\x00" * 100} for r in results
             ), results
             assert {r.expiration_time for r in results if r} == {NOW + 60}
+
+
+async def test_a_store_here_wakes_a_waiter_and_the_local_read_has_it() -> None:
+    """``wait_for_store`` returns when a record under its key arrives at this
+    node from another; ``get_local`` reads this node's storage alone, with no
+    network; a waiter that gave up leaves nothing behind."""
+    clock = ManualClock(NOW)
+    async with open_swarm(3, clock) as swarm:
+        writer, reader, _ = swarm.nodes
+        assert reader.get_local("lobby") is None
+        with trio.move_on_after(0.05):
+            await reader.wait_for_store("lobby")  # nothing comes: gives up
+        assert not reader._stored
+        async with trio.open_nursery() as nursery:
+            woken = trio.Event()
+
+            async def wait() -> None:
+                await reader.wait_for_store("lobby")
+                woken.set()
+
+            nursery.start_soon(wait)
+            await trio.testing.wait_all_tasks_blocked()
+            # a swarm under k nodes: the writer's store reaches every one
+            assert await writer.store("lobby", "me", NOW + 60, subkey="a")
+            with trio.fail_after(10):
+                await woken.wait()
+        local = reader.get_local("lobby")
+        assert local is not None and local.value["a"].value == "me"
+        assert reader.get_local("another key") is None
 
 
 async def test_ten_writers_subkeys_merge() -> None:

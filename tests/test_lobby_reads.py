@@ -1,0 +1,54 @@
+"""A peer looking for its leader reads the lobby from the DHT, and between
+reads learns of an announcement the moment the DHT stores it at its node
+(``Matchmaker._seek``), over real peers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import torch
+import trio
+from peer_harness import averager_config, open_peers
+
+from averaging import Averager, Group, MoshpitGrid
+from dht import DHTValue
+
+
+async def test_a_peer_that_read_before_its_leader_announced_joins_on_the_announcement() -> None:
+    """The junior reads the lobby before its senior has begun: nothing there.
+    Its next read is a pause away (an eighth of its poll interval, 2 s here);
+    the senior's announcement reaches its node long before, and it joins on
+    that, with one read of the DHT in all. Reading again only after the pause
+    (as before) takes two."""
+    # the senior begins later but closes its lobby first: a shorter window
+    junior_config = averager_config(matchmaking_time=16.0, poll_interval=16.0)
+    senior_config = averager_config(matchmaking_time=4.0, poll_interval=1.0)
+    async with open_peers(2, seed=23) as peers:
+        junior_peer, senior_peer = peers.alive
+        junior, senior = (
+            Averager(p, [torch.zeros(8)], prefix="lobby", config=c, grid=MoshpitGrid(1, 4))
+            for p, c in ((junior_peer, junior_config), (senior_peer, senior_config))
+        )
+        reads = 0
+        first_read = trio.Event()
+        dht_get = junior_peer.dht.get
+
+        async def counted_get(key: str, *, latest: bool = False) -> DHTValue | None:
+            nonlocal reads
+            value = await dht_get(key, latest=latest)
+            reads += 1
+            first_read.set()
+            return value
+
+        junior_peer.dht.get = counted_get  # type: ignore[method-assign]
+        groups: dict[str, Group | None] = {}
+
+        async def find(name: str, averager: Averager) -> None:
+            groups[name] = await averager.find_group(round=0, expected_peers=2)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(find, "junior", junior)
+            await first_read.wait()
+            nursery.start_soon(find, "senior", senior)
+    junior_group, senior_group = groups["junior"], groups["senior"]
+    assert junior_group is not None and senior_group is not None
+    assert junior_group.group_id == senior_group.group_id
+    assert reads == 1
