@@ -14,12 +14,12 @@ from dht import DHTValue
 
 async def test_a_peer_that_read_before_its_leader_announced_joins_on_the_announcement() -> None:
     """The junior reads the lobby before its senior has begun: nothing there.
-    Its next read is a pause away (an eighth of its poll interval, 2 s here);
+    Its next read is a pause away (an eighth of its poll interval, 8 s here);
     the senior's announcement reaches its node long before, and it joins on
     that, with one read of the DHT in all. Reading again only after the pause
     (as before) takes two."""
     # the senior begins later but closes its lobby first: a shorter window
-    junior_config = averager_config(matchmaking_time=16.0, poll_interval=16.0)
+    junior_config = averager_config(matchmaking_time=64.0, poll_interval=64.0)
     senior_config = averager_config(matchmaking_time=4.0, poll_interval=1.0)
     async with open_peers(2, seed=23) as peers:
         junior_peer, senior_peer = peers.alive
