@@ -2218,31 +2218,35 @@ def _shorten_retransmission_timer(sock: trio.socket.SocketType) -> None:
         return
 
 
-def _smoothed_rtt(sock: trio.socket.SocketType) -> float | None:
-    """The kernel's smoothed round trip of a TCP connection in seconds, or
-    None where it does not say (no ``TCP_INFO``, or no sample yet)."""
+def _tcp_info_fields(sock: trio.socket.SocketType, *offsets: int) -> list[int] | None:
+    """The u32 fields of a TCP connection's ``TCP_INFO`` at ``offsets``, or
+    None where the kernel does not say (no ``TCP_INFO``, or a shorter one)."""
     try:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_SIZE)
     except (OSError, AttributeError):
         return None
-    if len(info) < _TCPI_RTT + 4:
+    if len(info) < max(offsets) + 4:
         return None
-    rtt_us: int = struct.unpack_from("=I", info, _TCPI_RTT)[0]
-    return rtt_us / 1e6 if rtt_us else None
+    return [struct.unpack_from("=I", info, offset)[0] for offset in offsets]
+
+
+def _smoothed_rtt(sock: trio.socket.SocketType) -> float | None:
+    """The kernel's smoothed round trip of a TCP connection in seconds, or
+    None where it does not say (no ``TCP_INFO``, or no sample yet)."""
+    fields = _tcp_info_fields(sock, _TCPI_RTT)
+    if fields is None or not fields[0]:
+        return None
+    return fields[0] / 1e6
 
 
 def _queueing_delay(sock: trio.socket.SocketType) -> float | None:
     """How much longer than its least round trip a TCP connection's smoothed
     round trip is, in seconds: the time its packets wait in queues on the
     path. None where the kernel does not say (no ``TCP_INFO`` or no sample)."""
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_SIZE)
-    except (OSError, AttributeError):
+    fields = _tcp_info_fields(sock, _TCPI_RTT, _TCPI_MIN_RTT)
+    if fields is None:
         return None
-    if len(info) < _TCPI_MIN_RTT + 4:
-        return None
-    rtt_us: int = struct.unpack_from("=I", info, _TCPI_RTT)[0]
-    min_rtt_us: int = struct.unpack_from("=I", info, _TCPI_MIN_RTT)[0]
+    rtt_us, min_rtt_us = fields
     if not rtt_us or not min_rtt_us or min_rtt_us == 2**32 - 1:  # ~0: no sample yet
         return None
     return max(0, rtt_us - min_rtt_us) / 1e6
