@@ -853,39 +853,32 @@ def main() -> None:
         f"   CPU/peer {gloo['cpu_s']:.3f} s"
     )
     print(split_line(gloo["cpu_split_s"], "its caller", "gloo's"))
-    print(
-        f"  ours, plaintext    {plain['median_s']:8.3f} s   peak RSS {plain['rss_mb']:7.1f} MiB"
-        f"   CPU/peer {plain['cpu_s']:.3f} s   ratio {report['ratio_plain']:.2f} (target <= 1.2)"
-    )
-    print(split_line(plain["cpu_split_s"], "trio's", "bulk I/O"))
+
+    def ours(label: str, run: dict[str, Any], note: str) -> None:
+        """One row of ours (the time right-aligned to the gloo row's column)
+        and its CPU by thread."""
+        name = f"ours, {label}"
+        print(
+            f"  {name}{run['median_s']:{27 - len(name)}.3f} s   peak RSS {run['rss_mb']:7.1f} MiB"
+            f"   CPU/peer {run['cpu_s']:.3f} s   ratio {run['median_s'] / gloo['median_s']:.2f}"
+            f" ({note})"
+        )
+        print(split_line(run["cpu_split_s"], "trio's", "bulk I/O"))
+
+    ours("plaintext", plain, "target <= 1.2")
     if any(high for _, high in plain["paces"]):
         paces = ", ".join(f"{high * 8e-9:.2f}" if high else "unpaced" for _, high in plain["paces"])
         print(f"    paced per round (Gbit/s, fastest peer): {paces}")
     if unpaced is not None:
-        print(
-            f"  ours, unpaced      {unpaced['median_s']:8.3f} s   peak RSS"
-            f" {unpaced['rss_mb']:7.1f} MiB   CPU/peer {unpaced['cpu_s']:.3f} s"
-            f"   ratio {report['ratio_plain_unpaced']:.2f} (auto_pacing=False)"
-        )
-        print(split_line(unpaced["cpu_split_s"], "trio's", "bulk I/O"))
+        ours("unpaced", unpaced, "auto_pacing=False")
     if not args.plain_only:
-        print(
-            f"  ours, encrypted    {encrypted['median_s']:8.3f} s   peak RSS"
-            f" {encrypted['rss_mb']:7.1f} MiB   CPU/peer {encrypted['cpu_s']:.3f} s"
-            f"   ratio {report['ratio']:.2f} (target <= 1.6)"
-        )
-        print(split_line(encrypted["cpu_split_s"], "trio's", "bulk I/O"))
+        ours("encrypted", encrypted, "target <= 1.6")
     for label, run, target in (
         ("ring, plaintext", ring_plain, 1.2),
         ("ring, encrypted", ring_encrypted, 1.6),
     ):
         if run is not None:
-            print(
-                f"  ours, {label:15}{run['median_s']:6.3f} s   peak RSS {run['rss_mb']:7.1f} MiB"
-                f"   CPU/peer {run['cpu_s']:.3f} s"
-                f"   ratio {run['median_s'] / gloo['median_s']:.2f} (target <= {target})"
-            )
-            print(split_line(run["cpu_split_s"], "trio's", "bulk I/O"))
+            ours(label, run, f"target <= {target}")
     budget = gloo["rss_mb"] + vector_mb
     print(
         f"  RSS budget (gloo + one vector) {budget:.1f} MiB:"
