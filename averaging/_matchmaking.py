@@ -702,8 +702,19 @@ class Matchmaker:
         told it holds every expected peer waits: a lobby that reached
         ``deadline`` closes as before, and a caller's count that fits in one
         group (``Lobby.may_overflow``) still closes it at once.
+
+        A lobby that holds every peer the caller expects, in one group, closes
+        without ``_spare``'s read: nobody the caller knows of is left over,
+        and the read, a round trip (more where a datagram is lost) between
+        the last member's arrival and the group message, was on every step's
+        path in a swarm that fits one group. A newcomer the caller did not
+        count yet, whose announcement the read would have found before its
+        join request came, averages alone for that round, as one that comes
+        after the close always did; the next round counts it.
         """
-        if await self._spare(lobby, me) or not (lobby.full and lobby.may_overflow):
+        if lobby.full and not lobby.may_overflow:
+            return
+        if await self._spare(lobby, me) or not lobby.full:
             return
         grace_end = min(deadline, trio.current_time() + self.config.poll_interval)
         while lobby.following is None:

@@ -1,6 +1,8 @@
 """A peer looking for its leader reads the lobby from the DHT, and between
 reads learns of an announcement the moment the DHT stores it at its node
-(``Matchmaker._seek``), over real peers on 127.0.0.1."""
+(``Matchmaker._seek``); a leader reads it once more before closing only
+where someone may be left over (``Matchmaker._hand_over``). Over real peers
+on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -51,4 +53,45 @@ async def test_a_peer_that_read_before_its_leader_announced_joins_on_the_announc
     junior_group, senior_group = groups["junior"], groups["senior"]
     assert junior_group is not None and senior_group is not None
     assert junior_group.group_id == senior_group.group_id
+    assert reads == 1
+
+
+async def test_a_group_of_every_expected_peer_closes_without_reading_the_key_again() -> None:
+    """Three peers are expected, and the group holds them all: the leader
+    (the first to begin, so the senior) closes its lobby as its last
+    follower arrives, with no read of the key beyond its search for seniors
+    (one read: its next is a pause of 8 s away). The read before closing
+    that looks for peers left over (``_spare``), on every step's path
+    before, made two."""
+    config = averager_config(matchmaking_time=64.0, poll_interval=64.0)
+    async with open_peers(3, seed=29) as peers:
+        senior_peer = peers.alive[0]
+        averagers = [
+            Averager(p, [torch.zeros(8)], prefix="close", config=config, grid=MoshpitGrid(1, 4))
+            for p in peers.alive
+        ]
+        reads = 0
+        first_read = trio.Event()
+        dht_get = senior_peer.dht.get
+
+        async def counted_get(key: str, *, latest: bool = False) -> DHTValue | None:
+            nonlocal reads
+            value = await dht_get(key, latest=latest)
+            reads += 1
+            first_read.set()
+            return value
+
+        senior_peer.dht.get = counted_get  # type: ignore[method-assign]
+        groups: list[Group | None] = [None] * 3
+
+        async def find(i: int) -> None:
+            groups[i] = await averagers[i].find_group(round=0, expected_peers=3)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(find, 0)
+            await first_read.wait()
+            nursery.start_soon(find, 1)
+            nursery.start_soon(find, 2)
+    assert all(g is not None for g in groups)
+    assert len({g.group_id for g in groups if g is not None}) == 1
     assert reads == 1
