@@ -56,6 +56,45 @@ async def test_a_peer_that_read_before_its_leader_announced_joins_on_the_announc
     assert reads == 1
 
 
+async def test_a_peer_whose_node_holds_its_leaders_announcement_joins_without_a_read() -> None:
+    """The senior announced itself while the junior was still computing, and
+    the announcement reached the junior's node: the junior looks there first
+    and joins with no read of the DHT at all. Reading the network first (as
+    before) took one, on the path of every step: the leader waits for the
+    last peer to begin."""
+    config = averager_config(matchmaking_time=64.0, poll_interval=64.0)
+    async with open_peers(2, seed=31) as peers:
+        junior_peer = peers.alive[1]
+        senior, junior = (
+            Averager(p, [torch.zeros(8)], prefix="here", config=config, grid=MoshpitGrid(1, 4))
+            for p in peers.alive
+        )
+        reads = 0
+        dht_get = junior_peer.dht.get
+
+        async def counted_get(key: str, *, latest: bool = False) -> DHTValue | None:
+            nonlocal reads
+            reads += 1
+            return await dht_get(key, latest=latest)
+
+        junior_peer.dht.get = counted_get  # type: ignore[method-assign]
+        groups: dict[str, Group | None] = {}
+
+        async def find(name: str, averager: Averager) -> None:
+            groups[name] = await averager.find_group(round=0, expected_peers=2)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(find, "senior", senior)
+            key = (await senior._matchmaker.wait_lobby()).key
+            while junior_peer.dht.get_local(key) is None:
+                await junior_peer.dht.wait_for_store(key)
+            nursery.start_soon(find, "junior", junior)
+    junior_group, senior_group = groups["junior"], groups["senior"]
+    assert junior_group is not None and senior_group is not None
+    assert junior_group.group_id == senior_group.group_id
+    assert reads == 0
+
+
 async def test_a_group_of_every_expected_peer_closes_without_reading_the_key_again() -> None:
     """Three peers are expected, and the group holds them all: the leader
     (the first to begin, so the senior) closes its lobby as its last
