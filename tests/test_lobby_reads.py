@@ -6,12 +6,39 @@ on 127.0.0.1."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import trio
 from peer_harness import averager_config, open_peers
 
 from averaging import Averager, Group, MoshpitGrid
 from dht import DHTValue
+
+
+class CountedReads:
+    """Counts the reads of the DHT that ``peer`` makes (``dht.get``), from
+    now on; ``first`` is set once the first of them returned."""
+
+    def __init__(self, peer: Any) -> None:
+        self.count = 0
+        self.first = trio.Event()
+        self._get = peer.dht.get
+        peer.dht.get = self._counted
+
+    async def _counted(self, key: str, *, latest: bool = False) -> DHTValue | None:
+        value = await self._get(key, latest=latest)
+        self.count += 1
+        self.first.set()
+        return value
+
+
+async def find(groups: dict[int, Group | None], i: int, averager: Averager, expected: int) -> None:
+    groups[i] = await averager.find_group(round=0, expected_peers=expected)
+
+
+def one_group(groups: dict[int, Group | None], peers: int) -> bool:
+    return len(groups) == peers and len({g.group_id for g in groups.values() if g}) == 1
 
 
 async def test_a_peer_that_read_before_its_leader_announced_joins_on_the_announcement() -> None:
@@ -29,31 +56,14 @@ async def test_a_peer_that_read_before_its_leader_announced_joins_on_the_announc
             Averager(p, [torch.zeros(8)], prefix="lobby", config=c, grid=MoshpitGrid(1, 4))
             for p, c in ((junior_peer, junior_config), (senior_peer, senior_config))
         )
-        reads = 0
-        first_read = trio.Event()
-        dht_get = junior_peer.dht.get
-
-        async def counted_get(key: str, *, latest: bool = False) -> DHTValue | None:
-            nonlocal reads
-            value = await dht_get(key, latest=latest)
-            reads += 1
-            first_read.set()
-            return value
-
-        junior_peer.dht.get = counted_get  # type: ignore[method-assign]
-        groups: dict[str, Group | None] = {}
-
-        async def find(name: str, averager: Averager) -> None:
-            groups[name] = await averager.find_group(round=0, expected_peers=2)
-
+        reads = CountedReads(junior_peer)
+        groups: dict[int, Group | None] = {}
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(find, "junior", junior)
-            await first_read.wait()
-            nursery.start_soon(find, "senior", senior)
-    junior_group, senior_group = groups["junior"], groups["senior"]
-    assert junior_group is not None and senior_group is not None
-    assert junior_group.group_id == senior_group.group_id
-    assert reads == 1
+            nursery.start_soon(find, groups, 0, junior, 2)
+            await reads.first.wait()
+            nursery.start_soon(find, groups, 1, senior, 2)
+    assert one_group(groups, 2) and None not in groups.values()
+    assert reads.count == 1
 
 
 async def test_a_peer_whose_node_holds_its_leaders_announcement_joins_without_a_read() -> None:
@@ -69,30 +79,16 @@ async def test_a_peer_whose_node_holds_its_leaders_announcement_joins_without_a_
             Averager(p, [torch.zeros(8)], prefix="here", config=config, grid=MoshpitGrid(1, 4))
             for p in peers.alive
         )
-        reads = 0
-        dht_get = junior_peer.dht.get
-
-        async def counted_get(key: str, *, latest: bool = False) -> DHTValue | None:
-            nonlocal reads
-            reads += 1
-            return await dht_get(key, latest=latest)
-
-        junior_peer.dht.get = counted_get  # type: ignore[method-assign]
-        groups: dict[str, Group | None] = {}
-
-        async def find(name: str, averager: Averager) -> None:
-            groups[name] = await averager.find_group(round=0, expected_peers=2)
-
+        reads = CountedReads(junior_peer)
+        groups: dict[int, Group | None] = {}
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(find, "senior", senior)
+            nursery.start_soon(find, groups, 0, senior, 2)
             key = (await senior._matchmaker.wait_lobby()).key
             while junior_peer.dht.get_local(key) is None:
                 await junior_peer.dht.wait_for_store(key)
-            nursery.start_soon(find, "junior", junior)
-    junior_group, senior_group = groups["junior"], groups["senior"]
-    assert junior_group is not None and senior_group is not None
-    assert junior_group.group_id == senior_group.group_id
-    assert reads == 0
+            nursery.start_soon(find, groups, 1, junior, 2)
+    assert one_group(groups, 2) and None not in groups.values()
+    assert reads.count == 0
 
 
 async def test_a_group_of_every_expected_peer_closes_without_reading_the_key_again() -> None:
@@ -104,33 +100,16 @@ async def test_a_group_of_every_expected_peer_closes_without_reading_the_key_aga
     before, made two."""
     config = averager_config(matchmaking_time=64.0, poll_interval=64.0)
     async with open_peers(3, seed=29) as peers:
-        senior_peer = peers.alive[0]
         averagers = [
             Averager(p, [torch.zeros(8)], prefix="close", config=config, grid=MoshpitGrid(1, 4))
             for p in peers.alive
         ]
-        reads = 0
-        first_read = trio.Event()
-        dht_get = senior_peer.dht.get
-
-        async def counted_get(key: str, *, latest: bool = False) -> DHTValue | None:
-            nonlocal reads
-            value = await dht_get(key, latest=latest)
-            reads += 1
-            first_read.set()
-            return value
-
-        senior_peer.dht.get = counted_get  # type: ignore[method-assign]
-        groups: list[Group | None] = [None] * 3
-
-        async def find(i: int) -> None:
-            groups[i] = await averagers[i].find_group(round=0, expected_peers=3)
-
+        reads = CountedReads(peers.alive[0])
+        groups: dict[int, Group | None] = {}
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(find, 0)
-            await first_read.wait()
-            nursery.start_soon(find, 1)
-            nursery.start_soon(find, 2)
-    assert all(g is not None for g in groups)
-    assert len({g.group_id for g in groups if g is not None}) == 1
-    assert reads == 1
+            nursery.start_soon(find, groups, 0, averagers[0], 3)
+            await reads.first.wait()
+            for i in (1, 2):
+                nursery.start_soon(find, groups, i, averagers[i], 3)
+    assert one_group(groups, 3) and None not in groups.values()
+    assert reads.count == 1
