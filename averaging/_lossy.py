@@ -81,8 +81,9 @@ in each piece it gets back (``AllReduceResult.contributors``, one set per
 piece; ``chunk_elements`` is ``PIECE_ELEMENTS``).
 
 When a phase ends. The reducer averages once every expected piece arrived, or
-once each sender's end-of-sending arrived and, unless its last datagram did
-too, ``DRAIN`` seconds more passed (datagrams sent before it may still be on
+once each sender's end-of-sending arrived and, unless its last datagram or a
+datagram copy of the marker (which leaves after it, on its flow) did too,
+``DRAIN`` seconds more passed (datagrams sent before it may still be on
 their way), or at the reduce
 deadline, half the round's timeout after the start, whichever comes first. A
 sender that has not opened its stream within ``sender_timeout`` is left out, as
@@ -172,10 +173,11 @@ EARLY_PER_PIECE = 2
 #: may be reordered on the way by a few milliseconds. Only the path's
 #: reordering: datagrams that reached the kernel meanwhile are read anyway
 #: (``_Round.settled``), however busy the CPU. A phase waits this long only
-#: when the link lost its last datagram (``_wait_for_pieces``): before, every
-#: phase that lost any did (most phases at 10% loss: a part of 8 datagrams
-#: loses one more often than not). Kept short: 50 ms cost a round of the
-#: digits task 0.1 s, where the round takes 0.04 s.
+#: when the link lost its last datagram and every datagram copy of the
+#: marker (``_wait_for_pieces``): before, every phase that lost any datagram
+#: did (most phases at 10% loss: a part of 8 datagrams loses one more often
+#: than not), and then every phase that lost its last. Kept short: 50 ms
+#: cost a round of the digits task 0.1 s, where the round takes 0.04 s.
 DRAIN = 0.01
 #: Datagram copies sent of each control message (``_LossyRound.send_control``),
 #: back to back: on a link that loses packets at random, each copy is lost
@@ -830,19 +832,31 @@ class _LossyRound:
             except OSError:
                 return
 
-    async def _wait_for_pieces(self, inbound: _Inbound) -> None:
+    async def _wait_for_pieces(self, inbound: _Inbound, control: _Control) -> None:
         """After the end-of-sending marker: all pieces, or what had arrived
-        by the time the last datagram the remote sends did, or else once
-        ``DRAIN`` passed. On a path that keeps datagrams in order nothing
-        sent before the last is still on its way once it arrived (what is
-        missing was lost); the marker may pass it, so what reached the kernel
-        is read first (``settled``)."""
+        by the time the last datagram the remote sends did or a datagram
+        copy of its marker (``control``), or else once ``DRAIN`` passed. On
+        a path that keeps datagrams in order nothing sent before the last is
+        still on its way once it arrived (what is missing was lost); the
+        marker's copies leave after the last, from the same socket to the
+        same one (one flow, even to a router that queues flows apart), so
+        they say as much, and each is lost on its own, where the last
+        datagram goes with its burst. The stream's marker may pass them all,
+        so what reached the kernel is read first (``settled``)."""
         if inbound.complete.is_set():
             return
         await self.settled()
-        if not inbound.ended.is_set():
+        if not (inbound.ended.is_set() or "sent" in control.messages):
             with trio.move_on_after(DRAIN):
-                await inbound.ended.wait()
+                async with trio.open_nursery() as nursery:
+
+                    async def by_copy() -> None:
+                        await control.wait("sent")
+                        nursery.cancel_scope.cancel()
+
+                    nursery.start_soon(by_copy)
+                    await inbound.ended.wait()
+                    nursery.cancel_scope.cancel()
             await self.settled()
 
     async def _send_datagrams(
@@ -1049,7 +1063,7 @@ class _LossyRound:
             await stream.send([self.sock.getsockname()[1], round_])
             inbound.expect_last(up.num_pieces - 1)  # every piece, in order
             await self._end_of_sending(stream.receive, inbound, control, "end of sending")
-            await self._wait_for_pieces(inbound)
+            await self._wait_for_pieces(inbound, control)
             self._sender_done(sender)
             await self.reduced.wait()
             del self.inbound[route]
@@ -1171,7 +1185,7 @@ class _LossyRound:
                 await self._end_of_sending(
                     lambda: messages.end_of_results(acted), inbound, control, "end of results"
                 )
-                await self._wait_for_pieces(inbound)
+                await self._wait_for_pieces(inbound, control)
                 # From here on nothing more is taken: the result is what arrived.
                 del self.inbound[(int(Kind.RESULT), part, me)]
                 self._results[part] = (buffer, got, masks)

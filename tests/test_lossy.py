@@ -548,16 +548,20 @@ class DropLastPiecesEverywhere(DatagramFaults):
 
 
 async def test_a_round_ends_on_its_control_messages_datagram_copies(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every end-of-sending marker and report on the streams of two members
     arrives only after their rounds (held back at the reading end), and the
     last datagram of every part and result is lost: the rounds end on the
     markers' and reports' datagram copies, with every piece averaged as
     reported. Before the copies, each member waited for its reducer's report
-    until the round's deadline and kept its own values. Two rounds: the
-    stream copies left unread are discarded by the pooled connections, which
-    the second round reuses."""
+    until the round's deadline and kept its own values. A marker's copy
+    comes after every datagram it speaks of, on their flow, so a phase ends
+    on it at once: with ``DRAIN`` at a minute the rounds still end in
+    seconds (waiting ``DRAIN`` for a lost last datagram, as before, they
+    timed out). Two rounds: the stream copies left unread are discarded by
+    the pooled connections, which the second round reuses."""
+    monkeypatch.setattr(lossy_module, "DRAIN", 60.0)
     async with open_peers(2) as nets:
         groups = make_groups(nets)
         part = Partition.for_group(groups[0], TOTAL, PIECE_ELEMENTS)
