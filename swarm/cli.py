@@ -209,7 +209,7 @@ def _add_train_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="average gradients over the lossy data plane: paced, authenticated UDP "
         "datagrams that are never retransmitted, for lossy or long links; parameters are "
-        "re-synchronised over TCP at a period set by the measured loss (default: off)",
+        "re-synchronised the same way at a period set by the measured loss (default: off)",
     )
     run.add_argument(
         "--ring",

@@ -4,6 +4,7 @@ averaging it whole, over real peers on 127.0.0.1."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import replace
 
@@ -118,12 +119,18 @@ async def test_the_chunked_average_equals_the_whole_one(
             assert torch.equal(a, b)
 
 
-def test_peers_that_started_apart_hold_one_state_after_chunked_state_averaging() -> None:
+@pytest.mark.parametrize("lossy", [False, True], ids=["tcp", "lossy"])
+def test_peers_that_started_apart_hold_one_state_after_chunked_state_averaging(
+    lossy: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     """Two peers start from different weights: averaging gradients alone never
     makes them equal, so equal parameters (and optimizer state) after a
-    global step come from the chunked state averaging."""
+    global step come from the chunked state averaging, over the lossy data
+    plane in a lossy run (``trainer._drift``; nothing is lost on 127.0.0.1).
+    The optimizer's step counts, which no state round carries, agree too."""
     torch.set_num_threads(1)
-    config = replace(FAST, state_averaging_interval=1, state_chunk_elements=3000)
+    caplog.set_level(logging.INFO, logger="averaging")
+    config = replace(FAST, state_averaging_interval=1, state_chunk_elements=3000, lossy=lossy)
     states: dict[int, dict[int, list[torch.Tensor]]] = {}
     lock = threading.Lock()
 
@@ -132,10 +139,12 @@ def test_peers_that_started_apart_hold_one_state_after_chunked_state_averaging()
             if whole_group(opt):
                 state = opt.state_dict()["optimizer"]["state"]
                 moments = [v for s in state.values() for v in s.values() if v.dim()]
+                counts = [s["step"] for s in state.values()]
                 with lock:
                     states.setdefault(opt.epoch, {})[i] = [
                         *(p.detach().clone() for p in opt.params),
                         *(m.clone() for m in moments),
+                        *(torch.as_tensor(c).clone() for c in counts),
                     ]
 
         return on_epoch
@@ -152,6 +161,12 @@ def test_peers_that_started_apart_hold_one_state_after_chunked_state_averaging()
             t.start(on_epoch=recorder(i))
         reports = [t.join() for t in trainers]
     assert all(r.epochs == 6 for r in reports)
+    # every round (gradients and each chunk of the state) on the run's plane
+    rounds = [
+        r for r in caplog.records if r.name == "averaging._allreduce" and "in every part" in r.msg
+    ]
+    lossy_rounds = [r for r in caplog.records if r.getMessage().startswith("lossy all-reduce")]
+    assert len(rounds) > 2 * 6 and len(lossy_rounds) == (len(rounds) if lossy else 0)
     both = {e: s for e, s in states.items() if len(s) == 2}
     assert both, "no global step that both peers averaged whole"
     for epoch, by_peer in sorted(both.items()):

@@ -33,7 +33,7 @@ Modules:
 from ._buffers import load_plain_state_dict, model_buffers, plain_state_dict
 from ._checkpoint import Checkpoint, CheckpointDir, load_checkpoint, save_checkpoint
 from ._diloco import DiLoCo
-from ._drift import ResyncSchedule, diverged_fraction, lost_fraction
+from ._drift import ResyncSchedule, diverged_fraction, kept_own_fraction, lost_fraction
 from ._dropcompute import DropCompute, choose_threshold
 from ._ef21m import ArcTopK
 from ._export import ExportedModel, export_model
@@ -121,6 +121,7 @@ __all__ = [
     "estimate",
     "expected_peers",
     "export_model",
+    "kept_own_fraction",
     "load_checkpoint",
     "load_plain_state_dict",
     "load_task",
