@@ -85,6 +85,20 @@ async def run_round(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[AllReduceResult]]:
     inputs = [member_data(i) for i in range(len(nets))]
     tensors = [[x[:300].clone().view(30, 10), x[300:].clone()] for x in inputs]
+    done = await average_in_place(nets, groups, tensors, weights, plan)
+    outputs = [torch.cat([t[0].reshape(-1), t[1]]) for t in tensors]
+    return inputs, outputs, done
+
+
+async def average_in_place(
+    nets: Sequence[Connections],
+    groups: Sequence[Group],
+    tensors: Sequence[list[torch.Tensor]],
+    weights: Sequence[float],
+    plan: FaultPlan | None = None,
+) -> list[AllReduceResult]:
+    """One lossy round over member i's ``tensors[i]`` (averaged in place),
+    weighted by ``weights``; the members' results in order."""
     results: list[AllReduceResult | None] = [None] * len(nets)
 
     async def member(i: int) -> None:
@@ -95,10 +109,9 @@ async def run_round(
     async with trio.open_nursery() as nursery:
         for i in range(len(nets)):
             nursery.start_soon(member, i)
-    outputs = [torch.cat([t[0].reshape(-1), t[1]]) for t in tensors]
     done = [r for r in results if r is not None]
     assert len(done) == len(nets)
-    return inputs, outputs, done
+    return done
 
 
 def check_pieces(
@@ -169,29 +182,6 @@ async def test_everything_lost_keeps_local_values() -> None:
         assert torch.equal(outputs[i], inputs[i])
 
 
-async def average_in_place(
-    nets: Sequence[Connections],
-    groups: Sequence[Group],
-    values: Sequence[torch.Tensor],
-    plan: FaultPlan,
-) -> list[AllReduceResult]:
-    """One lossy round of equal weights over ``values`` (member i's, averaged
-    in place); the members' results in order."""
-    results: list[AllReduceResult | None] = [None] * len(nets)
-
-    async def member(i: int) -> None:
-        results[i] = await all_reduce(
-            nets[i], groups[i], [values[i]], config=LOSSY, fault_plan=plan
-        )
-
-    async with trio.open_nursery() as nursery:
-        for i in range(len(nets)):
-            nursery.start_soon(member, i)
-    done = [r for r in results if r is not None]
-    assert len(done) == len(nets)
-    return done
-
-
 async def test_a_lossy_resynchronisation_contracts_the_spread_geometrically() -> None:
     """The trainer's re-synchronisation in a lossy run (``trainer._drift``):
     parameters averaged over the lossy plane at 10% loss, three times. Each
@@ -214,7 +204,7 @@ async def test_a_lossy_resynchronisation_contracts_the_spread_geometrically() ->
         for seed in range(3):
             before = [x.clone() for x in values]
             plan = FaultPlan(datagrams=DatagramFaults(drop=0.1, seed=seed))
-            results = await average_in_place(nets, groups, values, plan)
+            results = await average_in_place(nets, groups, [[x] for x in values], [1.0] * n, plan)
             low = torch.stack(before).min(0).values
             high = torch.stack(before).max(0).values
             kept = [torch.zeros(total, dtype=torch.bool) for _ in range(n)]
