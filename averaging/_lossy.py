@@ -109,7 +109,9 @@ reachable on a busy machine:
   ``MAX_BURST`` datagrams) in one system call where the kernel segments UDP
   (``UDP_SEGMENT``), and one that fell behind catches up by
   ``_pacing.MAX_LAG`` at most, rather than in one long burst;
-- the reader gathers ``GATHER`` seconds of datagrams per wake-up.
+- the reader gathers ``GATHER`` seconds of datagrams per wake-up, and reads
+  many of one flow in one system call where the kernel coalesces them
+  (``UDP_GRO``).
 
 Restrictions: only the ``NONE`` codec (raw float32) and the weighted mean
 (no ``CenteredClip``): ``all_reduce`` raises ``ConfigError`` otherwise.
@@ -195,7 +197,7 @@ SOCKET_BUFFER = 8 * 2**20
 #: enough that a burst fits the queue of a home router many times over.
 BURST = 0.004
 #: Fewest and most datagrams in one burst (the kernel's limit for one
-#: segmented send is 64 segments and 64 KiB in all, 47 of ours): a burst of
+#: segmented send is 64 segments and 64 KiB in all, 46 of ours): a burst of
 #: 11 kB costs a home router's queue nothing, and a trio timer per datagram
 #: would cost more CPU than the sending.
 MIN_BURST = 8
@@ -210,6 +212,11 @@ _SO_TIMESTAMPNS = 35  # a kernel receive timestamp with each datagram
 _SO_SNDBUFFORCE = 32  # buffers beyond net.core.*mem_max (root only)
 _SO_RCVBUFFORCE = 33
 _UDP_SEGMENT = 103  # UDP segmentation offload: one send, many datagrams
+_UDP_GRO = 104  # receive coalescing: one read, many datagrams of one flow
+_SEGMENT_SIZE = struct.Struct("@i")  # the size of each coalesced datagram
+#: Bytes asked of one read where datagrams come coalesced: the most one
+#: coalesced read returns (64 KiB, as one segmented send).
+_COALESCED_READ = 65535
 #: What a kernel or device that cannot segment a send answers: no checksum
 #: offload (EIO), a size or count over its limits (EINVAL, EMSGSIZE).
 _SEGMENT_REFUSED = frozenset({errno.EIO, errno.EINVAL, errno.EMSGSIZE, errno.EOPNOTSUPP})
@@ -527,10 +534,10 @@ async def lossy_all_reduce(
     sock = socket.socket(family, socket.SOCK_DGRAM)
     with sock:
         sock.setblocking(False)
-        segmented, stamped = _tune(sock)
+        segmented, stamped, coalesced = _tune(sock)
         sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
         rnd = _LossyRound(net, group, partition, flat, weight, sock, sender_timeout, round_timeout)
-        rnd.segmented, rnd.stamped = segmented, stamped
+        rnd.segmented, rnd.stamped, rnd.coalesced = segmented, stamped, coalesced
         plan = fault_plan if fault_plan is not None else FaultPlan()
         faults = plan.datagrams.filter(group.local_index) if plan.datagrams else None
         with trio.move_on_after(round_timeout) as deadline, _registry(net).register(rnd):
@@ -548,10 +555,11 @@ async def lossy_all_reduce(
         return rnd.finish(timed_out=deadline.cancelled_caught)
 
 
-def _tune(sock: socket.socket) -> tuple[bool, bool]:
-    """Large buffers, segmentation offload and receive timestamps where the
-    kernel has them: ``(segmented, stamped)``. Each is an optimisation with
-    a fallback (a datagram per send call; the time the reader took it)."""
+def _tune(sock: socket.socket) -> tuple[bool, bool, bool]:
+    """Large buffers, segmentation offload, receive coalescing and receive
+    timestamps where the kernel has them: ``(segmented, stamped,
+    coalesced)``. Each is an optimisation with a fallback (a datagram per
+    send call; the time the reader took it; a datagram per read)."""
     for force, option in ((_SO_RCVBUFFORCE, socket.SO_RCVBUF), (_SO_SNDBUFFORCE, socket.SO_SNDBUF)):
         try:
             sock.setsockopt(socket.SOL_SOCKET, force, SOCKET_BUFFER)
@@ -559,17 +567,40 @@ def _tune(sock: socket.socket) -> tuple[bool, bool]:
             with suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
     if sys.platform != "linux":
-        return False, False
-    segmented = stamped = True
-    try:
-        sock.setsockopt(socket.IPPROTO_UDP, _UDP_SEGMENT, FULL_DATAGRAM)
-    except OSError:
-        segmented = False
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
-    except OSError:
-        stamped = False
-    return segmented, stamped
+        return False, False, False
+    flags = []
+    for level, option, value in (
+        (socket.IPPROTO_UDP, _UDP_SEGMENT, FULL_DATAGRAM),
+        (socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1),
+        (socket.IPPROTO_UDP, _UDP_GRO, 1),
+    ):
+        try:
+            sock.setsockopt(level, option, value)
+            flags.append(True)
+        except OSError:
+            flags.append(False)
+    segmented, stamped, coalesced = flags
+    return segmented, stamped, coalesced
+
+
+def _segments(data: bytes, cmsgs: list[tuple[int, int, bytes]]) -> tuple[float, list[bytes]]:
+    """What one read of the round's socket returned: the kernel's receive
+    time (``SO_TIMESTAMPNS``; else now) and the datagrams in ``data``, which
+    holds several of one flow, each of the segment size the kernel gives
+    but the last, where it coalesced them (``UDP_GRO``)."""
+    when = None
+    segment = 0
+    for level, kind, payload in cmsgs:
+        if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS:
+            seconds, nanoseconds = _TIMESPEC.unpack_from(payload)
+            when = seconds + nanoseconds * 1e-9
+        elif level == socket.IPPROTO_UDP and kind == _UDP_GRO:
+            (segment,) = _SEGMENT_SIZE.unpack_from(payload)
+    if when is None:
+        when = trio.current_time()
+    if segment <= 0 or len(data) <= segment:
+        return when, [data]
+    return when, [data[i : i + segment] for i in range(0, len(data), segment)]
 
 
 async def send_burst(
@@ -653,6 +684,7 @@ class _LossyRound:
         self._idle = False  # the reader waits for the socket to become readable
         self.segmented = False  # one send call may carry many datagrams (``_tune``)
         self.stamped = False  # datagrams come with the kernel's receive time
+        self.coalesced = False  # one read may return many datagrams (``_tune``)
         # Reducer role.
         self.reducer: PieceReducer | None = None
         self.reduced = trio.Event()
@@ -696,13 +728,21 @@ class _LossyRound:
     # ------------------------------------------------------------- datagrams
 
     async def read_datagrams(self, faults: DatagramFilter | None) -> None:
-        """Route every datagram to its pair's opener until cancelled."""
+        """Route every datagram to its pair's opener until cancelled.
+
+        Where the kernel coalesces a flow's datagrams (``UDP_GRO``), one
+        system call reads up to 64 KiB of them, cut apart here at the size
+        the kernel gives (``_segments``)."""
         batch = 0
         sock = self.sock
+        size = _COALESCED_READ if self.coalesced else 2048
         ancillary = socket.CMSG_SPACE(_TIMESPEC.size) if self.stamped else 0
+        if self.coalesced:
+            ancillary += socket.CMSG_SPACE(_SEGMENT_SIZE.size)
+        inbound_of, controls = self.inbound.get, self.controls
         while True:
             try:
-                data, cmsgs, _, _ = sock.recvmsg(2048, ancillary)
+                data, cmsgs, _, _ = sock.recvmsg(size, ancillary)
             except BlockingIOError:
                 self._empty.set()
                 self._empty = trio.Event()
@@ -717,25 +757,22 @@ class _LossyRound:
             except OSError:  # e.g. ICMP port unreachable from a round that ended
                 await trio.lowlevel.checkpoint()
                 continue
-            if cmsgs:
-                seconds, nanoseconds = _TIMESPEC.unpack_from(cmsgs[0][2])
-                when = seconds + nanoseconds * 1e-9
-            else:
-                when = trio.current_time()
-            for datagram in faults(data) if faults is not None else (data,):
-                route = peek_route(datagram)
-                inbound = self.inbound.get(route) if route is not None else None
-                if inbound is not None:
-                    inbound.deliver(datagram, when)
-                elif route is not None and route in self.controls:
-                    self.controls[route].deliver(datagram)
-                elif route is not None and route[:2] == (Kind.SENDER_HEADER, self.me):
-                    self.take_header_copy(route[2], datagram)
-                elif route is None or not self.keep_early(route, datagram, when):
-                    self.stray += 1
-            batch += 1
-            if batch % 64 == 0:  # let the senders and the control streams run
-                await trio.lowlevel.checkpoint()
+            when, datagrams = _segments(data, cmsgs)
+            for one in datagrams:
+                for datagram in faults(one) if faults is not None else (one,):
+                    route = peek_route(datagram)
+                    inbound = inbound_of(route) if route is not None else None
+                    if inbound is not None:
+                        inbound.deliver(datagram, when)
+                    elif route is not None and route in controls:
+                        controls[route].deliver(datagram)
+                    elif route is not None and route[:2] == (Kind.SENDER_HEADER, self.me):
+                        self.take_header_copy(route[2], datagram)
+                    elif route is None or not self.keep_early(route, datagram, when):
+                        self.stray += 1
+                batch += 1
+                if batch % 64 == 0:  # let the senders and the control streams run
+                    await trio.lowlevel.checkpoint()
 
     def keep_early(self, route: tuple[int, int, int], datagram: bytes, when: float) -> bool:
         """Keep ``datagram`` if it may be a piece of our part from a sender
@@ -874,7 +911,7 @@ class _LossyRound:
         cancellation, what was sent is sent."""
         data = memoryview(np.ascontiguousarray(values, dtype="<f4").data).cast("B")
         pacer, schedule = self.pacers.pacer, self.pacers.schedule
-        seq0 = sealer.seq
+        sealed0 = sealer.sealed
         rate = pacer.rate
         per_burst = max(MIN_BURST, min(MAX_BURST, int(rate * BURST / FULL_DATAGRAM)))
         part_bytes = 4 * values.size
@@ -915,7 +952,7 @@ class _LossyRound:
         share = min(1.0, sent_bytes / span / rate) if span > 0 else 1.0
         # The rate of its last burst is the one the report speaks for: the
         # schedule follows the pacer from burst to burst.
-        return Sending(sealer.seq - seq0, span, rate, share, late, flows)
+        return Sending(sealer.sealed - sealed0, span, rate, share, late, flows)
 
     # ----------------------------------------------------------------- reducer
 
@@ -1084,7 +1121,7 @@ class _LossyRound:
             sent = await self._send_datagrams(
                 sealer, result.numpy(), pieces, address, self._result_flows
             )
-            marker = ["sent", sealer.seq, sent.span]
+            marker = ["sent", sealer.sealed, sent.span]
             self.send_control(sealer_down, marker, address)
             await stream.send(marker)
             # What the sender got comes with its next header. An end of
@@ -1167,7 +1204,7 @@ class _LossyRound:
                 sent = await self._send_datagrams(
                     sealer, values, range(up.num_pieces), address, self._part_flows
                 )
-                marker = ["sent", sealer.seq, sent.span]
+                marker = ["sent", sealer.sealed, sent.span]
                 self.send_control(sealer_up, marker, address)
                 await stream.send(marker)
                 messages = _ReducerMessages(stream, replied, (port, round_))
@@ -1175,7 +1212,7 @@ class _LossyRound:
                 report = expect_list(acted, 4, "reducer report")
                 if expect_str(report[0], "marker") != "report":
                     raise ProtocolError("expected the reducer's report")
-                received = expect_int(report[1], "pieces received", lo=0, hi=sealer.seq)
+                received = expect_int(report[1], "pieces received", lo=0, hi=sealer.sealed)
                 arrival = expect_float(report[2], "seconds")
                 self.pacers.sender_report(member.peer_id, sent, received, arrival)
                 masks = self._parse_masks(report[3], got.n)

@@ -108,6 +108,8 @@ from dataclasses import dataclass
 
 from swarm import PeerID
 
+from ._datagrams import FULL_DATAGRAM
+
 logger = logging.getLogger(__name__)
 
 #: First rate: 24 Mbit/s for all flows together, 8 Mbit/s to each of the
@@ -144,8 +146,8 @@ LATE = 0.2
 MAX_LAG = 0.005
 #: Fewer datagrams than this say nothing about a rate.
 MIN_SAMPLE = 16
-#: Bytes on the wire per datagram the rate is counted in (a full piece).
-DATAGRAM_BYTES = 1390
+#: Bytes per datagram the rate is counted in (a full piece's datagram).
+DATAGRAM_BYTES = FULL_DATAGRAM
 
 
 @dataclass

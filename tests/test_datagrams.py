@@ -103,27 +103,36 @@ def test_wrong_datagrams_are_dropped(datagram: bytes, reason: str) -> None:
     assert opener.dropped == {reason: 1} and opener.received == 0
 
 
-def test_offset_off_the_grid_or_wrong_count_is_dropped() -> None:
-    datagram = bytearray(sealed_pieces()[1])
-    fields = list(HEADER.unpack_from(datagram))
-    for index, value in ((7, fields[7] + 1), (8, fields[8] - 1), (7, 10 * PIECE_ELEMENTS)):
-        changed = list(fields)
-        changed[index] = value
+def test_an_index_past_the_part_or_a_size_not_the_pieces_is_dropped() -> None:
+    full, last = sealed_pieces()[1], sealed_pieces()[2]
+    for datagram, index in ((full, 3), (full, 10 * PIECE_ELEMENTS), (full, 2), (last, 1)):
+        fields = list(HEADER.unpack_from(datagram))
+        fields[-1] = index
         opener = DatagramOpener(KEY, PAIR)
-        assert opener.open(HEADER.pack(*changed) + bytes(datagram[HEADER.size :])) is None
+        assert opener.open(HEADER.pack(*fields) + datagram[HEADER.size :]) is None
         assert opener.dropped == {"misplaced": 1}
 
 
-def test_replays_and_duplicates_are_dropped_and_the_first_copy_stays() -> None:
+def test_replays_are_dropped_undecrypted_and_the_first_copy_stays() -> None:
     opener = DatagramOpener(KEY, PAIR)
     first = sealed_pieces()[0]
     assert opener.open(first) is not None
     assert opener.open(first) is None  # the same datagram again
-    sealer = DatagramSealer(KEY, PAIR)
-    sealer.seq = 100
-    again = sealer.seal(0, torch.zeros(PIECE_ELEMENTS))  # same piece, new number
+    # another datagram for the piece: only the key's holder makes one that
+    # opens, and its sealer never would (below); it is not even decrypted
+    again = DatagramSealer(KEY, PAIR).seal(0, torch.zeros(PIECE_ELEMENTS))
     assert opener.open(again) is None
-    assert opener.dropped == {"replayed": 1, "duplicate": 1} and opener.received == 1
+    assert opener.dropped == {"replayed": 2} and opener.received == 1
+
+
+def test_a_sealer_seals_each_piece_once_its_number_being_the_nonce() -> None:
+    sealer = DatagramSealer(KEY, PAIR)
+    sealer.seal(1, VALUES[PIECE_ELEMENTS : 2 * PIECE_ELEMENTS])
+    with pytest.raises(ValueError, match="nonce"):
+        sealer.seal(1, VALUES[PIECE_ELEMENTS : 2 * PIECE_ELEMENTS])
+    with pytest.raises(ValueError):
+        sealer.seal(3, VALUES[:5])
+    assert sealer.sealed == 1
 
 
 # The module's own filter of this expected warning is undone by pytest's
@@ -240,7 +249,7 @@ def other_control(**changes: object) -> Pair:
 @pytest.mark.parametrize(
     ("datagram", "reason"),
     [
-        (sealed_control()[0][:-1], "malformed"),  # truncated by one byte
+        (sealed_control()[0][:-1], "forged"),  # truncated by one byte: the tag fails
         (sealed_control()[0][:20], "malformed"),
         (sealed_control()[0] + bytes(MAX_DATAGRAM_SIZE), "malformed"),
         (b"XX" + sealed_control()[0][2:], "malformed"),
@@ -276,9 +285,7 @@ def seal_control_bytes(payload: bytes, seq: int) -> bytes:
     """A control datagram of ``CONTROL`` around any ``payload``, as only the
     key's holder can seal one."""
     p = CONTROL
-    header = HEADER.pack(
-        b"SL", 1, p.kind, p.group_tag, p.round, p.part, p.sender, 0, len(payload), seq
-    )
+    header = HEADER.pack(b"S", 2, p.kind, p.group_tag, p.round, p.part, p.sender, seq)
     return header + AESGCM(KEY).encrypt(seq.to_bytes(12, "little"), payload, header)
 
 

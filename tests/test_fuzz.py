@@ -326,7 +326,7 @@ def _results() -> list[bytes]:
 # the lossy all-reduce: datagrams (dropped, never raising) and contributor masks
 
 _LOSSY_KEY = bytes(range(32))
-_LOSSY_PAIR = Pair(Kind.RESULT, b"t" * 8, 9, part=1, sender=0, part_size=PIECE_ELEMENTS + 7)
+_LOSSY_PAIR = Pair(Kind.RESULT, b"t" * 4, 9, part=1, sender=0, part_size=PIECE_ELEMENTS + 7)
 
 
 def _lossy_datagrams() -> list[bytes]:
@@ -347,7 +347,7 @@ def _lossy_datagram(data: bytes) -> None:
         raise AssertionError("an altered datagram was accepted")
 
 
-_LOSSY_CONTROL = Pair(Kind.REDUCER_CONTROL, b"t" * 8, 9, part=1, sender=0, part_size=7)
+_LOSSY_CONTROL = Pair(Kind.REDUCER_CONTROL, b"t" * 4, 9, part=1, sender=0, part_size=7)
 
 
 def _lossy_controls() -> list[bytes]:
@@ -364,7 +364,7 @@ def _lossy_control(data: bytes) -> None:
         raise AssertionError("an altered control datagram was accepted")
 
 
-_LOSSY_HEADER = Pair(Kind.SENDER_HEADER, b"t" * 8, 9, part=1, sender=0, part_size=7)
+_LOSSY_HEADER = Pair(Kind.SENDER_HEADER, b"t" * 4, 9, part=1, sender=0, part_size=7)
 
 
 def _lossy_headers() -> list[bytes]:

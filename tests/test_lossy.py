@@ -14,6 +14,7 @@ import itertools
 import logging
 import random
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -34,6 +35,7 @@ from averaging._lossy import (
     LOSSY_VERSION,
     _AwaitedStream,
     _pacers,
+    _segments,
     _tune,
     lossy_all_reduce,
     send_burst,
@@ -165,7 +167,7 @@ async def test_loss_duplicates_and_reordering_average_only_what_arrived(
     for result in results:  # losing pieces is not a failure of anybody
         assert not result.failed_senders and not result.failed_reducers
     # Each member says how much data its result holds, and the duplicates
-    # were dropped as replays (the same sequence number twice).
+    # were dropped as replays (the same piece twice).
     lines = [r.getMessage() for r in caplog.records if "lossy all-reduce" in r.getMessage()]
     assert len([line for line in lines if "senders' data in our result" in line]) == 4
     assert any("'replayed'" in line for line in lines), lines
@@ -597,8 +599,8 @@ class DropLastPieces(DatagramFilter):
         super().__init__(DatagramFaults(), random.Random(0))
 
     def __call__(self, datagram: bytes) -> list[bytes]:
-        kind, count = datagram[3], HEADER.unpack_from(datagram)[8]
-        return [] if kind in (Kind.PART, Kind.RESULT) and count < PIECE_ELEMENTS else [datagram]
+        kind, short = datagram[2], len(datagram) < FULL_DATAGRAM
+        return [] if kind in (Kind.PART, Kind.RESULT) and short else [datagram]
 
 
 class DropLastPiecesEverywhere(DatagramFaults):
@@ -740,12 +742,12 @@ class CopyFirst(DatagramFilter):
 
     def __call__(self, datagram: bytes) -> list[bytes]:
         fields = HEADER.unpack_from(datagram)
-        kind, part, sender, count, seq = fields[2], fields[5], fields[6], fields[8], fields[9]
+        kind, part, sender, index = fields[2], fields[5], fields[6], fields[7]
         if (kind, part, sender) == (Kind.REDUCER_CONTROL, 1, 0):
-            if seq > 0:
+            if index > 0:  # a message after the report
                 return []
             self.report.set()
-        if (kind, part, sender) == (Kind.RESULT, 1, 0) and count < PIECE_ELEMENTS:
+        if (kind, part, sender) == (Kind.RESULT, 1, 0) and len(datagram) < FULL_DATAGRAM:
             return []
         return [datagram]
 
@@ -866,7 +868,7 @@ async def receive_all(receiver: socket.socket, n: int) -> list[bytes]:
         (32, 100, True, True),  # one segmented send, cut into 32 datagrams
         (32, 100, False, False),  # no segmentation: one send per datagram
         (1, FULL_DATAGRAM, True, True),  # a single datagram needs no segmentation
-        # 66,720 bytes: over what one send may carry; the kernel refuses, and
+        # 67,152 bytes: over what one send may carry; the kernel refuses, and
         # the burst goes again one datagram at a time, as do all after it
         (48, FULL_DATAGRAM, True, False),
     ],
@@ -880,7 +882,7 @@ async def test_a_burst_arrives_as_exactly_its_datagrams(
     ):
         for sock in (sender, receiver):
             sock.setblocking(False)
-        segmented, _ = _tune(sender)  # large buffers; UDP_SEGMENT where Linux has it
+        segmented, _, _ = _tune(sender)  # large buffers; UDP_SEGMENT where Linux has it
         assert segmented, "this kernel segments UDP sends (Linux 4.18 and later)"
         receiver.bind(("127.0.0.1", 0))
         burst = burst_of(n, last, seed=n)
@@ -892,6 +894,39 @@ async def test_a_burst_arrives_as_exactly_its_datagrams(
             receiver.recv(2048)
 
 
+@pytest.mark.parametrize("n, last", [(32, 100), (46, FULL_DATAGRAM), (1, 100)])
+async def test_a_coalesced_read_is_cut_into_exactly_the_datagrams_sent(n: int, last: int) -> None:
+    """A segmented send arrives at a socket that coalesces (``UDP_GRO``) as
+    few reads, which ``_segments`` cuts back into the datagrams sent, with
+    the kernel's receive time."""
+    with (
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender,
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as receiver,
+    ):
+        for sock in (sender, receiver):
+            sock.setblocking(False)
+        _tune(sender)
+        _, stamped, coalesced = _tune(receiver)
+        assert stamped and coalesced, "this kernel coalesces UDP reads (Linux 5.0 and later)"
+        receiver.bind(("127.0.0.1", 0))
+        burst = burst_of(n, last, seed=n)
+        before = time.time()
+        assert await send_burst(sender, burst, receiver.getsockname(), True)
+        got: list[bytes] = []
+        reads = 0
+        space = socket.CMSG_SPACE(16) + socket.CMSG_SPACE(4)
+        with trio.fail_after(5):
+            while len(got) < n:
+                await trio.lowlevel.wait_readable(receiver)
+                data, cmsgs, _, _ = receiver.recvmsg(65535, space)
+                when, datagrams = _segments(data, cmsgs)
+                assert before - 1 <= when <= time.time() + 1  # the kernel's clock
+                got += datagrams
+                reads += 1
+        assert got == burst
+        assert reads < n or n == 1
+
+
 class DropFirstPieces(DatagramFilter):
     """Drops the first piece of every part and every result (a full piece:
     the last ones are short here), so every phase misses one piece but
@@ -901,8 +936,8 @@ class DropFirstPieces(DatagramFilter):
         super().__init__(DatagramFaults(), random.Random(0))
 
     def __call__(self, datagram: bytes) -> list[bytes]:
-        kind, offset = datagram[3], HEADER.unpack_from(datagram)[7]
-        return [] if kind in (Kind.PART, Kind.RESULT) and offset == 0 else [datagram]
+        kind, piece = datagram[2], HEADER.unpack_from(datagram)[7]
+        return [] if kind in (Kind.PART, Kind.RESULT) and piece == 0 else [datagram]
 
 
 class DropFirstPiecesEverywhere(DatagramFaults):
