@@ -228,6 +228,11 @@ class ConnectionConfig:
     #: on a stock system (rmem_max 208 KiB) a fixed buffer caps the receive
     #: window near 416 KiB, about 33 Mbit/s at 100 ms. Only for experiments.
     socket_buffer: int | None = None
+    #: Send a ``NUDGE`` frame, as a segment of its own, behind each send of
+    #: less than ``_BULK`` bytes, so that losing the send's last segment is
+    #: seen from the nudge's acknowledgement within a round trip (RACK), not
+    #: by a timer (``send_frames``).
+    nudge: bool = True
 
     def __post_init__(self) -> None:
         if not _MIN_FRAME_SIZE <= self.max_frame_size <= MAX_FRAME_SIZE_LIMIT:
@@ -367,6 +372,7 @@ class _Connection:
         self._low_water = 1  # the socket's SO_RCVLOWAT (the kernel's default)
         with suppress(OSError):  # without it, a sender only wakes more often
             self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, _SEND_LOW_WATER)
+        self._nudge = config.nudge
         if config.socket_buffer is not None:  # disables autotuning: see ConnectionConfig
             for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 with suppress(OSError):
@@ -426,6 +432,10 @@ class _Connection:
                         gathered = []
             if gathered:
                 await self._send_gathered(gathered)
+            if self._nudge:
+                # A system call of its own, so that it leaves as a segment of
+                # its own (``ConnectionConfig.nudge``)
+                await self._send_gathered([self._encoder.nudge()])
             completed = True
         except trio.ClosedResourceError as e:
             raise ClosedError("the connection was closed") from e

@@ -9,7 +9,9 @@ A frame is a kind and a payload of ``length`` bytes. On the wire::
     payload, plaintext sessions: ``length`` bytes in the clear, then one
                    16-byte GMAC tag over all of them
 
-A zero-length frame is its header block alone. Every header block, every
+A zero-length frame is its header block alone. A ``NUDGE`` frame (zero-length,
+of no stream) is authenticated and consumed by the decoder like any other,
+and never handed out. Every header block, every
 encrypted chunk and every plaintext payload tag is one AES-256-GCM operation
 with the next value of this direction's counter as its nonce (4 zero bytes,
 then the counter as u64 big-endian), so nonces never repeat under a key, and
@@ -89,6 +91,10 @@ class FrameKind(enum.IntEnum):
     EOF = 4  # empty: the sender will send nothing more on this stream
     RESET = 5  # msgpack str: the sender aborts the stream, with its reason
     DONE = 6  # empty, listener only: the handler returned, the connection is free again
+    #: empty, of no stream: sent right behind a small send so that its loss
+    #: is not a lone lost segment (``_connections``, ``_send_nudged``); the
+    #: decoder consumes it and hands out nothing
+    NUDGE = 7
 
 
 _KINDS = frozenset(int(k) for k in FrameKind)
@@ -145,6 +151,11 @@ class FrameEncoder:
         """
         for batch in self.encode_batches(kind, payload):
             yield from batch
+
+    def nudge(self) -> bytes:
+        """The sealed header block that is a whole ``NUDGE`` frame."""
+        (block,) = next(self.encode_batches(FrameKind.NUDGE, b""))
+        return bytes(block)
 
     def encode_batches(
         self, kind: FrameKind, payload: bytes | bytearray | memoryview
@@ -377,6 +388,10 @@ class FrameDecoder:
         self._kind = FrameKind(kind)
         self.payload_bytes += length
         self._filled = 0
+        if self._kind is FrameKind.NUDGE:
+            if length:
+                raise ProtocolError(f"a nudge frame of {length} bytes")
+            return None  # consumed: nothing to hand out
         if length == 0:
             return Frame(self._kind, b"")
         self._length, self._done, self._target = length, 0, None

@@ -172,6 +172,35 @@ async def test_both_ends_resend_a_lost_segment_after_milliseconds() -> None:
             assert sock.getsockopt(socket.IPPROTO_TCP, tcp_delack_max_us) == rto_min
 
 
+def data_segments_sent(sock: socket.socket) -> int:
+    """``tcpi_data_segs_out`` of Linux's ``struct tcp_info`` (4.6 and later)."""
+    return int(
+        struct.unpack_from("=I", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256), 156)[0]
+    )
+
+
+@pytest.mark.parametrize("nudge", [True, False])
+async def test_a_small_send_leaves_with_a_nudge_in_a_segment_of_its_own(nudge: bool) -> None:
+    """A small send is followed by a ``NUDGE`` frame, sent apart: lost alone,
+    its segment waits for a timer, while with a segment behind it the
+    remote's ACK of that one says it is missing (RACK) within a round trip.
+    The remote hands out the message only."""
+    config = ConnectionConfig(nudge=nudge)
+    async with two_peers(config, config) as (a, b):
+        b.set_handler("echo", echo)
+        async with a.open_stream(B.peer_id, address(b), "echo") as stream:
+            await stream.send("warm")
+            assert await stream.receive() == "warm"
+            [connection] = a._connections
+            before = data_segments_sent(connection.socket)
+            await stream.send("hello")
+            assert await stream.receive() == "hello"
+            assert data_segments_sent(connection.socket) - before == (2 if nudge else 1)
+            await stream.send_eof()
+            with pytest.raises(EndOfStreamError):
+                await stream.receive()
+
+
 @pytest.mark.parametrize("redial_after", [REDIAL_AFTER, MIN_REDIAL_AFTER])
 async def test_a_dial_whose_syn_is_lost_is_raced_by_another(
     autojump_clock: trio.testing.MockClock, redial_after: float

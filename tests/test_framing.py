@@ -72,6 +72,29 @@ def test_byte_at_a_time() -> None:
     assert [f.kind for f in frames] == [FrameKind.OPEN, FrameKind.MESSAGE, FrameKind.EOF]
 
 
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_nudges_are_authenticated_consumed_and_never_handed_out(encrypt: bool) -> None:
+    encoder = FrameEncoder(KEY, encrypt=encrypt, max_frame_size=MAX)
+    wire = encoder.nudge() + encode(FrameKind.MESSAGE, b"\x01", encrypt=encrypt, encoder=encoder)
+    wire += encoder.nudge() + encoder.nudge()
+    wire += encode(FrameKind.EOF, b"", encrypt=encrypt, encoder=encoder) + encoder.nudge()
+    assert len(encoder.nudge()) == HEADER_BLOCK_SIZE
+    dec = decoder(encrypt)
+    frames = [f for i in range(len(wire)) for f in dec.feed(wire[i : i + 1])]
+    assert frames == [Frame(FrameKind.MESSAGE, b"\x01"), Frame(FrameKind.EOF, b"")]
+    # a nudge is a frame of the session like any other: its nonce counts
+    forged = FrameEncoder(KEY, encrypt=encrypt, max_frame_size=MAX).nudge()
+    with pytest.raises(ProtocolError):
+        dec.feed(forged)
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_a_nudge_with_a_payload_is_refused(encrypt: bool) -> None:
+    wire = encode(FrameKind.NUDGE, b"x", encrypt=encrypt)
+    with pytest.raises(ProtocolError, match="nudge"):
+        decoder(encrypt).feed(wire)
+
+
 def test_encrypted_mode_hides_the_payload_plaintext_mode_does_not() -> None:
     secret = b"the gradients of our model" * 10
     assert secret not in encode(FrameKind.BYTES, secret, encrypt=True)
