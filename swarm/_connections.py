@@ -229,9 +229,11 @@ class ConnectionConfig:
     #: window near 416 KiB, about 33 Mbit/s at 100 ms. Only for experiments.
     socket_buffer: int | None = None
     #: Send a ``NUDGE`` frame, as a segment of its own, behind each send of
-    #: less than ``_BULK`` bytes, so that losing the send's last segment is
-    #: seen from the nudge's acknowledgement within a round trip (RACK), not
-    #: by a timer (``send_frames``).
+    #: control frames (anything but raw ``BYTES``, under ``_BULK`` bytes), so
+    #: that losing the send's last segment is seen from the nudge's
+    #: acknowledgement within a round trip (RACK), not by a timer
+    #: (``send_frames``). Raw payloads come in trains, each the next one's
+    #: nudge.
     nudge: bool = True
 
     def __post_init__(self) -> None:
@@ -432,7 +434,7 @@ class _Connection:
                         gathered = []
             if gathered:
                 await self._send_gathered(gathered)
-            if self._nudge:
+            if self._nudge and any(kind is not FrameKind.BYTES for kind, _ in frames):
                 # A system call of its own, so that it leaves as a segment of
                 # its own (``ConnectionConfig.nudge``)
                 await self._send_gathered([self._encoder.nudge()])

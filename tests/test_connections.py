@@ -181,10 +181,10 @@ def data_segments_sent(sock: socket.socket) -> int:
 
 @pytest.mark.parametrize("nudge", [True, False])
 async def test_a_small_send_leaves_with_a_nudge_in_a_segment_of_its_own(nudge: bool) -> None:
-    """A small send is followed by a ``NUDGE`` frame, sent apart: lost alone,
-    its segment waits for a timer, while with a segment behind it the
+    """A control message is followed by a ``NUDGE`` frame, sent apart: lost
+    alone, its segment waits for a timer, while with a segment behind it the
     remote's ACK of that one says it is missing (RACK) within a round trip.
-    The remote hands out the message only."""
+    The remote hands out the message only. Raw payloads get no nudge."""
     config = ConnectionConfig(nudge=nudge)
     async with two_peers(config, config) as (a, b):
         b.set_handler("echo", echo)
@@ -196,6 +196,10 @@ async def test_a_small_send_leaves_with_a_nudge_in_a_segment_of_its_own(nudge: b
             await stream.send("hello")
             assert await stream.receive() == "hello"
             assert data_segments_sent(connection.socket) - before == (2 if nudge else 1)
+            before = data_segments_sent(connection.socket)
+            await stream.send_bytes(b"raw")  # data: no nudge
+            assert await stream.receive() == b"raw"
+            assert data_segments_sent(connection.socket) - before == 1
             await stream.send_eof()
             with pytest.raises(EndOfStreamError):
                 await stream.receive()
