@@ -1785,8 +1785,10 @@ class Connections:
     async def _watch_idle(self, entry: _Pooled) -> None:
         """Watch a pooled connection until it is taken (``entry.scope`` is
         cancelled) or must be dropped: idle for ``idle_timeout``, closed by the
-        remote, or anything but the one DONE frame (and the messages its last
-        stream left unread, ``Stream.leave_unread``) arrives."""
+        remote, or any frame but the one DONE frame (and the messages its last
+        stream left unread, ``Stream.leave_unread``) arrives. Nudges, which
+        follow DONE as a segment of their own, are no frames (the decoder
+        consumes them)."""
         try:
             with entry.scope:
                 with (
@@ -1813,8 +1815,7 @@ class Connections:
                 entry.unread -= 1
             else:  # the stream was not over, or the handler failed (RESET)
                 return
-        if not entry.connection.closed:  # a closed socket has no file descriptor to wait on
-            await trio.lowlevel.wait_readable(entry.connection.socket)
+        await entry.connection.receive_frame()  # whatever comes now makes it unusable
 
     async def _dial(self, peer_id: PeerID, address: Address) -> _Connection:
         config = self._config

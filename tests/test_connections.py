@@ -606,6 +606,24 @@ async def test_a_dialer_leaving_before_the_remote_ends_still_pools_the_connectio
         assert a.dialed == 2
 
 
+async def test_a_nudge_after_done_leaves_the_pooled_connection_pooled() -> None:
+    """On a real link the listener's nudge comes behind its DONE as a segment
+    of its own, after the dialer pooled the connection: the pool consumes it
+    and keeps the connection, which the next stream reuses."""
+    async with two_peers(PLAIN, PLAIN) as (a, b):
+        b.set_handler("echo", echo)
+        assert await a.call(B.peer_id, address(b), "echo", 1, timeout=5) == 1
+        await trio.testing.wait_all_tasks_blocked()
+        [entry] = a._pool[B.peer_id]
+        assert entry.ready
+        [listener_side] = b._connections
+        await listener_side._send_gathered([listener_side._encoder.nudge()])
+        await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+        assert a._pool[B.peer_id] == [entry] and not entry.connection.closed
+        assert await a.call(B.peer_id, address(b), "echo", 2, timeout=5) == 2
+        assert a.dialed == 1
+
+
 async def test_messages_a_dialer_left_unread_are_discarded_by_the_pool() -> None:
     """A dialer that knows what the remote's last message will say leaves
     without it (``leave_unread``): the pooled connection discards that many
