@@ -39,7 +39,7 @@ whose session keys came from the signed handshake (``_handshake``; a private
 swarm's key is mixed into them). Each direction's datagram key is exported
 from that session with a label holding the kind, the group id and the random
 ``round``, so a key is never used in two rounds or two directions, and the
-sequence number never repeats under one key: the nonce never repeats.
+index never repeats under one key: the nonce never repeats.
 
 What a receiver (``DatagramOpener``) drops, without averaging anything of it
 in and without raising, counting each reason (``dropped``):
@@ -363,7 +363,7 @@ class ControlOpener:
         self._aead = AESGCM(key)
         self.pair = pair
         self._route = pair.prefix()[2:]
-        self._opened: dict[int, bytes] = {}  # by sequence number
+        self._opened: dict[int, bytes] = {}  # by message number
         self.dropped: Counter[str] = Counter()
         self.copies = 0
 
