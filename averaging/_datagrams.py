@@ -223,14 +223,19 @@ class DatagramSealer:
         """
         if not 0 <= piece < self._num_pieces:
             raise ValueError(f"piece {piece} of a part of {self.pair.part_size}")
-        if len(data) != 4 * min(PIECE_ELEMENTS, self.pair.part_size - piece * PIECE_ELEMENTS):
+        start, end = self.pair.piece_bounds(piece)
+        if len(data) != 4 * (end - start):
             raise ValueError(f"piece {piece} of a part of {self.pair.part_size}: {len(data)} bytes")
         if self._sealed[piece]:
             raise ValueError(f"piece {piece} was sealed before: its nonce would repeat")
         self._sealed[piece] = 1
         self.sealed += 1
         header = self._prefix + _INDEX.pack(piece)
-        return header + self._aead.encrypt(piece.to_bytes(12, "little"), data, header)
+        return header + self._aead.encrypt(_nonce(piece), data, header)
+
+
+def _nonce(index: int) -> bytes:
+    return index.to_bytes(12, "little")
 
 
 def peek_route(datagram: bytes) -> tuple[int, int, int] | None:
@@ -270,10 +275,9 @@ class DatagramOpener:
         # comparison instead of unpacking and comparing five fields.
         self._route = pair.prefix()[2:]
         self._num_pieces = pair.num_pieces
-        # the size of a full piece's datagram, and of the last piece's
-        self._full_size = _MIN_DATAGRAM + 4 * PIECE_ELEMENTS
-        last_piece = pair.part_size - PIECE_ELEMENTS * (self._num_pieces - 1)
-        self._last_size = _MIN_DATAGRAM + 4 * last_piece
+        # the size of the last piece's datagram (the others' is FULL_DATAGRAM)
+        start, end = pair.piece_bounds(self._num_pieces - 1)
+        self._last_size = _MIN_DATAGRAM + 4 * (end - start)
         self._zeros = np.zeros(PIECE_ELEMENTS, dtype=np.float32)
         self.received = 0  # pieces accepted
         self.dropped: Counter[str] = Counter()
@@ -293,16 +297,14 @@ class DatagramOpener:
             return self._drop(refused)
         (piece,) = _INDEX.unpack_from(data, _HEADER_HEAD.size)
         if piece >= self._num_pieces or len(data) != (
-            self._full_size if piece < self._num_pieces - 1 else self._last_size
+            FULL_DATAGRAM if piece < self._num_pieces - 1 else self._last_size
         ):
             return self._drop("misplaced")
         if self._have[piece]:
             return self._drop("replayed")
         view = memoryview(data)  # slices of a memoryview copy nothing
         try:
-            plain = self._aead.decrypt(
-                piece.to_bytes(12, "little"), view[HEADER.size :], view[: HEADER.size]
-            )
+            plain = self._aead.decrypt(_nonce(piece), view[HEADER.size :], view[: HEADER.size])
         except InvalidTag:
             return self._drop("forged")
         values = np.frombuffer(plain, dtype="<f4")
@@ -347,7 +349,7 @@ class ControlSealer:
         if seq > _MAX_INDEX:
             raise OverflowError("2**32 datagrams under one key")
         header = self._prefix + _INDEX.pack(seq)
-        sealed = self._aead.encrypt(seq.to_bytes(12, "little"), data, header)
+        sealed = self._aead.encrypt(_nonce(seq), data, header)
         self.seq = seq + 1
         return header + sealed
 
@@ -380,9 +382,7 @@ class ControlOpener:
                 return None
             return self._drop("replayed")
         try:
-            plain = self._aead.decrypt(
-                seq.to_bytes(12, "little"), data[HEADER.size :], data[: HEADER.size]
-            )
+            plain = self._aead.decrypt(_nonce(seq), data[HEADER.size :], data[: HEADER.size])
         except InvalidTag:
             return self._drop("forged")
         self._opened[seq] = data

@@ -617,8 +617,11 @@ async def test_a_nudge_after_done_leaves_the_pooled_connection_pooled() -> None:
         [entry] = a._pool[B.peer_id]
         assert entry.ready
         [listener_side] = b._connections
+        frames_opened = entry.connection._decoder._counter
         await listener_side._send_gathered([listener_side._encoder.nudge()])
-        await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+        with trio.fail_after(5):  # until the pool consumed the nudge, or dropped the connection
+            while not entry.done.is_set() and entry.connection._decoder._counter == frames_opened:
+                await trio.testing.wait_all_tasks_blocked()
         assert a._pool[B.peer_id] == [entry] and not entry.connection.closed
         assert await a.call(B.peer_id, address(b), "echo", 2, timeout=5) == 2
         assert a.dialed == 1
