@@ -6,6 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -116,3 +117,43 @@ def test_the_allreduce_share_counts_the_rounds_between_the_first_and_last_step(
     assert bench.rate(steps) == 1.0  # 2 epochs in 2 s
     # the round that ended before the first step is not counted
     assert bench.allreduce_share(log, steps) == 0.5
+
+
+def _set(
+    base_rate: float, lossy_rate: float, base_accuracy: float, lossy_accuracy: float
+) -> list[dict[str, Any]]:
+    """One set's rows, as ``run`` returns them: the lossless TCP baseline and
+    the lossy plane at 10% loss."""
+
+    def row(loss: float, plane: str, rate: float, accuracy: float) -> dict[str, Any]:
+        return {"loss": loss, "plane": plane, "metric": "accuracy", "value": accuracy,
+                "steps_per_s": rate}  # fmt: skip
+
+    return [
+        row(0.0, "tcp", base_rate, base_accuracy),
+        row(0.1, "lossy", lossy_rate, lossy_accuracy),
+    ]
+
+
+def test_the_targets_are_judged_on_the_medians_of_paired_sets() -> None:
+    """Each lossy run is compared with its own set's baseline, and the targets
+    with the median of those comparisons: a slow set's baseline does not make
+    another set's lossy run look fast or slow, and one set far off (the
+    second's accuracy) decides nothing."""
+    sets = [
+        _set(10.0, 7.0, 0.93, 0.925),  # 70%, -0.5 points
+        _set(6.0, 5.4, 0.91, 0.88),  # 90%, -3.0 points
+        _set(8.0, 6.8, 0.92, 0.917),  # 85%, -0.3 points
+    ]
+    pairs = bench.paired(sets, 0.1)
+    assert [round(share, 3) for _, share, _ in pairs] == [0.7, 0.9, 0.85]
+    assert [ok for _, _, ok in pairs] == [True, False, True]
+    difference, share, metric_ok, speed_ok = bench.judge(sets, 0.1)
+    assert round(difference, 4) == -0.005 and metric_ok
+    assert round(share, 3) == 0.85 and speed_ok
+    # two sets of three under 80%: missed, whatever the third
+    difference, share, metric_ok, speed_ok = bench.judge(
+        [sets[0], _set(9.0, 6.9, 0.92, 0.90), sets[2]], 0.1
+    )
+    assert round(share, 3) == 0.767 and not speed_ok
+    assert round(difference, 4) == -0.005 and metric_ok
