@@ -303,7 +303,7 @@ def main() -> None:
         [run(args, loss, plane == "lossy", repeat) for loss in losses for plane in planes]
         for repeat in range(args.repeats)
     ]
-    metric = next(m for m in METRICS if m.name == sets[0][0]["metric"])
+    metric = set_metric(sets[0])
     print(
         f"{args.task}, 4 peers on {args.link_rate} links, {args.epochs} global steps;"
         f" TCP congestion control {congestion}; baseline: lossless TCP run;"
@@ -324,6 +324,11 @@ def main() -> None:
 def baseline(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The lossless TCP run of a set."""
     return next(r for r in rows if r["loss"] == 0 and r["plane"] == "tcp")
+
+
+def set_metric(rows: list[dict[str, Any]]) -> Metric:
+    """The metric a set's runs are judged by: its baseline's."""
+    return next(m for m in METRICS if m.name == baseline(rows)["metric"])
 
 
 def print_rows(rows: list[dict[str, Any]], metric: Metric) -> None:
@@ -348,8 +353,7 @@ def paired(sets: list[list[dict[str, Any]]], loss: float) -> list[tuple[float, f
     whether its metric is within the target (``Metric.within``)."""
     pairs = []
     for rows in sets:
-        base = baseline(rows)
-        metric = next(m for m in METRICS if m.name == base["metric"])
+        base, metric = baseline(rows), set_metric(rows)
         lossy = next(r for r in rows if r["loss"] == loss and r["plane"] == "lossy")
         share = lossy["steps_per_s"] / max(base["steps_per_s"], 1e-9)
         pairs.append(
@@ -387,7 +391,7 @@ def judge(sets: list[list[dict[str, Any]]], loss: float) -> tuple[float, float, 
     difference = statistics.median(d for d, _, _ in pairs)
     share = statistics.median(s for _, s, _ in pairs)
     base = statistics.median(baseline(rows)["value"] for rows in sets)
-    metric = next(m for m in METRICS if m.name == baseline(sets[0])["metric"])
+    metric = set_metric(sets[0])
     return difference, share, metric.within(base + difference, base), share >= 0.8
 
 
