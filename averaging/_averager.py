@@ -372,6 +372,7 @@ class Averager:
         weight: float = 1.0,
         *,
         tensors: Sequence[torch.Tensor] | None = None,
+        riding: Sequence[torch.Tensor] = (),
     ) -> StepResult:
         """All-reduce the tensors with ``group`` (from ``find_group``), in place,
         and move to the next round's grid cell. Returns within the all-reduce's
@@ -380,7 +381,10 @@ class Averager:
         ``tensors`` replaces the averager's own for this round (as many
         values; ``ConfigError`` if not): e.g. scratch zeros of a peer that
         joins with weight 0 while its own tensors are in use. The group sees
-        no difference.
+        no difference. ``riding``: more tensors averaged in the same
+        all-reduce, after those (e.g. parameters re-synchronised with a
+        lossy run's gradients, ``trainer._drift``); every member must pass
+        as many values.
         """
         if tensors is None:
             tensors = self.tensors
@@ -388,7 +392,7 @@ class Averager:
             size, ours = sum(t.numel() for t in tensors), sum(t.numel() for t in self.tensors)
             if size != ours:
                 raise ConfigError(f"tensors hold {size} values, the averager's {ours}")
-        return await self._all_reduce(group, group, tensors, weight, last=True)
+        return await self._all_reduce(group, group, [*tensors, *riding], weight, last=True)
 
     async def average_with(
         self,

@@ -9,10 +9,8 @@ moves the members' parameters apart a little, at random, and with nothing
 pulling them together (a flat direction of the loss) the gap grows like a
 random walk: without bound (Weintraub, Banner, Orda 2025, sec. on parameter
 drift). The paper bounds it by re-broadcasting parameters periodically over
-the same lossy network; we re-synchronise by averaging parameters and
-optimizer state, which the trainer already does every
-``state_averaging_interval`` epochs, over the lossy plane too, and choose the
-period from the measured loss:
+the same lossy network; we re-synchronise by averaging them over the lossy
+plane too, and choose the period from the measured loss:
 
     interval = the longest I on the ladder of state_averaging_interval
                with I <= DRIFT_BUDGET / loss (or 1)
@@ -31,6 +29,24 @@ reducer and measured 14-17% at 10% packet loss with four members, putting
 every run on a re-synchronisation per epoch). Between two
 re-synchronisations each element then differs by about ``DRIFT_BUDGET`` of one
 member's contribution in expectation, whatever the loss rate.
+
+What a re-synchronisation carries. Only the parameters (and floating-point
+buffers, such as BatchNorm's running statistics) integrate the differences
+step after step. The optimizer's moments are moving averages of the
+gradients each member applied (Adam's m and v, SGD's momentum): their gap is
+a moving average of the gradients' gaps, which contracts by the decay rate
+every step and stays bounded by itself. So a re-synchronisation averages the
+parameters and buffers in the gradient round itself, appended to the
+gradients (they "ride": one all-reduce of up to twice the gradient's bytes,
+no matchmaking or state round of their own; ``_riding`` in the optimizer),
+and the whole state (the moments too) is averaged in a state round only
+every ``state_averaging_interval`` epochs, as over TCP. The ride is the
+parameters before the step: each member then steps from the group's
+average with the gradients it got back. Parameters too large for one
+staging chunk (``state_chunk_elements``) do not ride; those runs
+re-synchronise the whole state in state rounds, as before. On the bed
+(docs/lossy-plane.md, twenty-first pass), a state round of a 328k-parameter
+language model with AdamW took 3-4 s at 20 Mbit/s, three steps' time.
 
 What a lossy re-synchronisation leaves. Per element, every member that got
 the reduced value back holds the very same value (the reducer's weighted mean

@@ -213,10 +213,12 @@ class CollaborativeConfig:
     #: a compute budget per global step (see ``DropCompute``); None: off
     drop_compute: DropCompute | None = None
     #: average gradients over the lossy data plane (``AllReduceConfig.lossy``):
-    #: for lossy or long links. Parameters and optimizer state are then
-    #: re-synchronised over the lossy data plane too, at a period chosen from the
-    #: measured loss, at most ``state_averaging_interval`` (``_drift``). Dense
-    #: gradients only. A run setting every peer must share (``swarm train --lossy``).
+    #: for lossy or long links. Parameters are then re-synchronised at a period
+    #: chosen from the measured loss (``_drift``): in the gradient round itself
+    #: (they ride with the gradients), and with the optimizer state in a state
+    #: round over the lossy data plane every ``state_averaging_interval`` epochs.
+    #: Dense gradients only. A run setting every peer must share (``swarm train
+    #: --lossy``), as are ``state_averaging_interval`` and ``state_chunk_elements``.
     lossy: bool = False
     #: keep float32 master copies of the parameters and the inner optimizer's
     #: state in host memory and step there, once per global step (``_offload``):
@@ -504,6 +506,12 @@ class AsyncCollaborativeOptimizer:
         self._resync = (
             ResyncSchedule(self.config.state_averaging_interval) if self.config.lossy else None
         )
+        #: the host copy of the parameters and buffers that ride with a lossy
+        #: run's gradients when they re-synchronise (``_riding``)
+        self._riding_staging: ChunkedStaging | None = None
+        #: the epoch whose re-synchronisation rode with its gradient round,
+        #: and the staging that holds the averaged values until ``_apply``
+        self._rode: tuple[int, ChunkedStaging] | None = None
         self._closed = False
         self._started = False
         #: the peer stopped under this open optimizer (its services ended)
@@ -1327,9 +1335,48 @@ class AsyncCollaborativeOptimizer:
         return 1 if reading is None else max(1, reading.swarm.num_peers)
 
     async def _average_in_group(self, group: Group, weight: float) -> StepResult:
-        """The all-reduce itself, as the mode does it (see ``Strategy.average``)."""
-        host = self._staging.host
-        return await self._strategy.average(self._grad_averager, group, host, weight, self.epoch)
+        """The all-reduce itself, as the mode does it (see ``Strategy.average``),
+        with the parameters riding along where the group re-synchronises
+        (``_riding``): ``_apply`` puts their average in place before the step."""
+        host, epoch = self._staging.host, self.epoch
+        riding = self._riding(group, epoch)
+        if riding is None:
+            return await self._strategy.average(self._grad_averager, group, host, weight, epoch)
+        params = await self._locked(riding.to_host, 0)
+        result = await self._strategy.average(
+            self._grad_averager, group, host, weight, epoch, riding=params
+        )
+        self._rode = (epoch + 1, riding)
+        return result
+
+    def _riding(self, group: Group, epoch: int) -> ChunkedStaging | None:
+        """Where a lossy run's group re-synchronises after the gradient round
+        of ``epoch`` (the leader's ``Group.resync``) at an epoch that is not a
+        multiple of ``state_averaging_interval``, the staging of the
+        parameters and floating-point buffers, which then ride with the
+        gradients in one all-reduce instead of a state round of their own
+        (``trainer._drift``: what drifts apart like a random walk; the
+        optimizer's moments are averaged at the multiples, as over TCP). None
+        where they do not ride: no re-synchronisation, one at a multiple (the
+        whole state's round), or parameters that do not fit one staging chunk
+        (``state_chunk_elements``; they go in a state round of chunks).
+        Every member decides alike: from the group, the epoch, the model's
+        shapes and run settings they share."""
+        if self._resync is None or group.resync is not True:
+            return None
+        if (epoch + 1) % self.config.state_averaging_interval == 0:
+            return None
+        tensors = self._drifting_tensors()
+        staging = self._riding_staging
+        if staging is None or not _same_tensors(staging.tensors, tensors):
+            staging = ChunkedStaging(tensors, self.config.state_chunk_elements)
+            self._riding_staging = staging
+        return staging if len(staging) == 1 else None
+
+    def _riding_elements(self, group: Group, epoch: int) -> int:
+        """How many values ride with ``epoch``'s gradient round (``_riding``)."""
+        riding = self._riding(group, epoch)
+        return 0 if riding is None else sum(t.numel() for t in riding.chunks[0])
 
     async def _refresh_now(self, now: float, *, force: bool = False) -> bool:
         """Near the target, publish and read right away instead of waiting for
@@ -1522,6 +1569,11 @@ class AsyncCollaborativeOptimizer:
         tensors for a step alone on the device) and end the epoch; returns
         what ``grad_hook`` returned."""
         strategy = self._strategy
+        rode = self._rode
+        if rode is not None and rode[0] == self.epoch + 1:
+            # the group's average of the parameters this step began from:
+            # the step moves on from there
+            rode[1].from_host(0)
         on_device = host is strategy.averaged
         hook_result = strategy.apply(host, _nothing if on_device else self._staging.from_host)
         self._samples = 0
@@ -1610,7 +1662,9 @@ class AsyncCollaborativeOptimizer:
         return self._resync.due(self.epoch)
 
     async def _after_global_step(self, alone: bool) -> None:
-        if self._resync_due() and not alone:
+        due = self._resync_due()
+        rode = self._rode is not None and self._rode[0] == self.epoch
+        if due and not alone and not rode:
             # the peers that just averaged gradients together are the ones to
             # expect: the round closes as soon as they are in (in lossy mode
             # the members: few have their data in *every* piece of a result)
@@ -1666,7 +1720,8 @@ class AsyncCollaborativeOptimizer:
         if result is not None and result.group is None:
             log.info("epoch %d: %s; applying local gradients", self.epoch, result.reason)
         elif result is not None:
-            _log_average(self.epoch, "gradients", result)
+            rode = self._rode is not None and self._rode[0] == self.epoch + 1
+            _log_average(self.epoch, "gradients and parameters" if rode else "gradients", result)
         return result
 
     def _step_scheduler(self) -> None:
@@ -1698,9 +1753,16 @@ class AsyncCollaborativeOptimizer:
                 if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim():
                     tensors.append(value)
         tensors += self._strategy.state_tensors()
+        return tensors + self._floating_buffers()
+
+    def _drifting_tensors(self) -> list[torch.Tensor]:
+        """What drifts apart like a random walk under lost pieces: the
+        parameters and the floating-point buffers (``_riding``)."""
+        return [p.data for p in self._trained] + self._floating_buffers()
+
+    def _floating_buffers(self) -> list[torch.Tensor]:
         # running statistics drift apart like parameters (integer counters stay)
-        tensors += [b for b in self.buffers.values() if b.is_floating_point()]
-        return tensors
+        return [b for b in self.buffers.values() if b.is_floating_point()]
 
     async def _average_state(self, expected: int) -> None:
         """Average parameters, optimizer state and buffers so Moshpit groups do
@@ -1818,7 +1880,8 @@ class AsyncCollaborativeOptimizer:
             task_status.started()
             try:
                 with trio.move_on_after(self.config.averaging_timeout):
-                    result = await strategy.join_without_data(averager, group)
+                    riding = self._riding_elements(group, epoch)
+                    result = await strategy.join_without_data(averager, group, riding)
                     if result is None:  # this mode cannot join without data: left
                         log.debug("epoch %d: left the group formed ahead to catch up", epoch)
                     else:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from averaging import Averager, AveragerConfig, Group, StepResult, float32_accumulators
+from swarm import ConfigError
 
 from ._amp import zero_unless
 from ._diloco import OuterLoop
@@ -115,18 +116,31 @@ class Strategy(ABC):
 
     @abstractmethod
     async def average(
-        self, averager: Averager, group: Group, host: list[torch.Tensor], weight: float, epoch: int
+        self,
+        averager: Averager,
+        group: Group,
+        host: list[torch.Tensor],
+        weight: float,
+        epoch: int,
+        riding: list[torch.Tensor] | None = None,
     ) -> StepResult:
-        """On the trio thread: average ``host`` with ``group`` (in place)."""
+        """On the trio thread: average ``host`` with ``group`` (in place).
+        ``riding``: host tensors averaged in the same all-reduce, after
+        ``host`` (a lossy run's parameters, ``trainer._drift``); only
+        ``DenseGradients`` takes them (``ConfigError`` from the others)."""
 
-    async def join_without_data(self, averager: Averager, group: Group) -> StepResult | None:
+    async def join_without_data(
+        self, averager: Averager, group: Group, riding: int = 0
+    ) -> StepResult | None:
         """On the trio thread: take part in ``group``'s round with weight 0, for
         a peer that must catch up instead: it contributes nothing, the average
         lands in scratch tensors (``host`` is left alone), and its group-mates
-        lose no member and wait for nobody. None if this mode's round cannot be
-        joined so (then the caller leaves the group)."""
+        lose no member and wait for nobody. ``riding``: how many more values
+        the group's members average in the round (``average``). None if this
+        mode's round cannot be joined so (then the caller leaves the group)."""
         scratch = [torch.zeros_like(t) for t in averager.tensors]
-        return await averager.average(group, 0.0, tensors=scratch)
+        extra = [torch.zeros(riding)] if riding else []
+        return await averager.average(group, 0.0, tensors=scratch, riding=extra)
 
     @abstractmethod
     def apply(self, host: list[torch.Tensor], write_back: Callable[[], None]) -> object:
@@ -225,9 +239,15 @@ class DenseGradients(Strategy):
             torch._foreach_div_(self.grads, float(max(1, samples)))
 
     async def average(
-        self, averager: Averager, group: Group, host: list[torch.Tensor], weight: float, epoch: int
+        self,
+        averager: Averager,
+        group: Group,
+        host: list[torch.Tensor],
+        weight: float,
+        epoch: int,
+        riding: list[torch.Tensor] | None = None,
     ) -> StepResult:
-        return await averager.average(group, weight)
+        return await averager.average(group, weight, riding=riding or ())
 
     def apply(self, host: list[torch.Tensor], write_back: Callable[[], None]) -> object:
         write_back()
@@ -291,14 +311,23 @@ class CompressedGradients(DenseGradients):
     def steps_alone_on_device(self) -> bool:
         return False  # EF21M's estimate is kept, and updated, on the host
 
-    async def join_without_data(self, averager: Averager, group: Group) -> StepResult | None:
+    async def join_without_data(
+        self, averager: Averager, group: Group, riding: int = 0
+    ) -> StepResult | None:
         # ARC-Top-K's sub-rounds select rows from every member's data: a member
         # without data cannot take part in them truthfully
         return None
 
     async def average(
-        self, averager: Averager, group: Group, host: list[torch.Tensor], weight: float, epoch: int
+        self,
+        averager: Averager,
+        group: Group,
+        host: list[torch.Tensor],
+        weight: float,
+        epoch: int,
+        riding: list[torch.Tensor] | None = None,
     ) -> StepResult:
+        _refuse_riding(riding, "gradient_compression")
         if self.ef21m.config.compresses(epoch):
             return await self.ef21m.average(averager, group, host, weight, epoch)
         return await self.ef21m.average_dense(averager, group, host, weight)
@@ -356,8 +385,15 @@ class LocalSGD(Strategy):
         self.outer.compute_pseudo_gradients()
 
     async def average(
-        self, averager: Averager, group: Group, host: list[torch.Tensor], weight: float, epoch: int
+        self,
+        averager: Averager,
+        group: Group,
+        host: list[torch.Tensor],
+        weight: float,
+        epoch: int,
+        riding: list[torch.Tensor] | None = None,
     ) -> StepResult:
+        _refuse_riding(riding, "diloco")
         return await averager.average(group, weight)
 
     def apply(self, host: list[torch.Tensor], write_back: Callable[[], None]) -> object:
@@ -393,3 +429,10 @@ class LocalSGD(Strategy):
 
     def adopt(self, state: dict[str, Any]) -> None:
         self.outer.load_state_dict(state["diloco"])
+
+
+def _refuse_riding(riding: list[torch.Tensor] | None, mode: str) -> None:
+    """Only dense gradients carry other tensors in their round (the lossy
+    plane's re-synchronisations, which no other mode runs)."""
+    if riding:
+        raise ConfigError(f"{mode} averages its own tensors only: nothing rides with them")
