@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -71,16 +72,20 @@ async def test_tensor_work_never_runs_on_the_trio_thread(
         assert trio_thread not in idents, kind
 
 
+@pytest.mark.parametrize("lossy", [False, True], ids=["tcp", "lossy-riding"])
 async def test_a_peer_that_catches_up_joins_its_formed_group_with_weight_0(
-    clock: trio.testing.MockClock,
+    clock: trio.testing.MockClock, lossy: bool
 ) -> None:
     """Two peers found their epoch's group ahead of the step; one must catch up
     instead of averaging. It takes part in the round with weight 0: the other's
     round completes without waiting out a sender timeout, with the catching-up
-    peer a member but not a contributor, and its own accumulators untouched."""
+    peer a member but not a contributor, and its own accumulators untouched.
+    In a lossy run whose group re-synchronises, the weight-0 member brings
+    as many values as the parameters that ride with the gradients."""
     torch.manual_seed(0)
     task = load_task("digits")
     batches = task.batches(0, 32)
+    config = replace(FAST, lossy=True, state_averaging_interval=4) if lossy else FAST
     async with open_peers(2, seed=7, clock=trio_wall_clock) as peers:
         a_peer, b_peer = peers.alive
         models = [task.build(seed=0) for _ in range(2)]
@@ -88,12 +93,12 @@ async def test_a_peer_that_catches_up_joins_its_formed_group_with_weight_0(
             AsyncCollaborativeOptimizer.open(
                 a_peer, run_id="weight-0", params=models[0][0].parameters(),
                 optimizer=models[0][1], target_batch_size=10_000,
-                batch_size_per_step=32, config=FAST,
+                batch_size_per_step=32, config=config,
             ) as a,
             AsyncCollaborativeOptimizer.open(
                 b_peer, run_id="weight-0", params=models[1][0].parameters(),
                 optimizer=models[1][1], target_batch_size=10_000,
-                batch_size_per_step=32, config=FAST,
+                batch_size_per_step=32, config=config,
             ) as b,
         ):  # fmt: skip
             for opt, (model, _, _) in zip((a, b), models, strict=True):
@@ -101,6 +106,9 @@ async def test_a_peer_that_catches_up_joins_its_formed_group_with_weight_0(
                 loss.backward()
                 assert not await opt.step(size)  # far from the target: accumulated
                 opt.zero_grad()
+                if lossy:  # as measured on a lossy link: a re-synchronisation per epoch
+                    assert opt._resync is not None
+                    opt._resync.loss = 1.0
             b_before = [t.clone() for t in b._staging.host]
             await a._begin_matchmaking(0, 2)
             await b._begin_matchmaking(0, 2)
@@ -115,6 +123,9 @@ async def test_a_peer_that_catches_up_joins_its_formed_group_with_weight_0(
             assert result.group is not None
             assert set(result.members) == {a_peer.peer_id, b_peer.peer_id}
             assert result.contributors == {a_peer.peer_id}
+            assert result.group.resync is (True if lossy else None)
+            # the parameters rode with the gradients (epoch 1 is no multiple of 4)
+            assert (a._rode is not None and a._rode[0] == 1) is lossy
             joining = b._joining
             if joining is not None:
                 await joining.wait()

@@ -166,3 +166,20 @@ def test_every_mode_keeps_the_declared_upload_rate_and_its_pacing() -> None:
         config = strategy.averager_config(run)
         assert config.upload_rate == 2.5e6
         assert config.allreduce.upload_pacing == run.allreduce.upload_pacing
+
+
+async def test_only_dense_gradients_carry_riding_tensors() -> None:
+    """Only the dense mode's round carries other tensors (a lossy run's
+    parameters, ``trainer._drift``); the others refuse before any network."""
+    from swarm import ConfigError
+    from trainer import ArcTopK, CompressedGradients
+    from trainer._ef21m import EF21M
+
+    trainee = _trainee()
+    riding = [torch.zeros(7)]
+    for strategy in (
+        LocalSGD(trainee, OuterLoop(trainee.params, DiLoCo(local_steps=3))),
+        CompressedGradients(trainee, EF21M(trainee.params, ArcTopK())),
+    ):
+        with pytest.raises(ConfigError, match="nothing rides"):
+            await strategy.average(None, None, [], 1.0, 0, riding=riding)  # type: ignore[arg-type]
