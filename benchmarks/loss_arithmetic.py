@@ -3,7 +3,7 @@
     python benchmarks/loss_arithmetic.py [--task digits|FILE.py:FACTORY] [--loss 0.1]
                                          [--steps 80] [--seeds 3] [--peers 4]
                                          [--batch-size 8] [--resync 10]
-                                         [--lose contributions,results]
+                                         [--lose contributions,results] [--parity K]
 
 ``benchmarks/loss.py`` trains on emulated links, where timing, CPU and the
 control plane move one run's metric by several percent from run to run.
@@ -26,10 +26,12 @@ steps the parameters and the optimizer's floating-point state are averaged
 the same way (the state rounds). Both runs of a seed start from the same
 weights and read the same batches; losses are drawn from one seeded
 generator. ``--lose`` limits the loss to the contributions or the results,
-to tell their costs apart. Reported per seed and as means: the task's
-metric after the last step (accuracy where it reports one, the lowest of
-the peers; else perplexity or loss, the highest), exact and lossy, and the
-difference.
+to tell their costs apart. ``--parity K`` is a what-if the plane does not
+do: a parity datagram after every K pieces of a result (lost like any),
+from which a peer rebuilds the one piece of the K it lacks, if only one.
+Reported per seed and as means: the task's metric after the last step
+(accuracy where it reports one, the lowest of the peers; else perplexity or
+loss, the highest), exact and lossy, and the difference.
 """
 
 from __future__ import annotations
@@ -63,11 +65,15 @@ def lossy_mean(
     *,
     lose_contributions: bool = True,
     lose_results: bool = True,
+    parity: int = 0,
 ) -> list[torch.Tensor]:
     """What each peer holds after a lossy round of ``vectors`` (one per peer,
     equal weights): part j reduced by peer j over the pieces that reached it,
     each piece of it back at peer m (m != j) unless lost, where peer m keeps
-    its own values. ``loss`` 0 gives every peer the exact mean."""
+    its own values. ``loss`` 0 gives every peer the exact mean. ``parity``
+    (a what-if: the plane sends none): one more datagram per ``parity``
+    pieces of a result, lost like the others, from which a peer rebuilds
+    the one piece of those it lacks, if it lacks only one."""
     n, total = len(vectors), vectors[0].numel()
     bounds = [total * j // n for j in range(n + 1)]
     held = [v.clone() for v in vectors]
@@ -91,6 +97,8 @@ def lossy_mean(
                 held[member][a:b] = result
                 continue
             back = _arrivals(pieces, loss if lose_results else 0.0, generator)
+            if parity:
+                back = _repaired(back, parity, loss if lose_results else 0.0, generator)
             back = back.repeat_interleave(PIECE_ELEMENTS)[: b - a]
             held[member][a:b] = torch.where(back, result, vectors[member][a:b])
     return held
@@ -98,6 +106,21 @@ def lossy_mean(
 
 def _arrivals(pieces: int, loss: float, generator: torch.Generator) -> torch.Tensor:
     return torch.rand(pieces, generator=generator) >= loss
+
+
+def _repaired(
+    arrived: torch.Tensor, k: int, loss: float, generator: torch.Generator
+) -> torch.Tensor:
+    """``arrived`` with each group of ``k`` pieces made whole where one piece
+    of it was lost and the group's parity datagram (lost like any) arrived."""
+    groups = -(-arrived.numel() // k)
+    parity = _arrivals(groups, loss, generator)
+    padded = torch.ones(groups * k, dtype=torch.bool)
+    padded[: arrived.numel()] = arrived
+    padded = padded.view(groups, k)
+    whole = (padded.sum(dim=1) == k - 1) & parity
+    padded[whole] = True
+    return padded.flatten()[: arrived.numel()]
 
 
 class _Peer:
@@ -149,6 +172,7 @@ def train(args: argparse.Namespace, task: Task[Any], seed: int, *, lossy: bool) 
             generator,
             lose_contributions="contributions" in args.lose,
             lose_results="results" in args.lose,
+            parity=args.parity,
         )
 
     for step in range(args.steps):
@@ -183,12 +207,19 @@ def main() -> None:
     parser.add_argument(
         "--lose", default="contributions,results", help="what may be lost (comma-separated)"
     )
+    parser.add_argument(
+        "--parity",
+        type=int,
+        default=0,
+        help="what if a parity datagram followed every K pieces of a result (0: none, as the"
+        " plane sends)",
+    )
     args = parser.parse_args()
     lose = set(args.lose.split(","))
     if not 0 <= args.loss < 1 or args.steps < 1 or args.seeds < 1 or args.peers < 2:
         parser.error("need 0 <= --loss < 1, --steps >= 1, --seeds >= 1, --peers >= 2")
-    if args.resync < 0 or not lose <= {"contributions", "results"}:
-        parser.error("need --resync >= 0 and --lose from contributions,results")
+    if args.resync < 0 or args.parity < 0 or not lose <= {"contributions", "results"}:
+        parser.error("need --resync >= 0, --parity >= 0 and --lose from contributions,results")
     args.lose = lose
     torch.set_num_threads(1)
     task = load_task(args.task)
@@ -198,7 +229,9 @@ def main() -> None:
     print(
         f"{task.name}: {args.peers} peers, batches of {args.batch_size}, {args.steps} steps,"
         f" re-synchronised every {args.resync or 'never'}; lossy: {args.loss:.0%} of"
-        f" {' and '.join(sorted(lose))} lost; {name}: the {worst.__name__} over the peers"
+        f" {' and '.join(sorted(lose))} lost"
+        + (f", a parity datagram per {args.parity} result pieces" if args.parity else "")
+        + f"; {name}: the {worst.__name__} over the peers"
     )
     exact_runs, lossy_runs = [], []
     for seed in range(args.seeds):

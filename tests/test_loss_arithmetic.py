@@ -76,3 +76,15 @@ def test_a_lost_result_leaves_a_peer_its_own_values() -> None:
         assert torch.allclose(held[peer][a:b], mean[a:b], atol=1e-6)
         assert torch.equal(held[peer][:a], vectors[peer][:a])
         assert torch.equal(held[peer][b:], vectors[peer][b:])
+
+
+def test_a_parity_datagram_rebuilds_one_lost_piece_of_its_group_never_two() -> None:
+    arrived = torch.tensor([1, 0, 1, 1, 0, 0, 1, 1, 1, 1, 0], dtype=torch.bool)
+    # parity never lost: the first group of 4 is whole again, the second
+    # (two lost) is not, the third (3 pieces, one lost) is
+    repaired = bench._repaired(arrived, 4, 0.0, torch.Generator().manual_seed(4))
+    expected = [1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1]
+    assert repaired.tolist() == [bool(x) for x in expected]
+    # every parity datagram lost: nothing is rebuilt
+    lost = bench._repaired(arrived, 4, 0.999999, torch.Generator().manual_seed(5))
+    assert torch.equal(lost, arrived)
