@@ -34,12 +34,15 @@ def test_parameters_ride_with_the_gradients_between_whole_state_rounds(
     caplog.set_level(logging.INFO, logger="averaging")
     config = replace(FAST, state_averaging_interval=4, lossy=True)
     params: dict[int, dict[int, list[torch.Tensor]]] = {}
+    stagings: dict[int, set[int]] = {0: set(), 1: set()}
     lock = threading.Lock()
 
     def recorder(i: int):  # type: ignore[no-untyped-def]
         def on_epoch(opt: CollaborativeOptimizer, report: object) -> None:
-            if whole_group(opt):
-                with lock:
+            with lock:
+                if opt._riding_staging is not None:
+                    stagings[i].add(id(opt._riding_staging))
+                if whole_group(opt):
                     params.setdefault(opt.epoch, {})[i] = [p.detach().clone() for p in opt.params]
 
         return on_epoch
@@ -78,6 +81,8 @@ def test_parameters_ride_with_the_gradients_between_whole_state_rounds(
     state_rounds = [r for r in caplog.records if "averaged parameters" in r.getMessage()]
     assert len(state_rounds) == 2  # epoch 4's, one a peer
 
+    # one host copy of the parameters, built once and reused by every ride
+    assert [len(ids) for ids in stagings.values()] == [1, 1]
     # before epoch 4's state round, only a ride can have made them equal
     both = {e: s for e, s in params.items() if len(s) == 2 and e < 4}
     assert both, "no global step before epoch 4 that both peers averaged whole"

@@ -2035,9 +2035,20 @@ class AsyncCollaborativeOptimizer:
 
 
 def _same_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    """Whether two lists hold the very same tensors (not equal values): the
-    optimizer replaces its state tensors when a state is loaded."""
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+    """Whether two lists view the very same memory alike (not equal values):
+    the optimizer replaces its state tensors when a state is loaded. Not
+    ``is``: ``p.data`` is a new tensor object at every call, so a staging
+    kept by identity was built anew (its host buffer allocated, pinned on a
+    GPU machine) for every state round. The staging holds the tensors it
+    was built from, so their memory cannot be reused by another tensor."""
+    return len(a) == len(b) and all(
+        x.data_ptr() == y.data_ptr()
+        and x.shape == y.shape
+        and x.stride() == y.stride()
+        and x.dtype == y.dtype
+        and x.device == y.device
+        for x, y in zip(a, b, strict=True)
+    )
 
 
 def _log_state_average(epoch: int, results: list[StepResult]) -> None:
