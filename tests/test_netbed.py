@@ -99,7 +99,11 @@ async def test_no_address_but_loopback_is_a_usage_error(tmp_path: Path) -> None:
             assert not any("join with" in line for line in peer.output)
 
 
-EPOCHS = 20
+#: 30, not 20: eleven runs of the plain links at 20 epochs ended at
+#: 0.897-0.939 accuracy (one, in CI, below the 0.9 asserted below); ten
+#: runs at 30 epochs, all three link layouts, at 0.930-0.961
+#: (tests/test_netbed_lossy.py chose 30 for the same reason)
+EPOCHS = 30
 HOME = Link("20mbit", "20mbit")
 #: links, the peer whose link loses 1% of packets each way once all have
 #: joined, and the run's options beyond the common ones (in the join command)
